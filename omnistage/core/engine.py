@@ -1,0 +1,154 @@
+# The stage engine loop (torch-free): one thread owns the scheduler and the runner, so neither needs
+# locks. Other threads talk to it only through `add` / `abort` / `update` (queued into an inbox) and
+# hear back through `emit`, which is called on the engine thread and must not block (the Triton glue
+# puts outputs on a queue drained by its own response thread, since response_sender.send() blocks).
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+from .errors import EngineError, OmniError
+from .scheduler import Scheduler, Sequence
+
+log = logging.getLogger(__name__)
+
+ABORTED = "abort"
+
+
+@dataclass
+class StepResult:
+    seq: Sequence
+    output: Any  # stage-specific output of this step (None: nothing to send)
+    finish_reason: str | None = None  # set when the sequence is done
+
+
+class StageRunner(Protocol):
+    def validate(self, seq: Sequence) -> None: ...  # raises BadRequestError; runs on the caller's thread
+    def is_ready(self, seq: Sequence) -> bool: ...  # can this running sequence take a decode step now?
+    def prefill(self, seqs: list[Sequence]) -> list[StepResult]: ...
+    def decode(self, seqs: list[Sequence]) -> list[StepResult]: ...
+    def release(self, seq: Sequence) -> None: ...  # drop per-sequence device state
+
+
+# emit(request_id, output, finish_reason, error): finish_reason or error set means the stream ends
+Emit = Callable[[str, Any, "str | None", "OmniError | None"], None]
+
+
+class StageEngine:
+    def __init__(self, name: str, runner: StageRunner, scheduler: Scheduler, emit: Emit):
+        self.name = name
+        self.runner = runner
+        self.scheduler = scheduler
+        self.emit = emit
+        self._inbox: list[tuple[str, Any]] = []
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.steps = 0
+        self.last_batch_size = 0
+        self.last_step_seconds = 0.0
+
+    # ---- called from other threads ------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name=f"{self.name}-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def add(self, seq: Sequence) -> None:
+        self.runner.validate(seq)  # bad input fails here, before anything is queued
+        self._post("add", seq)
+
+    def abort(self, request_id: str) -> None:
+        self._post("abort", request_id)
+
+    def update(self, request_id: str, fn: Callable[[Sequence], None]) -> None:
+        """Runs fn(seq) on the engine thread (e.g. append talker text); ignored if the request is gone."""
+        self._post("update", (request_id, fn))
+
+    def stats(self) -> dict:
+        s = self.scheduler
+        return {
+            "slots_in_use": s.slots_in_use,
+            "running": len(s.running),
+            "waiting": len(s.waiting),
+            "steps": self.steps,
+            "last_batch_size": self.last_batch_size,
+            "last_step_ms": round(self.last_step_seconds * 1e3, 3),
+        }
+
+    def _post(self, kind: str, item: Any) -> None:
+        with self._cv:
+            self._inbox.append((kind, item))
+            self._cv.notify()
+
+    # ---- engine thread ------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        idle = False
+        while True:
+            with self._cv:
+                if idle and not self._inbox and not self._stop:
+                    self._cv.wait(timeout=0.5)
+                if self._stop:
+                    break
+                inbox, self._inbox = self._inbox, []
+            for kind, item in inbox:
+                self._apply(kind, item)
+            batch = self.scheduler.schedule(self.runner.is_ready)
+            idle = not batch
+            if batch:
+                self._step(batch.prefills, batch.decodes)
+        for seq in list(self.scheduler.running.values()) + list(self.scheduler.waiting):
+            self._end(seq, None, EngineError(f"[{self.name}] engine stopped"))
+
+    def _apply(self, kind: str, item: Any) -> None:
+        if kind == "add":
+            try:
+                self.scheduler.add(item)
+            except OmniError as e:
+                self.emit(item.request_id, None, None, e)
+        elif kind == "abort":
+            seq = self.scheduler.get(item)
+            if seq is not None:
+                self._end(seq, None, None, ABORTED)
+        elif kind == "update":
+            request_id, fn = item
+            seq = self.scheduler.get(request_id)
+            if seq is not None:
+                fn(seq)
+
+    def _step(self, prefills: list[Sequence], decodes: list[Sequence]) -> None:
+        t0 = time.perf_counter()
+        for phase, seqs in (("prefill", prefills), ("decode", decodes)):
+            if not seqs:
+                continue
+            try:
+                results = getattr(self.runner, phase)(seqs)
+            except Exception as e:  # a failed step fails its sequences, not the engine
+                log.error("[%s] %s failed: %s", self.name, phase, traceback.format_exc())
+                for seq in seqs:
+                    self._end(seq, None, EngineError(f"[{self.name}] {phase} failed: {e}"))
+                continue
+            for r in results:
+                if r.finish_reason is None:
+                    if r.output is not None:
+                        self.emit(r.seq.request_id, r.output, None, None)
+                else:
+                    self._end(r.seq, r.output, None, r.finish_reason)
+        self.steps += 1
+        self.last_batch_size = len(prefills) + len(decodes)
+        self.last_step_seconds = time.perf_counter() - t0
+
+    def _end(self, seq: Sequence, output: Any, error: OmniError | None, finish_reason: str | None = None) -> None:
+        self.scheduler.finish(seq)
+        self.runner.release(seq)
+        self.emit(seq.request_id, output, finish_reason, error)

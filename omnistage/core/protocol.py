@@ -1,0 +1,136 @@
+# Tensor contracts of the four Triton models, defined once. config.pbtxt files are rendered from (and
+# unit-tested against) these specs, and both the Triton glue and the clients take names from here.
+#
+# Float tensors that cross a stage boundary are FP32 on the wire: the models may run in bf16, and
+# bf16 -> fp32 -> bf16 is lossless, while fp32 keeps numpy (CPU) and DLPack (GPU) paths identical.
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+CODE_GROUPS = 16  # codec codebooks per frame (talker codebook 0 + 15 from the code predictor)
+SAMPLE_RATE = 24000  # Code2Wav output rate, mono
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    data_type: str  # Triton config spelling, e.g. "TYPE_FP32"
+    dims: tuple[int, ...]
+    optional: bool = False
+
+
+@dataclass(frozen=True)
+class ModelContract:
+    name: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    decoupled: bool = True
+    # request parameters (Triton `parameters` of a request) the model understands, name -> type name
+    parameters: dict[str, str] = field(default_factory=dict)
+
+    def input(self, name: str) -> TensorSpec:
+        return next(t for t in self.inputs if t.name == name)
+
+    def output(self, name: str) -> TensorSpec:
+        return next(t for t in self.outputs if t.name == name)
+
+
+# ---- sampling parameters shared by thinker and talker requests -------------------------------------------
+SAMPLING_PARAMETERS = {
+    "max_tokens": "int",
+    "min_tokens": "int",
+    "temperature": "float",
+    "top_p": "float",
+    "top_k": "int",
+    "repetition_penalty": "float",
+    "presence_penalty": "float",
+    "frequency_penalty": "float",
+    "seed": "int",
+    "ignore_eos": "bool",
+    "stop_token_ids": "json",  # JSON list of ints
+}
+
+# ---- thinker: multimodal prompt in, text tokens (and the talker's conditioning) out -----------------------
+THINKER = ModelContract(
+    name="thinker",
+    inputs=(
+        TensorSpec("input_ids", "TYPE_INT64", (-1,)),
+        TensorSpec("pixel_values", "TYPE_FP32", (-1, -1), optional=True),  # [patches, C*T*P*P]
+        TensorSpec("image_grid_thw", "TYPE_INT64", (-1, 3), optional=True),  # [images, 3]
+        TensorSpec("input_features", "TYPE_FP32", (-1, -1, -1), optional=True),  # [audios, mels, frames]
+        TensorSpec("feature_attention_mask", "TYPE_INT64", (-1, -1), optional=True),  # [audios, frames]
+    ),
+    outputs=(
+        TensorSpec("token_ids", "TYPE_INT64", (-1,)),  # new reply tokens since the last response
+        TensorSpec("text_rows", "TYPE_FP32", (-1, -1)),  # [n, D_thinker] input embeddings of those tokens (EOS excluded)
+        # first response only, when the talker is wanted: rows of the user turns and six special rows
+        TensorSpec("talker_user_rows", "TYPE_FP32", (-1, -1)),  # [Lu, D]: layer-0 embeds, or accept-layer hidden for mm rows
+        TensorSpec("talker_user_is_mm", "TYPE_BOOL", (-1,)),  # [Lu]
+        TensorSpec("talker_user_ids", "TYPE_INT64", (-1,)),  # [Lu]
+        TensorSpec("talker_special_rows", "TYPE_FP32", (6, -1)),  # im_start, assistant, \n, tts_bos, tts_eos, tts_pad
+        TensorSpec("prompt_tokens", "TYPE_INT64", (1,)),
+        TensorSpec("finish_reason", "TYPE_STRING", (1,)),  # final response: "stop" | "length" | "abort"
+    ),
+    parameters={**SAMPLING_PARAMETERS, "export_talker": "bool"},
+)
+
+# ---- talker: thinker conditioning in (start, then appends), codec frames out -------------------------------
+# One talker stream is driven by several Triton requests sharing `session`:
+#   action=start  : the prompt tensors + the first reply-token rows; streams `codes` until the utterance ends
+#   action=append : more reply-token rows (`text_rows`, may be empty) and `text_end`; answered at once, empty
+#   action=abort  : ends the session's stream with finish_reason "abort"; answered at once, empty
+TALKER = ModelContract(
+    name="talker",
+    inputs=(
+        TensorSpec("text_rows", "TYPE_FP32", (-1, -1), optional=True),
+        TensorSpec("talker_user_rows", "TYPE_FP32", (-1, -1), optional=True),
+        TensorSpec("talker_user_is_mm", "TYPE_BOOL", (-1,), optional=True),
+        TensorSpec("talker_user_ids", "TYPE_INT64", (-1,), optional=True),
+        TensorSpec("talker_special_rows", "TYPE_FP32", (6, -1), optional=True),
+        TensorSpec("image_grid_thw", "TYPE_INT64", (-1, 3), optional=True),
+        TensorSpec("audio_feature_lengths", "TYPE_INT64", (-1,), optional=True),
+    ),
+    outputs=(
+        TensorSpec("codes", "TYPE_INT64", (-1, CODE_GROUPS)),  # [frames, 16] new frames since the last response
+        TensorSpec("finish_reason", "TYPE_STRING", (1,)),
+    ),
+    parameters={
+        "session": "string",
+        "action": "string",
+        "text_end": "bool",
+        "speaker": "string",
+        **SAMPLING_PARAMETERS,  # max_tokens / min_tokens count codec frames here
+    },
+)
+
+# ---- code2wav: one window of frames in (left context + new frames), the new waveform samples out ----------
+CODE2WAV = ModelContract(
+    name="code2wav",
+    inputs=(
+        TensorSpec("codes", "TYPE_INT64", (-1, CODE_GROUPS)),  # [context + new frames, 16]
+        TensorSpec("context_frames", "TYPE_INT64", (1,)),  # leading frames that are context only
+    ),
+    outputs=(TensorSpec("audio", "TYPE_FP32", (-1,)),),  # 24 kHz mono samples that became final
+)
+
+# ---- omni_ensemble: what users call -------------------------------------------------------------------------
+OMNI = ModelContract(
+    name="omni_ensemble",
+    inputs=(TensorSpec("messages", "TYPE_STRING", (1,)),),  # OpenAI-style chat messages, JSON
+    outputs=(
+        TensorSpec("text", "TYPE_STRING", (1,)),  # text delta
+        TensorSpec("token_ids", "TYPE_INT64", (-1,)),  # the delta's token ids
+        TensorSpec("audio", "TYPE_FP32", (-1,)),  # audio chunk, 24 kHz mono float in [-1, 1]
+        TensorSpec("finish_reason", "TYPE_STRING", (1,)),  # final response
+        TensorSpec("usage", "TYPE_STRING", (1,)),  # final response: JSON usage
+    ),
+    parameters={
+        "modalities": "string",  # "text", "audio" or "text,audio" (default)
+        "speaker": "string",
+        **SAMPLING_PARAMETERS,
+        # per-stage overrides, vLLM-Omni's sampling_params_list flattened: talker_<name>
+        **{f"talker_{k}": v for k, v in SAMPLING_PARAMETERS.items()},
+    },
+)
+
+CONTRACTS = {c.name: c for c in (THINKER, TALKER, CODE2WAV, OMNI)}

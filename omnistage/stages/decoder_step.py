@@ -1,0 +1,29 @@
+# One batched decode step through a stack of transformers decoder layers over a SlotKVCache. Shared by
+# the thinker and the talker: both use the same attention (q/k norm, interleaved MRoPE) and only
+# differ in how the input row is embedded and what head reads the output.
+from __future__ import annotations
+
+import torch
+
+from .kv_cache import SlotKVCache
+
+
+def decode_step(
+    text_model,  # Qwen3OmniMoeThinkerTextModel or Qwen3OmniMoeTalkerModel: .layers, .norm, .rotary_emb
+    cache: SlotKVCache,
+    inputs_embeds: torch.Tensor,  # [rows, 1, D]
+    positions: torch.Tensor,  # [rows] long: cache index the new token is written at
+    rope_deltas: torch.Tensor,  # [rows] long: MRoPE offset of each row (0 for text-only prompts)
+) -> torch.Tensor:
+    rows = inputs_embeds.shape[0]
+    kv_len = int(positions.max()) + 1
+    # [rows, 1, 1, kv_len]: each row attends to its own prefix and the new token
+    mask = (torch.arange(kv_len, device=positions.device)[None, :] <= positions[:, None])[:, None, None, :]
+    # decode tokens sit on the text diagonal of MRoPE: all three sections share one position
+    rope_positions = (positions + rope_deltas).view(1, rows, 1).expand(3, rows, 1)
+    position_embeddings = text_model.rotary_emb(inputs_embeds, rope_positions)
+    step_cache = cache.step_view(rows, positions, kv_len)
+    hidden = inputs_embeds
+    for layer in text_model.layers:
+        hidden = layer(hidden, attention_mask=mask, position_embeddings=position_embeddings, past_key_values=step_cache)
+    return text_model.norm(hidden)[:, 0]  # [rows, D]

@@ -1,0 +1,70 @@
+# Static per-slot KV cache (gpt-fast style fixed buffers, but with a position per slot) and the small
+# adapter that lets transformers' own decoder layers read and write it during a batched decode step.
+from __future__ import annotations
+
+import torch
+
+
+class SlotKVCache:
+    """Per layer: k, v [slots, kv_heads, max_len, head_dim]. Row r of a decode batch is slot r."""
+
+    def __init__(self, layers: int, slots: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
+        shape = (slots, kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.slots, self.max_len = slots, max_len
+
+    @staticmethod
+    def bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype) -> int:
+        return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def load_prefill(self, slot: int, past_key_values) -> int:
+        """Copies a batch-1 transformers DynamicCache (from an eager prefill) into `slot`; returns its length."""
+        length = 0
+        for i, layer in enumerate(past_key_values.layers):
+            length = layer.keys.shape[2]
+            self.k[i][slot, :, :length] = layer.keys[0]
+            self.v[i][slot, :, :length] = layer.values[0]
+        return length
+
+    def step_view(self, rows: int, positions: torch.Tensor, kv_len: int) -> "DecodeStepCache":
+        return DecodeStepCache(self, rows, positions, kv_len)
+
+
+class DecodeStepCache:
+    """Duck-types transformers' Cache.update() for one decode step of rows [0, rows): each row's new K/V
+    lands at its own position, and attention reads the first kv_len positions of every row (the caller
+    masks positions beyond each row's length). Rows that are not decoding this step write at their next
+    free position, which their next real step overwrites."""
+
+    def __init__(self, cache: SlotKVCache, rows: int, positions: torch.Tensor, kv_len: int):
+        self.cache, self.rows, self.kv_len = cache, rows, kv_len
+        self.positions = positions  # [rows] long, on the cache device
+        self.row_index = torch.arange(rows, device=positions.device)
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        k, v = self.cache.k[layer_idx], self.cache.v[layer_idx]
+        k[self.row_index, :, self.positions] = key_states[:, :, 0]  # [rows, kv_heads, head_dim]
+        v[self.row_index, :, self.positions] = value_states[:, :, 0]
+        return k[: self.rows, :, : self.kv_len], v[: self.rows, :, : self.kv_len]
+
+
+class LockstepCache:
+    """Tiny cache for a batch that advances in lock-step from position 0 (the code predictor's 16-position
+    loop): every row shares the same length, so no mask is needed beyond causality at prefill."""
+
+    def __init__(self, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
+        shape = (batch, kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.length = 0
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        t = key_states.shape[2]
+        end = self.length + t
+        self.k[layer_idx][:, :, self.length : end] = key_states
+        self.v[layer_idx][:, :, self.length : end] = value_states
+        return self.k[layer_idx][:, :, :end], self.v[layer_idx][:, :, :end]
+
+    def advance(self, t: int) -> None:
+        self.length += t

@@ -1,0 +1,213 @@
+# TalkerRunner: codec frames from the thinker's conditioning, one frame per decode step for every ready
+# request. A request's text arrives in pieces while the thinker is still running (async chunk), so a
+# talker sequence can only step once the reply-token row it needs has arrived or the text has ended.
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from ..core.engine import StepResult
+from ..core.errors import BadRequestError
+from ..core.protocol import CODE_GROUPS
+from ..core.scheduler import Sequence
+from .code_predictor import CodePredictor
+from .decoder_step import decode_step
+from .kv_cache import SlotKVCache
+from .sampler import Sampler
+from .thinker import TalkerConditioning
+
+
+@dataclass
+class TalkerPrompt:
+    cond: TalkerConditioning
+    speaker_id: int
+    text: list[torch.Tensor] = field(default_factory=list)  # thinker rows [D] to speak, first one included
+    text_end: bool = False  # no more rows will come
+    image_grid_thw: torch.Tensor | None = None
+    audio_feature_lengths: torch.Tensor | None = None
+
+    def append(self, rows: torch.Tensor | None, end: bool) -> None:
+        if rows is not None and rows.numel():
+            self.text.extend(rows.unbind(0))
+        self.text_end = self.text_end or end
+
+
+@dataclass
+class TalkerOutput:
+    codes: torch.Tensor  # [frames, 16] long
+
+    def merge(self, later: "TalkerOutput") -> "TalkerOutput":
+        return TalkerOutput(torch.cat([self.codes, later.codes]))
+
+
+@dataclass
+class _SlotState:
+    length: int
+    rope_delta: int
+    c0: int  # codebook-0 token of the frame the next step completes
+    tts_eos: torch.Tensor  # [D] projected rows fed after the text, once, then forever
+    tts_pad: torch.Tensor
+    frames: int = 0
+
+
+class TalkerRunner:
+    def __init__(self, model, config, *, max_slots: int, max_seq_len: int, device, dtype, seed: int = 0):
+        self.model, self.config, self.device, self.dtype = model, config, torch.device(device), dtype
+        tc = config.talker_config
+        text = tc.text_config
+        self.text_config = text
+        self.max_seq_len = max_seq_len
+        # transformers' talker reads config.audio_config for audio prompts' MRoPE, which only the thinker has
+        if not hasattr(model.config, "audio_config"):
+            model.config.audio_config = config.thinker_config.audio_config
+        self.cache = SlotKVCache(
+            text.num_hidden_layers, max_slots, text.num_key_value_heads, max_seq_len, text.head_dim, dtype, self.device
+        )
+        self.slots: list[_SlotState | None] = [None] * max_slots
+        self.hidden = torch.zeros(max_slots, text.hidden_size, dtype=dtype, device=self.device)  # last normed hidden
+        self.sampler = Sampler(self.device, seed)
+        self.predictor = CodePredictor(model, self.device, dtype)
+        self.eos = tc.codec_eos_token_id
+        self.suppress = torch.zeros(text.vocab_size, dtype=torch.bool, device=self.device)
+        self.suppress[text.vocab_size - 1024 :] = True  # codec specials are never sampled, except EOS
+        self.suppress[self.eos] = False
+        self.codec_prefix = [tc.codec_nothink_id, tc.codec_think_bos_id, tc.codec_think_eos_id]
+        self.codec_suffix = [tc.codec_pad_id, tc.codec_bos_id]
+        self.tts_pad_id = config.tts_pad_token_id
+
+    # ---- engine hooks -------------------------------------------------------------------------------------
+    def validate(self, seq: Sequence) -> None:
+        p: TalkerPrompt = seq.payload
+        length = p.cond.user_ids.numel() + 9
+        if length + seq.params.max_tokens + 1 > self.max_seq_len:
+            raise BadRequestError(
+                f"talker prompt ({length} rows) + frame limit ({seq.params.max_tokens}) exceeds {self.max_seq_len}"
+            )
+        if not p.text:
+            raise BadRequestError("talker start needs at least one text row")
+
+    def is_ready(self, seq: Sequence) -> bool:
+        state = self.slots[seq.slot]
+        if state is None:
+            return False
+        # the step completes frame k = frames + 1 and, unless that is the last allowed frame, feeds text row k
+        k = state.frames + 1
+        return seq.payload.text_end or k < len(seq.payload.text) or k >= seq.params.max_tokens
+
+    def release(self, seq: Sequence) -> None:
+        if 0 <= seq.slot < len(self.slots):
+            self.slots[seq.slot] = None
+        self.sampler.release(seq.request_id)
+
+    @torch.inference_mode()
+    def prefill(self, seqs: list[Sequence]) -> list[StepResult]:
+        return [self._prefill_one(seq) for seq in seqs]
+
+    @torch.inference_mode()
+    def decode(self, seqs: list[Sequence]) -> list[StepResult]:
+        slots = torch.tensor([s.slot for s in seqs], device=self.device)
+        states = [self.slots[s.slot] for s in seqs]
+        c0 = torch.tensor([st.c0 for st in states], device=self.device)
+        codes, codec_sum = self.predictor(self.hidden[slots], c0, lambda step, logits: self._pick_residual(logits, seqs))
+        for st in states:
+            st.frames += 1
+        finished = [st.frames >= s.params.max_tokens for s, st in zip(seqs, states)]
+        results = [StepResult(s, TalkerOutput(codes[i : i + 1]), "length") for i, s in enumerate(seqs) if finished[i]]
+        going = [i for i in range(len(seqs)) if not finished[i]]
+        if going:
+            results += self._advance([seqs[i] for i in going], codes[going], codec_sum[going])
+        return results
+
+    # ---- internals ----------------------------------------------------------------------------------------
+    def _prefill_one(self, seq: Sequence) -> StepResult:
+        p: TalkerPrompt = seq.payload
+        t = self.model
+        cond = p.cond
+        user = cond.user_rows.to(self.device, self.dtype)
+        is_mm = cond.user_is_mm.to(self.device)
+        user_part = torch.empty(user.shape[0], self.text_config.hidden_size, dtype=self.dtype, device=self.device)
+        if is_mm.any():
+            user_part[is_mm] = t.hidden_projection(user[is_mm])
+        user_part[~is_mm] = t.text_projection(user[~is_mm])
+        special = t.text_projection(cond.special_rows.to(self.device, self.dtype))  # [6, D]
+        header, (tts_bos, tts_eos, tts_pad) = special[:3], special[3:6]
+        first_text = t.text_projection(p.text[0].to(self.device, self.dtype)[None])
+        text_side = torch.cat([header, tts_pad.expand(4, -1), tts_bos[None], first_text])
+        codec_ids = torch.tensor(self.codec_prefix + [p.speaker_id] + self.codec_suffix, device=self.device)
+        codec_side = torch.cat([torch.zeros_like(header), t.get_input_embeddings()(codec_ids)])
+        embeds = torch.cat([user_part, text_side + codec_side])[None]  # [1, L, D]
+        ids = torch.cat([cond.user_ids.to(self.device), torch.full((9,), self.tts_pad_id, device=self.device)])[None]
+        positions, deltas = t.get_rope_index(
+            ids, _opt(p.image_grid_thw, self.device), None, torch.ones_like(ids), False,
+            _opt(p.audio_feature_lengths, self.device), None,
+        )  # fmt: skip
+        past = DynamicCache(config=self.text_config)
+        hidden = t.model(inputs_embeds=embeds, position_ids=positions, past_key_values=past, use_cache=True)
+        hidden = hidden.last_hidden_state[:, -1]  # [1, D]
+        length = self.cache.load_prefill(seq.slot, past)
+        state = _SlotState(length, int(deltas.reshape(-1)[0]), 0, tts_eos, tts_pad)
+        self.slots[seq.slot] = state
+        self.hidden[seq.slot] = hidden[0]
+        token = int(self._pick_c0(t.codec_head(hidden), [seq])[0])
+        if token == self.eos:
+            return StepResult(seq, None, "stop")
+        seq.generated.append(token)
+        state.c0 = token
+        return StepResult(seq, None)
+
+    def _advance(self, seqs: list[Sequence], codes: torch.Tensor, codec_sum: torch.Tensor) -> list[StepResult]:
+        """Feeds each frame back with its text row and picks the next frame's codebook 0."""
+        text_rows = torch.stack([self._text_input(s) for s in seqs])
+        rows = max(s.slot for s in seqs) + 1
+        embeds = torch.zeros(rows, 1, self.text_config.hidden_size, dtype=self.dtype, device=self.device)
+        slots = torch.tensor([s.slot for s in seqs], device=self.device)
+        embeds[slots, 0] = codec_sum + text_rows
+        positions = torch.tensor([st.length if st else 0 for st in self.slots[:rows]], device=self.device)
+        deltas = torch.tensor([st.rope_delta if st else 0 for st in self.slots[:rows]], device=self.device)
+        hidden = decode_step(self.model.model, self.cache, embeds, positions, deltas)[slots]
+        self.hidden[slots] = hidden
+        tokens = self._pick_c0(self.model.codec_head(hidden), seqs).tolist()
+        results = []
+        for i, (seq, token) in enumerate(zip(seqs, tokens)):
+            state = self.slots[seq.slot]
+            state.length += 1
+            frame = TalkerOutput(codes[i : i + 1])
+            if token == self.eos:
+                results.append(StepResult(seq, frame, "stop"))
+                continue
+            seq.generated.append(token)
+            state.c0 = token
+            results.append(StepResult(seq, frame))
+        return results
+
+    def _text_input(self, seq: Sequence) -> torch.Tensor:
+        """Row fed with frame k (k = frames so far): reply row k, then tts_eos once, then tts_pad."""
+        p: TalkerPrompt = seq.payload
+        state = self.slots[seq.slot]
+        k = state.frames
+        if k < len(p.text):
+            return self.model.text_projection(p.text[k].to(self.device, self.dtype)[None])[0]
+        return state.tts_eos if k == len(p.text) else state.tts_pad
+
+    def _pick_c0(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        banned = [[self.eos] if s.num_generated < s.params.min_tokens or s.params.ignore_eos else [] for s in seqs]
+        for s in seqs:
+            s.num_generated += 1
+        return self.sampler.sample(
+            logits, [s.request_id for s in seqs], [s.params for s in seqs], [s.generated for s in seqs], banned,
+            suppress=self.suppress,
+        )  # fmt: skip
+
+    def _pick_residual(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        # codebooks 1..15: greedy when the request is greedy, else top-k 50 / top-p 0.8 as the reference does
+        rows = logits.argmax(-1)
+        for i, s in enumerate(seqs):
+            if not s.params.greedy:
+                rows[i] = self.sampler.draw(logits[i], 1.0, 50, 0.8, self.sampler.generator(s.request_id, s.params))
+        return rows
+
+
+def _opt(t: torch.Tensor | None, device) -> torch.Tensor | None:
+    return None if t is None else t.to(device)

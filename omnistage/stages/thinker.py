@@ -1,0 +1,199 @@
+# ThinkerRunner: owns the thinker's weights, its static KV cache and per-slot decode state.
+# Prefill runs transformers' own thinker forward (batch 1, eager: multimodal merge, MRoPE index,
+# deepstack), then its KV moves into the request's slot; decode batches every running request.
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from ..core.engine import StepResult
+from ..core.errors import BadRequestError
+from ..core.scheduler import Sequence
+from .decoder_step import decode_step
+from .kv_cache import SlotKVCache
+from .sampler import Sampler
+
+
+@dataclass
+class ThinkerPrompt:
+    input_ids: torch.Tensor  # [L] long
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+    input_features: torch.Tensor | None = None
+    feature_attention_mask: torch.Tensor | None = None
+    export_talker: bool = False  # also produce what the talker needs
+
+
+@dataclass
+class TalkerConditioning:
+    user_rows: torch.Tensor  # [Lu, D] layer-0 embeddings, accept-layer hidden states on multimodal rows
+    user_is_mm: torch.Tensor  # [Lu] bool
+    user_ids: torch.Tensor  # [Lu] long
+    special_rows: torch.Tensor  # [6, D]: <|im_start|>, assistant, \n, tts_bos, tts_eos, tts_pad
+
+
+@dataclass
+class ThinkerOutput:
+    token_ids: list[int] = field(default_factory=list)
+    text_rows: torch.Tensor | None = None  # [n, D] input embeddings of token_ids (export_talker only)
+    talker: TalkerConditioning | None = None  # first output only
+    prompt_tokens: int | None = None  # first output only
+
+    def merge(self, later: "ThinkerOutput") -> "ThinkerOutput":
+        rows = [r for r in (self.text_rows, later.text_rows) if r is not None]
+        return ThinkerOutput(
+            token_ids=self.token_ids + later.token_ids,
+            text_rows=torch.cat(rows) if rows else None,
+            talker=self.talker or later.talker,
+            prompt_tokens=self.prompt_tokens if self.prompt_tokens is not None else later.prompt_tokens,
+        )
+
+
+@dataclass
+class _SlotState:
+    length: int  # tokens in the cache
+    rope_delta: int
+    last_token: int
+
+
+class ThinkerRunner:
+    def __init__(self, model, config, *, max_slots: int, max_seq_len: int, device, dtype, seed: int = 0):
+        self.model, self.config, self.device, self.dtype = model, config, torch.device(device), dtype
+        text = config.thinker_config.text_config
+        self.text_config = text
+        self.max_seq_len = max_seq_len
+        self.cache = SlotKVCache(
+            text.num_hidden_layers, max_slots, text.num_key_value_heads, max_seq_len, text.head_dim, dtype, self.device
+        )
+        self.slots: list[_SlotState | None] = [None] * max_slots
+        self.sampler = Sampler(self.device, seed)
+        self.eos_ids = {config.im_end_token_id, 151643}  # <|im_end|>, <|endoftext|>
+        self.accept_layer = config.talker_config.accept_hidden_layer
+        t = config.thinker_config
+        self.mm_ids = torch.tensor([t.audio_token_id, t.image_token_id, t.video_token_id], device=self.device)
+        self.tts_ids = torch.tensor(
+            [config.tts_bos_token_id, config.tts_eos_token_id, config.tts_pad_token_id], device=self.device
+        )
+
+    # ---- engine hooks -------------------------------------------------------------------------------------
+    def validate(self, seq: Sequence) -> None:
+        length = int(seq.payload.input_ids.numel())
+        if length == 0:
+            raise BadRequestError("empty prompt")
+        if length + seq.params.max_tokens > self.max_seq_len:
+            raise BadRequestError(
+                f"prompt ({length} tokens) + max_tokens ({seq.params.max_tokens}) exceeds the context "
+                f"limit of {self.max_seq_len} tokens"
+            )
+
+    def is_ready(self, seq: Sequence) -> bool:
+        return True
+
+    def release(self, seq: Sequence) -> None:
+        if 0 <= seq.slot < len(self.slots):
+            self.slots[seq.slot] = None
+        self.sampler.release(seq.request_id)
+
+    @torch.inference_mode()
+    def prefill(self, seqs: list[Sequence]) -> list[StepResult]:
+        return [self._prefill_one(seq) for seq in seqs]
+
+    @torch.inference_mode()
+    def decode(self, seqs: list[Sequence]) -> list[StepResult]:
+        rows = max(s.slot for s in seqs) + 1
+        states = self.slots[:rows]
+        ids = torch.tensor([s.last_token if s else 0 for s in states], device=self.device)
+        positions = torch.tensor([s.length if s else 0 for s in states], device=self.device)
+        deltas = torch.tensor([s.rope_delta if s else 0 for s in states], device=self.device)
+        embeds = self.model.get_input_embeddings()(ids)[:, None]
+        hidden = decode_step(self.model.model, self.cache, embeds, positions, deltas)
+        slots = torch.tensor([s.slot for s in seqs], device=self.device)
+        logits = self.model.lm_head(hidden[slots])
+        tokens = self._sample(logits, seqs)
+        results = []
+        for seq, token in zip(seqs, tokens.tolist()):
+            self.slots[seq.slot].length += 1
+            results.append(self._accept(seq, token, None))
+        return results
+
+    # ---- internals ----------------------------------------------------------------------------------------
+    def _prefill_one(self, seq: Sequence) -> StepResult:
+        p: ThinkerPrompt = seq.payload
+        ids = p.input_ids.to(self.device)[None]
+        past = DynamicCache(config=self.text_config)
+        self.model.rope_deltas = None  # module-level state in transformers; recomputed from this prompt
+        out = self.model(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            pixel_values=_to(p.pixel_values, self.device, self.dtype),
+            image_grid_thw=_to(p.image_grid_thw, self.device),
+            input_features=_to(p.input_features, self.device, self.dtype),
+            feature_attention_mask=_to(p.feature_attention_mask, self.device),
+            past_key_values=past,
+            use_cache=True,
+            output_hidden_states=p.export_talker,
+        )
+        length = self.cache.load_prefill(seq.slot, past)
+        deltas = self.model.rope_deltas
+        self.slots[seq.slot] = _SlotState(length, int(deltas.reshape(-1)[0]) if deltas is not None else 0, 0)
+        token = int(self._sample(out.logits[:, -1], [seq])[0])
+        talker, tail = (self._talker_conditioning(ids[0], out.hidden_states) if p.export_talker else (None, None))
+        return self._accept(seq, token, ThinkerOutput(talker=talker, prompt_tokens=length, text_rows=tail))
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        banned = [
+            sorted(self.eos_ids | set(s.params.stop_token_ids))
+            if s.num_generated < s.params.min_tokens and not s.params.ignore_eos
+            else []
+            for s in seqs
+        ]
+        return self.sampler.sample(
+            logits, [s.request_id for s in seqs], [s.params for s in seqs], [s.generated for s in seqs], banned
+        )
+
+    def _accept(self, seq: Sequence, token: int, output: ThinkerOutput | None) -> StepResult:
+        output = output or ThinkerOutput()
+        seq.num_generated += 1
+        self.slots[seq.slot].last_token = token
+        stops = () if seq.params.ignore_eos else self.eos_ids
+        if token in stops or token in seq.params.stop_token_ids:
+            return StepResult(seq, output, "stop")
+        seq.generated.append(token)
+        output.token_ids.append(token)
+        if seq.payload.export_talker:
+            row = self.model.get_input_embeddings()(torch.tensor([token], device=self.device)).float()
+            output.text_rows = row if output.text_rows is None else torch.cat([output.text_rows, row])
+        return StepResult(seq, output, "length" if seq.num_generated >= seq.params.max_tokens else None)
+
+    def _talker_conditioning(self, ids: torch.Tensor, hidden_states) -> tuple[TalkerConditioning, torch.Tensor]:
+        """What generate() hands the talker, for one prompt: user-turn rows (layer-0 embeddings, or the
+        accept-layer hidden state on audio/image/video rows), the assistant header rows, the tts rows,
+        and any prompt rows after the assistant header (spoken before the reply)."""
+        c = self.config
+        embeds, hidden = hidden_states[0][0], hidden_states[self.accept_layer][0]  # [L, D]
+        pos = torch.arange(ids.numel(), device=ids.device)
+        starts = torch.where(ids == c.im_start_token_id, pos, torch.full_like(pos, -1))
+        role = ids[(torch.cummax(starts, 0).values.clamp_min(0) + 1).clamp_max(ids.numel() - 1)]
+        user = role == c.user_token_id
+        is_mm = torch.isin(ids, self.mm_ids)
+        rows = torch.where(is_mm[:, None], hidden, embeds)
+        header = ((ids[:-1] == c.im_start_token_id) & (ids[1:] == c.assistant_token_id)).nonzero()
+        if header.numel() == 0:
+            raise BadRequestError("prompt has no assistant header (<|im_start|>assistant) for the talker")
+        a = int(header[-1])
+        tts = self.model.get_input_embeddings()(self.tts_ids)
+        cond = TalkerConditioning(
+            user_rows=rows[user].float(),
+            user_is_mm=is_mm[user],
+            user_ids=ids[user],
+            special_rows=torch.cat([embeds[a : a + 3], tts]).float(),
+        )
+        return cond, embeds[a + 3 :].float()
+
+
+def _to(t: torch.Tensor | None, device, dtype=None) -> torch.Tensor | None:
+    if t is None:
+        return None
+    return t.to(device=device, dtype=dtype) if dtype is not None and t.is_floating_point() else t.to(device)
