@@ -47,7 +47,7 @@ class SamplingParams:
         return self
 
 
-def _coerce(name: str, kind: type, value):
+def coerce_parameter(name: str, kind: type, value):
     if name == "stop_token_ids":
         ids = json.loads(value) if isinstance(value, str) else value
         if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
@@ -88,5 +88,5 @@ def sampling_from_parameters(
     for name, kind in _FIELD_KINDS.items():
         key = prefix + name
         if key in parameters and parameters[key] is not None:
-            updates[name] = _coerce(key, kind, parameters[key])
+            updates[name] = coerce_parameter(key, kind, parameters[key])
     return replace(defaults, **updates).validate(max_tokens_limit)

@@ -1,0 +1,1 @@
+from omnistage.triton.code2wav_model import Code2WavModel as TritonPythonModel  # noqa: F401

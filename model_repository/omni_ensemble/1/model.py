@@ -1,0 +1,1 @@
+from omnistage.triton.omni_model import OmniModel as TritonPythonModel  # noqa: F401

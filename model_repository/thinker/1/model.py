@@ -1,0 +1,1 @@
+from omnistage.triton.thinker_model import ThinkerModel as TritonPythonModel  # noqa: F401

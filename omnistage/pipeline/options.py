@@ -1,0 +1,48 @@
+# What one omni_ensemble request asks for, validated before any stage is touched: modalities, voice and
+# the per-stage request parameters (thinker: plain names; talker: `talker_` prefix, vLLM-Omni's
+# sampling_params_list flattened).
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..core.errors import BadRequestError
+from ..core.protocol import SAMPLING_PARAMETERS
+from ..core.sampling import SamplingParams, sampling_from_parameters
+
+MODALITIES = {"text": (True, False), "audio": (False, True), "text,audio": (True, True), "audio,text": (True, True)}
+# generous upper bounds; each stage re-checks against its own context size
+_LIMIT = 1 << 20
+
+
+@dataclass(frozen=True)
+class OmniOptions:
+    want_text: bool
+    want_audio: bool
+    speaker: str
+    thinker_parameters: dict  # forwarded as the thinker request's parameters
+    talker_parameters: dict
+
+    @classmethod
+    def from_parameters(cls, parameters: dict, speakers: set[str], default_speaker: str = "ethan") -> "OmniOptions":
+        known = set(SAMPLING_PARAMETERS) | {f"talker_{k}" for k in SAMPLING_PARAMETERS} | {"modalities", "speaker"}
+        unknown = sorted(set(parameters) - known - _TRITON_RESERVED)
+        if unknown:
+            raise BadRequestError(f"unknown parameter(s): {', '.join(unknown)}")
+        modalities = str(parameters.get("modalities", "text,audio")).replace(" ", "").lower()
+        if modalities not in MODALITIES:
+            raise BadRequestError(f"modalities must be one of text, audio, text,audio; got {modalities!r}")
+        want_text, want_audio = MODALITIES[modalities]
+        speaker = str(parameters.get("speaker", default_speaker)).lower()
+        if want_audio and speaker not in speakers:
+            raise BadRequestError(f"unknown speaker {speaker!r}; valid: {', '.join(sorted(speakers))}")
+        thinker = {k: parameters[k] for k in SAMPLING_PARAMETERS if k in parameters}
+        talker = {k: parameters[f"talker_{k}"] for k in SAMPLING_PARAMETERS if f"talker_{k}" in parameters}
+        # reject bad values now (400 before anything starts); stages apply their own limits again
+        sampling_from_parameters(thinker, SamplingParams(), _LIMIT)
+        sampling_from_parameters(talker, SamplingParams(), _LIMIT)
+        return cls(want_text, want_audio, speaker, thinker, talker)
+
+
+# parameters Triton itself may attach to a request
+_TRITON_RESERVED = {"triton_enable_empty_final_response", "sequence_id", "sequence_start", "sequence_end",
+                    "priority", "binary_data_output"}  # fmt: skip

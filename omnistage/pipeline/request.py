@@ -1,0 +1,201 @@
+# One omni request flowing through the stages (Triton-agnostic: the stages are reached through a
+# StageClient). Three threads, because reading a stage stream blocks:
+#   caller thread : thinker stream -> text deltas out; reply-token rows -> talker (start, then appends)
+#   talker thread : codec frames -> chunk windows -> code2wav queue
+#   code2wav thread: windows decoded in order -> audio chunks out
+# The talker starts on the thinker's first reply token (async chunk); frames are cut into windows on the
+# chunk schedule, each carrying its left context, so what is sent to code2wav per step stays bounded.
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Protocol
+
+import torch
+
+from ..core.chunking import ChunkCutter, ChunkSchedule
+from ..core.errors import EngineError, OmniError
+from .detokenizer import IncrementalDetokenizer
+from .options import OmniOptions
+
+log = logging.getLogger(__name__)
+
+FRAME_SECONDS = 0.08  # 12.5 Hz codec frames
+
+
+class StageClient(Protocol):
+    def thinker(self, session: str, inputs: dict, parameters: dict) -> Iterator[dict]: ...
+    def talker(self, session: str, inputs: dict, parameters: dict) -> Iterator[dict]: ...
+    def talker_append(self, session: str, rows: torch.Tensor | None, end: bool) -> None: ...
+    def abort(self, stage: str, session: str) -> None: ...
+    def code2wav(self, codes: torch.Tensor, context_frames: int) -> torch.Tensor: ...
+
+
+@dataclass
+class OmniOutput:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    audio: torch.Tensor | None = None  # [samples] float32
+    usage: dict | None = None
+
+    def merge(self, later: "OmniOutput") -> "OmniOutput":
+        audio = [a for a in (self.audio, later.audio) if a is not None]
+        return OmniOutput(
+            self.text + later.text,
+            self.token_ids + later.token_ids,
+            torch.cat(audio) if audio else None,
+            later.usage or self.usage,
+        )
+
+
+# emit(output, finish_reason, error): finish_reason or error ends the response stream
+Emit = Callable[[OmniOutput | None, "str | None", "OmniError | None"], None]
+
+
+class OmniRequest:
+    def __init__(self, session: str, inputs: dict, options: OmniOptions, stages: StageClient, tokenizer,
+                 schedule: ChunkSchedule, emit: Emit):  # fmt: skip
+        self.session, self.inputs, self.options, self.stages = session, inputs, options, stages
+        self.schedule, self.emit = schedule, emit
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.cancelled = threading.Event()
+        self.error: OmniError | None = None
+        self.finish_reason: str | None = None
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.audio_frames = 0
+        self._cond: dict | None = None  # the thinker's talker conditioning (first response)
+        self._pending_rows: list[torch.Tensor] = []
+        self._talker_thread: threading.Thread | None = None
+        self._code2wav_thread: threading.Thread | None = None
+        self._windows: queue.SimpleQueue = queue.SimpleQueue()
+        self._frames: list[torch.Tensor] = []  # [16] long each
+
+    # ---- public -------------------------------------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            self._run_thinker()
+            for t in (self._talker_thread, self._code2wav_thread):
+                if t is not None:
+                    t.join()
+        except OmniError as e:
+            self._fail(e)
+        except Exception as e:  # unexpected: still end the stream
+            log.exception("[omni] request %s failed", self.session)
+            self._fail(EngineError(str(e)))
+        if self.error is not None:
+            self.emit(None, None, self.error)
+            return
+        usage = {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "audio_frames": self.audio_frames,
+            "audio_seconds": round(self.audio_frames * FRAME_SECONDS, 3),
+        }
+        reason = "abort" if self.cancelled.is_set() else (self.finish_reason or "stop")
+        self.emit(OmniOutput(text=self.detok.flush(), usage=usage), reason, None)
+
+    def cancel(self) -> None:
+        if self.cancelled.is_set():
+            return
+        self.cancelled.set()
+        self._abort_stages()
+
+    # ---- thinker (caller thread) ------------------------------------------------------------------------
+    def _run_thinker(self) -> None:
+        parameters = dict(self.options.thinker_parameters, export_talker=self.options.want_audio)
+        for out in self.stages.thinker(self.session, self.inputs, parameters):
+            ids = out["token_ids"].tolist() if "token_ids" in out else []
+            self.completion_tokens += len(ids)
+            if "prompt_tokens" in out:
+                self.prompt_tokens = int(out["prompt_tokens"].reshape(-1)[0])
+            if "finish_reason" in out:
+                self.finish_reason = out["finish_reason"]
+            if self.options.want_audio and not self.cancelled.is_set():
+                self._feed_talker(out)
+            text = self.detok.push(ids) if ids else ""
+            if text or ids:
+                self.emit(OmniOutput(text=text, token_ids=ids), None, None)
+
+    def _feed_talker(self, out: dict) -> None:
+        if "talker_user_rows" in out:
+            self._cond = {k: out[k] for k in ("talker_user_rows", "talker_user_is_mm", "talker_user_ids",
+                                              "talker_special_rows")}  # fmt: skip
+        rows = out.get("text_rows")
+        end = "finish_reason" in out
+        if self._talker_thread is None:
+            if rows is not None and rows.shape[0]:
+                self._pending_rows.append(rows)
+            if self._pending_rows:
+                self._start_talker(torch.cat(self._pending_rows), end)
+        elif (rows is not None and rows.shape[0]) or end:
+            self.stages.talker_append(self.session, rows, end)
+
+    def _start_talker(self, rows: torch.Tensor, end: bool) -> None:
+        inputs = dict(self._cond, text_rows=rows)
+        for name in ("image_grid_thw",):
+            if self.inputs.get(name) is not None:
+                inputs[name] = self.inputs[name]
+        if self.inputs.get("feature_attention_mask") is not None:
+            inputs["audio_feature_lengths"] = self.inputs["feature_attention_mask"].sum(-1).long()
+        parameters = dict(self.options.talker_parameters, speaker=self.options.speaker, text_end=end)
+        stream = self.stages.talker(self.session, inputs, parameters)
+        self._talker_thread = threading.Thread(target=self._run_talker, args=(stream,), daemon=True,
+                                               name=f"talker-{self.session[:8]}")  # fmt: skip
+        self._code2wav_thread = threading.Thread(target=self._run_code2wav, daemon=True,
+                                                 name=f"code2wav-{self.session[:8]}")  # fmt: skip
+        self._talker_thread.start()
+        self._code2wav_thread.start()
+
+    # ---- talker thread ----------------------------------------------------------------------------------
+    def _run_talker(self, stream: Iterator[dict]) -> None:
+        cutter = ChunkCutter(self.schedule)
+        try:
+            for out in stream:
+                codes = out.get("codes")
+                if codes is not None and codes.shape[0]:
+                    self._frames.extend(codes.long().cpu().unbind(0))
+                    self.audio_frames += codes.shape[0]
+                    for window in cutter.push(codes.shape[0]):
+                        self._windows.put(window)
+            if not self.cancelled.is_set():
+                for window in cutter.finish():
+                    self._windows.put(window)
+        except OmniError as e:
+            self._fail(e)
+        except Exception as e:
+            log.exception("[omni] talker stream of %s failed", self.session)
+            self._fail(EngineError(str(e)))
+        finally:
+            self._windows.put(None)
+
+    # ---- code2wav thread --------------------------------------------------------------------------------
+    def _run_code2wav(self) -> None:
+        while (window := self._windows.get()) is not None:
+            if self.cancelled.is_set() or self.error is not None:
+                continue  # drain
+            try:
+                codes = torch.stack(self._frames[window.start - window.context : window.end])
+                audio = self.stages.code2wav(codes, window.context)
+                self.emit(OmniOutput(audio=audio.float().reshape(-1)), None, None)
+            except OmniError as e:
+                self._fail(e)
+            except Exception as e:
+                log.exception("[omni] code2wav of %s failed", self.session)
+                self._fail(EngineError(str(e)))
+
+    # ---- failure ----------------------------------------------------------------------------------------
+    def _fail(self, error: OmniError) -> None:
+        if self.error is None and not self.cancelled.is_set():
+            self.error = error
+            self._abort_stages()
+
+    def _abort_stages(self) -> None:
+        for stage, started in (("thinker", True), ("talker", self._talker_thread is not None)):
+            if started:
+                try:
+                    self.stages.abort(stage, self.session)
+                except Exception as e:  # best effort: the stage may already be done with it
+                    log.debug("abort %s/%s: %s", stage, self.session, e)

@@ -1,0 +1,79 @@
+# StageClient over Triton BLS: how omni_ensemble reaches thinker, talker and code2wav inside the server.
+# Tensors stay where they are (GPU tensors go out through DLPack); every request parameter is sent as a
+# string, since BLS parameters take str/int/bool only and the stages coerce them back.
+from __future__ import annotations
+
+import re
+from typing import Iterator
+
+import torch
+import triton_python_backend_utils as pb_utils
+
+from ..core.errors import BadRequestError, EngineError, OmniError, OverloadedError
+from ..core.protocol import CODE2WAV, TALKER, THINKER
+from .tensors import from_torch, to_torch
+
+_CODE = re.compile(r"^\[(\d{3})\] ")
+
+
+def stage_error(message: str) -> OmniError:
+    """Stages prefix error messages with the HTTP status; keep it so a client still sees a 400 as a 400."""
+    m = _CODE.match(message)
+    code = int(m.group(1)) if m else 500
+    text = message[m.end():] if m else message
+    return {400: BadRequestError, 503: OverloadedError}.get(code, EngineError)(text)
+
+
+def _parameters(values: dict) -> dict:
+    return {k: (v if isinstance(v, (bool, str)) else str(v)) for k, v in values.items() if v is not None}
+
+
+def _read(response) -> dict:
+    if response.has_error():
+        raise stage_error(response.error().message())
+    out = {}
+    for t in response.output_tensors():
+        if t.name() == "finish_reason":
+            value = t.as_numpy().reshape(-1)[0]
+            out[t.name()] = value.decode() if isinstance(value, bytes) else str(value)
+        else:
+            out[t.name()] = to_torch(t)
+    return out
+
+
+class BlsStageClient:
+    def __init__(self, names: dict[str, str] | None = None):
+        self.names = {"thinker": "thinker", "talker": "talker", "code2wav": "code2wav", **(names or {})}
+
+    def _stream(self, stage: str, outputs, inputs: dict, parameters: dict) -> Iterator[dict]:
+        request = pb_utils.InferenceRequest(
+            model_name=self.names[stage],
+            inputs=[from_torch(k, v) for k, v in inputs.items() if v is not None],
+            requested_output_names=[t.name for t in outputs],
+            parameters=_parameters(parameters),
+        )
+        for response in request.exec(decoupled=True):
+            out = _read(response)
+            if out:
+                yield out
+
+    def thinker(self, session: str, inputs: dict, parameters: dict) -> Iterator[dict]:
+        return self._stream("thinker", THINKER.outputs, inputs, dict(parameters, session=session))
+
+    def talker(self, session: str, inputs: dict, parameters: dict) -> Iterator[dict]:
+        return self._stream("talker", TALKER.outputs, inputs, dict(parameters, session=session, action="start"))
+
+    def talker_append(self, session: str, rows: torch.Tensor | None, end: bool) -> None:
+        inputs = {"text_rows": rows} if rows is not None and rows.shape[0] else {}
+        for _ in self._stream("talker", (), inputs, {"session": session, "action": "append", "text_end": end}):
+            pass
+
+    def abort(self, stage: str, session: str) -> None:
+        for _ in self._stream(stage, (), {}, {"session": session, "action": "abort"}):
+            pass
+
+    def code2wav(self, codes: torch.Tensor, context_frames: int) -> torch.Tensor:
+        inputs = {"codes": codes, "context_frames": torch.tensor([context_frames], dtype=torch.int64)}
+        for out in self._stream("code2wav", CODE2WAV.outputs, inputs, {}):
+            return out["audio"]
+        raise EngineError("code2wav returned no audio")

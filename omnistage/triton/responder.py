@@ -1,0 +1,136 @@
+# The response thread of a decoupled stage model. The engine thread hands outputs over without blocking;
+# this thread sends them, because response_sender.send() blocks for an IPC round trip (~0.3 ms). Whatever
+# piled up for one request while it was sending is merged into a single response, so under load the
+# number of responses per request falls instead of the backlog growing (adaptive coalescing).
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from typing import Any, Callable
+
+import triton_python_backend_utils as pb_utils
+
+from ..core.errors import OmniError
+
+log = logging.getLogger(__name__)
+
+CANCEL_POLL_SECONDS = 0.05
+
+
+def error_response(error: Exception):
+    code = error.code if isinstance(error, OmniError) else 500
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(f"[{code}] {error}"))
+
+
+def send_final(sender, response=None) -> None:
+    try:
+        sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+    except Exception as e:  # the client may be gone (cancelled); nothing else to do for it
+        log.debug("final send failed: %s", e)
+
+
+class Responder:
+    def __init__(self, name: str, encode: Callable[[Any, "str | None"], list], on_cancel: Callable[[str], None]):
+        self.name = name
+        self.encode = encode  # (output or None, finish_reason or None) -> list of pb_utils.Tensor
+        self.on_cancel = on_cancel
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._senders: dict[str, Any] = {}
+        self._cancelled: set[str] = set()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name=f"{name}-responder", daemon=True)
+        self._running = True
+        self.responses_sent = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._running = False
+        self._queue.put(None)
+        self._thread.join(5)
+
+    def register(self, request_id: str, sender) -> None:
+        with self._lock:
+            self._senders[request_id] = sender
+
+    def unregister(self, request_id: str, sender) -> None:
+        with self._lock:
+            if self._senders.get(request_id) is sender:
+                del self._senders[request_id]
+
+    def emit(self, request_id: str, output, finish_reason: str | None, error: OmniError | None) -> None:
+        """Engine callback: must not block."""
+        self._queue.put((request_id, output, finish_reason, error))
+
+    @property
+    def active(self) -> int:
+        return len(self._senders)
+
+    def _loop(self) -> None:
+        last_poll = 0.0
+        while self._running:
+            try:
+                items = [self._queue.get(timeout=CANCEL_POLL_SECONDS)]
+            except queue.Empty:
+                items = []
+            while True:
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            for request_id, (output, finish_reason, error) in self._coalesce(items).items():
+                self._send(request_id, output, finish_reason, error)
+            if time.monotonic() - last_poll >= CANCEL_POLL_SECONDS:
+                last_poll = time.monotonic()
+                self._poll_cancellation()
+
+    @staticmethod
+    def _coalesce(items) -> "OrderedDict[str, list]":
+        merged: OrderedDict[str, list] = OrderedDict()
+        for item in items:
+            if item is None:
+                continue
+            request_id, output, finish_reason, error = item
+            entry = merged.get(request_id)
+            if entry is None:
+                merged[request_id] = [output, finish_reason, error]
+                continue
+            if output is not None:
+                entry[0] = output if entry[0] is None else entry[0].merge(output)
+            entry[1] = entry[1] or finish_reason
+            entry[2] = entry[2] or error
+        return merged
+
+    def _send(self, request_id: str, output, finish_reason: str | None, error: OmniError | None) -> None:
+        final = finish_reason is not None or error is not None
+        with self._lock:
+            sender = self._senders.pop(request_id, None) if final else self._senders.get(request_id)
+        if sender is None:
+            return
+        try:
+            if error is not None:
+                if output is not None:  # what was produced before the failure still goes out
+                    sender.send(pb_utils.InferenceResponse(output_tensors=self.encode(output, None)))
+                send_final(sender, error_response(error))
+            elif final:
+                send_final(sender, pb_utils.InferenceResponse(output_tensors=self.encode(output, finish_reason)))
+            else:
+                sender.send(pb_utils.InferenceResponse(output_tensors=self.encode(output, None)))
+            self.responses_sent += 1
+        except Exception as e:
+            log.warning("[%s] send for %s failed: %s", self.name, request_id, e)
+        finally:
+            if final:
+                self._cancelled.discard(request_id)
+
+    def _poll_cancellation(self) -> None:
+        with self._lock:
+            senders = list(self._senders.items())
+        for request_id, sender in senders:
+            if request_id not in self._cancelled and sender.is_cancelled():
+                self._cancelled.add(request_id)
+                self.on_cancel(request_id)

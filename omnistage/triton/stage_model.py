@@ -1,0 +1,122 @@
+# Generic decoupled Triton model around a StageEngine (thinker, talker). Three threads, one job each:
+# execute() only parses requests and hands them to the engine; the engine thread runs the batch loop;
+# the Responder thread sends responses and watches for cancelled requests.
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+
+import torch
+
+from ..core.engine import StageEngine
+from ..core.errors import BadRequestError, OmniError
+from ..core.sampling import SamplingParams, sampling_from_parameters
+from ..core.scheduler import Scheduler, Sequence
+from ..models.checkpoint import load_config, load_stage
+from .metrics import StageMetrics
+from .responder import Responder, error_response, send_final
+from .tensors import request_parameters
+
+log = logging.getLogger(__name__)
+
+
+def model_parameters(args) -> dict[str, str]:
+    config = json.loads(args["model_config"])
+    return {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+
+
+def instance_device(args, params: dict[str, str]) -> torch.device:
+    if params.get("device", "cpu") == "cuda" or args.get("model_instance_kind") == "GPU":
+        return torch.device("cuda", int(args.get("model_instance_device_id", 0)))
+    return torch.device("cpu")
+
+
+def stage_dtype(params: dict[str, str], device: torch.device) -> torch.dtype:
+    name = params.get("dtype") or ("bfloat16" if device.type == "cuda" else "float32")
+    return getattr(torch, name)
+
+
+class StageModel:
+    STAGE = ""  # thinker | talker
+
+    def initialize(self, args) -> None:
+        self.params = model_parameters(args)
+        self.device = instance_device(args, self.params)
+        self.dtype = stage_dtype(self.params, self.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        source = self.params["model_path"]
+        self.config = load_config(source)
+        model = load_stage(source, self.STAGE, self.dtype, self.device)
+        self.max_slots = int(self.params.get("max_batch_size", 8))
+        self.max_seq_len = int(self.params.get("max_seq_len", 1024))
+        self.max_tokens_limit = self.max_seq_len
+        runner = self.build_runner(model)
+        self.responder = Responder(self.STAGE, self.encode, self._cancel)
+        scheduler = Scheduler(self.max_slots, int(self.params.get("max_prefills_per_step", 4)),
+                              int(self.params.get("max_queue", 1024)))  # fmt: skip
+        self.engine = StageEngine(self.STAGE, runner, scheduler, self.responder.emit)
+        self.responder.start()
+        self.engine.start()
+        self.metrics = StageMetrics(self.STAGE, args.get("model_instance_name", self.STAGE), self.engine, self.responder)
+        self.metrics.start()
+        log.info("[%s] ready on %s (%s), %d slots x %d tokens", self.STAGE, self.device, self.dtype,
+                 self.max_slots, self.max_seq_len)  # fmt: skip
+
+    def build_runner(self, model):
+        raise NotImplementedError
+
+    def sequence_from(self, request, params: dict, request_id: str) -> Sequence:
+        raise NotImplementedError
+
+    def encode(self, output, finish_reason: str | None) -> list:
+        raise NotImplementedError
+
+    def default_sampling(self) -> SamplingParams:
+        return SamplingParams()
+
+    def sampling(self, params: dict) -> SamplingParams:
+        return sampling_from_parameters(params, self.default_sampling(), self.max_tokens_limit)
+
+    def execute(self, requests):
+        for request in requests:
+            self._handle(request, request.get_response_sender())
+        return None
+
+    def _handle(self, request, sender) -> None:
+        request_id = None
+        try:
+            params = request_parameters(request)
+            action = params.get("action", "start")
+            # Triton's own request ids are chosen by clients and may collide; sessions come from our orchestrator
+            request_id = str(params.get("session") or uuid.uuid4().hex)
+            if action == "abort":
+                self.engine.abort(request_id)
+                send_final(sender)
+            elif action == "start":
+                seq = self.sequence_from(request, params, request_id)
+                self.responder.register(request_id, sender)  # before add: the engine may answer at once
+                self.engine.add(seq)
+            else:
+                self.control(action, request, params, request_id, sender)
+        except Exception as e:  # a malformed request must not take the model down
+            if not isinstance(e, OmniError):
+                log.exception("[%s] bad request", self.STAGE)
+                e = BadRequestError(f"invalid request: {e}")
+            if request_id is not None:
+                self.responder.unregister(request_id, sender)
+            send_final(sender, error_response(e))
+
+    def control(self, action: str, request, params: dict, request_id: str, sender) -> None:
+        raise BadRequestError(f"unknown action {action!r}")
+
+    def _cancel(self, request_id: str) -> None:
+        log.info("[%s] request %s cancelled by the client", self.STAGE, request_id)
+        self.engine.abort(request_id)
+
+    def finalize(self) -> None:
+        self.metrics.stop()
+        self.engine.stop()
+        self.responder.stop()
+

@@ -1,0 +1,47 @@
+# Conversions between Triton Python-backend tensors and torch. GPU tensors cross through DLPack and stay
+# on the device; CPU tensors go through numpy (the 2.51 stub needs numpy<2 for that path).
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+import triton_python_backend_utils as pb_utils
+from torch.utils import dlpack
+
+
+def to_torch(tensor, device: torch.device | None = None) -> torch.Tensor:
+    if tensor.is_cpu():
+        t = torch.from_numpy(tensor.as_numpy())
+    else:
+        t = dlpack.from_dlpack(tensor.to_dlpack())
+    return t if device is None else t.to(device, non_blocking=True)
+
+
+def from_torch(name: str, t: torch.Tensor):
+    t = t.contiguous()
+    if t.is_cuda:
+        return pb_utils.Tensor.from_dlpack(name, dlpack.to_dlpack(t))
+    return pb_utils.Tensor(name, t.numpy())
+
+
+def input_tensor(request, name: str, device: torch.device | None = None) -> torch.Tensor | None:
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    return None if t is None else to_torch(t, device)
+
+
+def string_tensor(name: str, value: str):
+    return pb_utils.Tensor(name, np.array([value.encode("utf-8")], dtype=np.object_))
+
+
+def read_string(request, name: str) -> str | None:
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    if t is None:
+        return None
+    value = t.as_numpy().reshape(-1)[0]
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def request_parameters(request) -> dict:
+    raw = request.parameters()
+    return json.loads(raw) if raw else {}

@@ -1,0 +1,136 @@
+# The engine loop with a pure-Python runner: ordering, aborts, failures and readiness, no torch.
+import threading
+import time
+
+from omnistage.core.engine import StageEngine, StepResult
+from omnistage.core.errors import BadRequestError
+from omnistage.core.sampling import SamplingParams
+from omnistage.core.scheduler import Scheduler, Sequence
+
+
+class CountingRunner:
+    """Emits the step number per sequence; finishes after params.max_tokens outputs."""
+
+    def __init__(self, fail_on=None, gate=None):
+        self.fail_on, self.gate = fail_on, gate
+        self.released, self.batches = [], []
+
+    def validate(self, seq):
+        if seq.payload == "bad":
+            raise BadRequestError("bad payload")
+
+    def is_ready(self, seq):
+        return self.gate is None or self.gate(seq)
+
+    def prefill(self, seqs):
+        return [self._step(s) for s in seqs]
+
+    def decode(self, seqs):
+        self.batches.append(sorted(s.request_id for s in seqs))
+        if self.fail_on and any(s.request_id == self.fail_on for s in seqs):
+            raise RuntimeError("boom")
+        return [self._step(s) for s in seqs]
+
+    def _step(self, s):
+        s.num_generated += 1
+        done = s.num_generated >= s.params.max_tokens
+        return StepResult(s, s.num_generated, "length" if done else None)
+
+    def release(self, seq):
+        self.released.append(seq.request_id)
+
+
+class Collector:
+    def __init__(self):
+        self.events, self.done = [], {}
+        self.cv = threading.Condition()
+
+    def __call__(self, rid, output, reason, error):
+        with self.cv:
+            self.events.append((rid, output, reason, error))
+            if reason or error:
+                self.done[rid] = reason or error
+            self.cv.notify_all()
+
+    def wait(self, *rids, timeout=5):
+        with self.cv:
+            assert self.cv.wait_for(lambda: all(r in self.done for r in rids), timeout), self.events
+
+    def outputs(self, rid):
+        return [o for r, o, _, _ in self.events if r == rid and o is not None]
+
+
+def make(runner, slots=4):
+    out = Collector()
+    engine = StageEngine("test", runner, Scheduler(slots), out)
+    engine.start()
+    return engine, out
+
+
+def test_batches_all_running_sequences_and_finishes_each():
+    runner = CountingRunner()
+    engine, out = make(runner)
+    for name, n in (("a", 3), ("b", 5)):
+        engine.add(Sequence(name, SamplingParams(max_tokens=n), None))
+    out.wait("a", "b")
+    engine.stop()
+    assert out.outputs("a") == [1, 2, 3] and out.outputs("b") == [1, 2, 3, 4, 5]
+    assert out.done == {"a": "length", "b": "length"}
+    assert ["a", "b"] in runner.batches  # one decode step served both
+    assert sorted(runner.released) == ["a", "b"] and engine.scheduler.slots_in_use == 0
+
+
+def test_invalid_request_rejected_on_add():
+    engine, _ = make(CountingRunner())
+    try:
+        engine.add(Sequence("x", SamplingParams(), "bad"))
+    except BadRequestError:
+        pass
+    else:
+        raise AssertionError("expected BadRequestError")
+    finally:
+        engine.stop()
+
+
+def test_abort_frees_slot_and_ends_stream():
+    gate_open = threading.Event()
+    runner = CountingRunner(gate=lambda s: gate_open.is_set())
+    engine, out = make(runner, slots=1)
+    engine.add(Sequence("a", SamplingParams(max_tokens=100), None))
+    engine.add(Sequence("b", SamplingParams(max_tokens=2), None))  # waits for a's slot
+    time.sleep(0.1)
+    engine.abort("a")
+    gate_open.set()
+    out.wait("a", "b")
+    engine.stop()
+    assert out.done["a"] == "abort" and out.done["b"] == "length"
+    assert engine.scheduler.slots_in_use == 0
+
+
+def test_failed_step_fails_its_sequences_not_the_engine():
+    runner = CountingRunner(fail_on="bad-one")
+    engine, out = make(runner)
+    engine.add(Sequence("bad-one", SamplingParams(max_tokens=5), None))
+    out.wait("bad-one")
+    engine.add(Sequence("good", SamplingParams(max_tokens=2), None))
+    out.wait("good")
+    engine.stop()
+    assert "failed" in str(out.done["bad-one"]) and out.done["good"] == "length"
+
+
+def test_update_runs_on_engine_thread_and_wakes_gated_sequence():
+    seen = {}
+    runner = CountingRunner(gate=lambda s: s.payload is not None)
+    engine, out = make(runner)
+    engine.add(Sequence("a", SamplingParams(max_tokens=2), None))
+    time.sleep(0.1)
+    assert "a" not in out.done  # prefilled, then gated
+
+    def unblock(seq):
+        seen["thread"] = threading.current_thread().name
+        seq.payload = "go"
+
+    engine.update("a", unblock)
+    out.wait("a")
+    engine.stop()
+    assert seen["thread"] == "test-engine"

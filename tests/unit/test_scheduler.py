@@ -1,0 +1,74 @@
+import pytest
+
+from omnistage.core.errors import BadRequestError, OverloadedError
+from omnistage.core.sampling import SamplingParams
+from omnistage.core.scheduler import Scheduler, Sequence, SeqStatus
+
+
+def seq(name):
+    return Sequence(name, SamplingParams(), payload=None)
+
+
+def test_admits_up_to_free_slots_lowest_first():
+    s = Scheduler(max_slots=3, max_prefills_per_step=8)
+    seqs = [seq(f"r{i}") for i in range(5)]
+    for q in seqs:
+        s.add(q)
+    batch = s.schedule()
+    assert [q.slot for q in batch.prefills] == [0, 1, 2]
+    assert batch.decodes == []
+    assert len(s.waiting) == 2 and s.slots_in_use == 3
+    # next step: the admitted ones decode, nobody new fits
+    batch = s.schedule()
+    assert batch.prefills == [] and len(batch.decodes) == 3
+
+
+def test_finish_frees_slot_and_reuses_lowest():
+    s = Scheduler(max_slots=3)
+    seqs = [seq(f"r{i}") for i in range(4)]
+    for q in seqs:
+        s.add(q)
+    s.schedule()
+    s.finish(seqs[1])
+    assert seqs[1].status is SeqStatus.FINISHED and s.slots_in_use == 2
+    assert s.active_rows == 3
+    batch = s.schedule()
+    assert batch.prefills == [seqs[3]] and seqs[3].slot == 1
+
+
+def test_abort_waiting_sequence_removes_it():
+    s = Scheduler(max_slots=1)
+    a, b = seq("a"), seq("b")
+    s.add(a)
+    s.add(b)
+    s.schedule()
+    s.finish(b)  # still waiting
+    assert "b" not in s and len(s.waiting) == 0
+    s.finish(a)
+    assert s.slots_in_use == 0 and s.active_rows == 0
+
+
+def test_prefill_budget_per_step():
+    s = Scheduler(max_slots=8, max_prefills_per_step=2)
+    for i in range(5):
+        s.add(seq(f"r{i}"))
+    assert len(s.schedule().prefills) == 2
+    assert len(s.schedule().prefills) == 2
+
+
+def test_readiness_filters_decodes():
+    s = Scheduler(max_slots=4)
+    a, b = seq("a"), seq("b")
+    s.add(a)
+    s.add(b)
+    s.schedule()
+    assert s.schedule(lambda q: q.request_id == "b").decodes == [b]
+
+
+def test_queue_limit_and_duplicates():
+    s = Scheduler(max_slots=1, max_waiting=1)
+    s.add(seq("a"))
+    with pytest.raises(BadRequestError):
+        s.add(seq("a"))
+    with pytest.raises(OverloadedError):
+        s.add(seq("b"))
