@@ -30,6 +30,21 @@ def input_tensor(request, name: str, device: torch.device | None = None) -> torc
     return None if t is None else to_torch(t, device)
 
 
+def input_tensors(request, contract) -> dict[str, torch.Tensor]:
+    """Every input of the contract that the request carries, as torch tensors (on their device)."""
+    found = {}
+    for spec in contract.inputs:
+        t = input_tensor(request, spec.name)
+        if t is not None:
+            found[spec.name] = t
+    return found
+
+
+def output_tensors(values: dict) -> list:
+    """name -> torch.Tensor or str (TYPE_STRING) into response tensors."""
+    return [string_tensor(k, v) if isinstance(v, str) else from_torch(k, v) for k, v in values.items()]
+
+
 def string_tensor(name: str, value: str):
     return pb_utils.Tensor(name, np.array([value.encode("utf-8")], dtype=np.object_))
 

@@ -1,0 +1,99 @@
+# A StageClient that runs the three stage engines in this process, with the same request/response
+# mapping as the Triton models (stages/wire.py). Production goes through Triton BLS (triton/bls.py);
+# this one lets tests and tools drive the whole pipeline without a server.
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Iterator
+
+import torch
+
+from ..core.engine import StageEngine
+from ..core.sampling import SamplingParams
+from ..core.scheduler import Scheduler
+from ..stages.code2wav import Code2WavRunner
+from ..stages.talker import TalkerRunner
+from ..stages.thinker import ThinkerRunner
+from ..stages.wire import talker_response, talker_sequence, thinker_response, thinker_sequence
+
+
+class LocalStages:
+    def __init__(self, thinker, talker, code2wav, config, *, slots: int = 8, max_seq_len: int = 1024,
+                 device="cpu", dtype=torch.float32):  # fmt: skip
+        self.max_seq_len = max_seq_len
+        self.speakers = {k.lower(): v for k, v in config.talker_config.speaker_id.items()}
+        self._streams: dict[tuple[str, str], queue.SimpleQueue] = {}
+        self._lock = threading.Lock()
+        kw = dict(max_slots=slots, max_seq_len=max_seq_len, device=device, dtype=dtype)
+        self.engines = {
+            "thinker": StageEngine("thinker", ThinkerRunner(thinker, config, **kw), Scheduler(slots), self._emit("thinker")),
+            "talker": StageEngine("talker", TalkerRunner(talker, config, **kw), Scheduler(slots), self._emit("talker")),
+        }  # fmt: skip
+        self.code2wav_runner = Code2WavRunner(code2wav, torch.device(device), dtype)
+        self._code2wav_lock = threading.Lock()
+        for engine in self.engines.values():
+            engine.start()
+
+    def close(self) -> None:
+        for engine in self.engines.values():
+            engine.stop()
+
+    # ---- StageClient --------------------------------------------------------------------------------------
+    def thinker(self, session: str, inputs: dict, parameters: dict) -> Iterator[dict]:
+        defaults = SamplingParams(max_tokens=self.max_seq_len // 2)
+        seq = thinker_sequence(session, inputs, parameters, defaults, self.max_seq_len)
+        return self._run("thinker", seq, thinker_response)
+
+    def talker(self, session: str, inputs: dict, parameters: dict) -> Iterator[dict]:
+        defaults = SamplingParams(max_tokens=self.max_seq_len // 2)
+        seq = talker_sequence(session, inputs, parameters, defaults, self.max_seq_len, self.speakers)
+        return self._run("talker", seq, talker_response)
+
+    def talker_append(self, session: str, rows: torch.Tensor | None, end: bool) -> None:
+        self.engines["talker"].update(session, lambda seq: seq.payload.append(rows, end))
+
+    def abort(self, stage: str, session: str) -> None:
+        self.engines[stage].abort(session)
+
+    def code2wav(self, codes: torch.Tensor, context_frames: int) -> torch.Tensor:
+        with self._code2wav_lock:  # one forward at a time, as one Triton instance would run
+            return self.code2wav_runner.decode([(codes, context_frames)])[0]
+
+    # ---- internals ----------------------------------------------------------------------------------------
+    def _emit(self, stage: str):
+        def emit(request_id, output, finish_reason, error):
+            with self._lock:
+                stream = self._streams.get((stage, request_id))
+            if stream is not None:
+                stream.put((output, finish_reason, error))
+
+        return emit
+
+    def _run(self, stage: str, seq, encode) -> Iterator[dict]:
+        stream: queue.SimpleQueue = queue.SimpleQueue()
+        key = (stage, seq.request_id)
+        with self._lock:
+            self._streams[key] = stream
+        try:
+            self.engines[stage].add(seq)
+        except Exception:
+            with self._lock:
+                self._streams.pop(key, None)
+            raise
+        return self._read(key, stream, encode)
+
+    def _read(self, key, stream: queue.SimpleQueue, encode) -> Iterator[dict]:
+        try:
+            while True:
+                output, finish_reason, error = stream.get()
+                if error is not None:
+                    raise error
+                out = encode(output, finish_reason)
+                if out:
+                    yield out
+                if finish_reason is not None:
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(key, None)

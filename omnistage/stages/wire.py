@@ -1,0 +1,82 @@
+# Stage requests and responses as plain dicts of named tensors (the names of core/protocol.py), so the
+# Triton glue only converts tensors, and tests can drive the same mapping without Triton.
+from __future__ import annotations
+
+import torch
+
+from ..core.errors import BadRequestError
+from ..core.sampling import SamplingParams, coerce_parameter, sampling_from_parameters
+from ..core.scheduler import Sequence
+from .talker import TalkerOutput, TalkerPrompt
+from .thinker import TalkerConditioning, ThinkerOutput, ThinkerPrompt
+
+Tensors = dict  # name -> torch.Tensor (or str for TYPE_STRING outputs)
+
+
+def thinker_sequence(session: str, inputs: Tensors, params: dict, defaults: SamplingParams, limit: int) -> Sequence:
+    ids = inputs.get("input_ids")
+    if ids is None:
+        raise BadRequestError("input_ids is required")
+    prompt = ThinkerPrompt(
+        input_ids=ids.reshape(-1).long(),
+        pixel_values=inputs.get("pixel_values"),
+        image_grid_thw=inputs.get("image_grid_thw"),
+        input_features=inputs.get("input_features"),
+        feature_attention_mask=inputs.get("feature_attention_mask"),
+        export_talker=coerce_parameter("export_talker", bool, params.get("export_talker", False)),
+    )
+    if (prompt.pixel_values is None) != (prompt.image_grid_thw is None):
+        raise BadRequestError("pixel_values and image_grid_thw go together")
+    if (prompt.input_features is None) != (prompt.feature_attention_mask is None):
+        raise BadRequestError("input_features and feature_attention_mask go together")
+    return Sequence(session, sampling_from_parameters(params, defaults, limit), prompt)
+
+
+def thinker_response(output: ThinkerOutput | None, finish_reason: str | None) -> Tensors:
+    out: Tensors = {}
+    if output is not None:
+        out["token_ids"] = torch.tensor(output.token_ids, dtype=torch.int64)
+        if output.text_rows is not None:
+            out["text_rows"] = output.text_rows
+        if output.talker is not None:
+            c = output.talker
+            out.update(talker_user_rows=c.user_rows, talker_user_is_mm=c.user_is_mm,
+                       talker_user_ids=c.user_ids.long(), talker_special_rows=c.special_rows)  # fmt: skip
+        if output.prompt_tokens is not None:
+            out["prompt_tokens"] = torch.tensor([output.prompt_tokens], dtype=torch.int64)
+    if finish_reason is not None:
+        out["finish_reason"] = finish_reason
+    return out
+
+
+_TALKER_START = ("talker_user_rows", "talker_user_is_mm", "talker_user_ids", "talker_special_rows", "text_rows")
+
+
+def talker_sequence(
+    session: str, inputs: Tensors, params: dict, defaults: SamplingParams, limit: int, speakers: dict[str, int]
+) -> Sequence:
+    missing = [name for name in _TALKER_START if inputs.get(name) is None]
+    if missing:
+        raise BadRequestError(f"talker start is missing {', '.join(missing)}")
+    speaker = str(params.get("speaker", "ethan")).lower()
+    if speaker not in speakers:
+        raise BadRequestError(f"unknown speaker {speaker!r}; valid: {', '.join(sorted(speakers))}")
+    cond = TalkerConditioning(inputs["talker_user_rows"], inputs["talker_user_is_mm"].bool(),
+                              inputs["talker_user_ids"].long(), inputs["talker_special_rows"])  # fmt: skip
+    prompt = TalkerPrompt(cond, speakers[speaker], image_grid_thw=inputs.get("image_grid_thw"),
+                          audio_feature_lengths=inputs.get("audio_feature_lengths"))  # fmt: skip
+    prompt.append(inputs["text_rows"], text_end(params))
+    return Sequence(session, sampling_from_parameters(params, defaults, limit), prompt)
+
+
+def text_end(params: dict) -> bool:
+    return coerce_parameter("text_end", bool, params.get("text_end", False))
+
+
+def talker_response(output: TalkerOutput | None, finish_reason: str | None) -> Tensors:
+    out: Tensors = {}
+    if output is not None:
+        out["codes"] = output.codes
+    if finish_reason is not None:
+        out["finish_reason"] = finish_reason
+    return out

@@ -1,0 +1,86 @@
+# The stage runners against transformers' generate() on the tiny checkpoint (greedy, forced lengths):
+# same reply tokens, same codec codes, for text, text+image and text+audio prompts.
+import pytest
+import torch
+
+from omnistage.core.sampling import SamplingParams
+from omnistage.core.scheduler import Sequence, SeqStatus
+from omnistage.models.processor import prepare_inputs
+from omnistage.stages.talker import TalkerPrompt, TalkerRunner
+from omnistage.stages.thinker import ThinkerPrompt, ThinkerRunner
+
+from . import oracle
+
+REPLY, FRAMES = 6, 10
+
+
+def running(request_id, params, payload, slot):
+    seq = Sequence(request_id, params, payload, slot=slot)
+    seq.status = SeqStatus.RUNNING
+    return seq
+
+
+def run_thinker(runner, seq):
+    results = runner.prefill([seq])
+    out = results[0].output
+    while results[0].finish_reason is None:
+        results = runner.decode([seq])
+        out = out.merge(results[0].output)
+    return out, results[0].finish_reason
+
+
+def run_talker(runner, seq):
+    results, frames = runner.prefill([seq]), []
+    while results[0].finish_reason is None:
+        results = runner.decode([seq])
+        if results[0].output is not None:
+            frames.append(results[0].output.codes)
+    return torch.cat(frames), results[0].finish_reason
+
+
+@pytest.mark.parametrize("kind", ["text", "image", "audio"])
+def test_thinker_and_talker_match_generate(kind, hf_model, processor):
+    inputs = prepare_inputs(processor, oracle.messages(kind))
+    want_text, want_codes, _ = oracle.generate(hf_model, inputs, REPLY, FRAMES)
+
+    kw = dict(max_slots=4, max_seq_len=512, device="cpu", dtype=torch.float32)
+    thinker = ThinkerRunner(hf_model.thinker, hf_model.config, **kw)
+    prompt = ThinkerPrompt(inputs["input_ids"][0], inputs.get("pixel_values"), inputs.get("image_grid_thw"),
+                           inputs.get("input_features"), inputs.get("feature_attention_mask"), export_talker=True)
+    out, reason = run_thinker(thinker, running("t", SamplingParams(max_tokens=REPLY), prompt, slot=2))
+    assert out.token_ids == want_text and reason == "length"
+    assert out.text_rows.shape == (REPLY, hf_model.config.thinker_config.text_config.hidden_size)
+
+    talker = TalkerRunner(hf_model.talker, hf_model.config, **kw)
+    lengths = inputs["feature_attention_mask"].sum(-1) if "feature_attention_mask" in inputs else None
+    tp = TalkerPrompt(out.talker, 2302, list(out.text_rows.unbind(0)), True, inputs.get("image_grid_thw"), lengths)
+    codes, reason = run_talker(talker, running("a", SamplingParams(max_tokens=FRAMES, repetition_penalty=1.05), tp, 1))
+    assert reason == "length"
+    assert torch.equal(codes, want_codes)
+
+
+def test_talker_waits_for_text_it_has_not_received(hf_model, processor):
+    """Streaming text into the talker row by row gives the same frames as handing it all at once."""
+    inputs = prepare_inputs(processor, oracle.messages("text"))
+    _, want_codes, _ = oracle.generate(hf_model, inputs, REPLY, FRAMES)
+    kw = dict(max_slots=2, max_seq_len=512, device="cpu", dtype=torch.float32)
+    thinker = ThinkerRunner(hf_model.thinker, hf_model.config, **kw)
+    out, _ = run_thinker(thinker, running("t", SamplingParams(max_tokens=REPLY),
+                                          ThinkerPrompt(inputs["input_ids"][0], export_talker=True), 0))  # fmt: skip
+    talker = TalkerRunner(hf_model.talker, hf_model.config, **kw)
+    rows = list(out.text_rows.unbind(0))
+    prompt = TalkerPrompt(out.talker, 2302, rows[:1])
+    seq = running("a", SamplingParams(max_tokens=FRAMES, repetition_penalty=1.05), prompt, 0)
+    talker.prefill([seq])
+    frames, fed = [], 1
+    while True:
+        if not talker.is_ready(seq):
+            assert fed <= len(rows)
+            prompt.append(torch.stack(rows[fed : fed + 1]) if fed < len(rows) else None, fed >= len(rows))
+            fed += 1
+            continue
+        result = talker.decode([seq])[0]
+        frames.append(result.output.codes)
+        if result.finish_reason:
+            break
+    assert torch.equal(torch.cat(frames), want_codes)
