@@ -1,0 +1,80 @@
+# Per-stage model loading, so each stage process holds only its own weights.
+# A source is either a HF checkpoint directory (config.json + safetensors shards) or
+# `dummy:<config.json>` (random weights drawn on the target device; `dummy:tiny` = the tiny config).
+import json
+from pathlib import Path
+
+import torch
+
+STAGES = ("thinker", "talker", "code2wav")
+DUMMY_PREFIX = "dummy:"
+
+
+def _stage_class(stage: str):
+    import transformers
+
+    names = {
+        "thinker": "Qwen3OmniMoeThinkerForConditionalGeneration",
+        "talker": "Qwen3OmniMoeTalkerForConditionalGeneration",
+        "code2wav": "Qwen3OmniMoeCode2Wav",
+    }
+    if stage not in names:
+        raise ValueError(f"unknown stage {stage!r}; expected one of {STAGES}")
+    return getattr(transformers, names[stage])
+
+
+def is_dummy(source) -> bool:
+    return str(source).startswith(DUMMY_PREFIX)
+
+
+def load_config(source):
+    from transformers import Qwen3OmniMoeConfig
+
+    source = str(source)
+    if is_dummy(source):
+        path = source[len(DUMMY_PREFIX):]
+        if path == "tiny":
+            from omnistage.models.tiny_config import tiny_config_dict
+
+            return Qwen3OmniMoeConfig(**tiny_config_dict())
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"dummy config {path} does not exist")
+        return Qwen3OmniMoeConfig.from_dict(json.loads(Path(path).read_text()))
+    if not (Path(source) / "config.json").is_file():
+        raise FileNotFoundError(f"{source} is not a checkpoint directory (no config.json)")
+    return Qwen3OmniMoeConfig.from_pretrained(source, local_files_only=True)
+
+
+def _resolve_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"unsupported dtype {dtype!r}")
+    return dtype
+
+
+def stage_seed(seed: int, stage: str) -> int:
+    # Distinct streams per stage, so dummy thinker and talker weights are not copies of each other.
+    return int(seed) * 1009 + STAGES.index(stage)
+
+
+def load_stage(source, stage: str, dtype=torch.bfloat16, device="cpu", seed: int = 0, *,
+               attn_implementation: str | None = None, experts_implementation: str | None = None):
+    """Returns the eval-mode transformers module of one stage: thinker -> ThinkerForConditionalGeneration,
+    talker -> TalkerForConditionalGeneration (with its code predictor), code2wav -> Code2Wav."""
+    from omnistage.models.random_init import init_random_weights_
+    from omnistage.models.skeleton import empty_stage
+    from omnistage.models.weights import load_prefixed_
+
+    cls = _stage_class(stage)
+    config = load_config(source)
+    sub_config = getattr(config, f"{stage}_config")
+    if stage != "thinker" and not config.enable_audio_output:
+        raise ValueError(f"{source}: enable_audio_output is false, the checkpoint has no {stage}")
+    model = empty_stage(cls, sub_config, _resolve_dtype(dtype), device,
+                        attn_implementation=attn_implementation, experts_implementation=experts_implementation)
+    if is_dummy(source):
+        init_random_weights_(model, stage_seed(seed, stage))
+    else:
+        load_prefixed_(model, Path(source), stage)
+    return model.eval().requires_grad_(False)

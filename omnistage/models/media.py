@@ -1,0 +1,105 @@
+# Decoding of request media (base64 / data: URLs) into what the processor takes: PIL images and
+# 16 kHz mono float32 waveforms. Every failure is the client's, so it is a BadRequestError.
+import base64
+import binascii
+import io
+import wave
+
+import numpy as np
+
+from omnistage.core.errors import BadRequestError
+
+SAMPLE_RATE = 16000  # the Whisper feature extractor's rate
+MIN_AUDIO_SAMPLES = 400  # one n_fft window; shorter clips yield no audio-encoder frames
+
+_WAV_MIMES = {"audio/wav", "audio/x-wav", "audio/wave", "audio/vnd.wave"}
+_PCM_MIMES = {"audio/pcm", "audio/l16", "audio/pcm16"}
+
+
+def b64decode(data, what: str) -> bytes:
+    if not isinstance(data, str) or not data:
+        raise BadRequestError(f"{what}: expected a non-empty base64 string")
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise BadRequestError(f"{what}: invalid base64 ({e})") from None
+
+
+def split_data_url(url, what: str) -> tuple[str, bytes]:
+    # Only inline data: the serving hosts have no outbound network, so remote URLs cannot be fetched.
+    if not isinstance(url, str) or not url.startswith("data:"):
+        raise BadRequestError(f"{what}: only base64 data: URLs are supported")
+    header, sep, payload = url[5:].partition(",")
+    if not sep or not header.endswith(";base64"):
+        raise BadRequestError(f"{what}: expected 'data:<mime>;base64,<data>'")
+    return header[: -len(";base64")].split(";")[0].strip().lower(), b64decode(payload, what)
+
+
+def decode_image(raw: bytes, what: str):
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        image = Image.open(io.BytesIO(raw))
+        image.load()
+    except (UnidentifiedImageError, OSError, ValueError) as e:
+        raise BadRequestError(f"{what}: cannot decode image ({e})") from None
+    return image.convert("RGB")
+
+
+def audio_format_from_mime(mime: str, what: str) -> str:
+    if mime in _WAV_MIMES:
+        return "wav"
+    if mime in _PCM_MIMES:
+        return "pcm"
+    raise BadRequestError(f"{what}: unsupported audio type {mime!r} (supported: WAV, 16 kHz s16le PCM)")
+
+
+def decode_audio(raw: bytes, fmt: str, what: str) -> np.ndarray:
+    fmt = fmt.lower() if isinstance(fmt, str) else fmt
+    if fmt == "wav":
+        samples, rate = _read_wav(raw, what)
+    elif fmt in ("pcm", "pcm16"):
+        if len(raw) % 2:
+            raise BadRequestError(f"{what}: s16le PCM needs an even number of bytes")
+        samples, rate = np.frombuffer(raw, dtype="<i2").astype(np.float32) / 32768.0, SAMPLE_RATE
+    else:
+        raise BadRequestError(f"{what}: unsupported audio format {fmt!r} (supported: wav, pcm)")
+    samples = _resample(samples, rate)
+    if samples.size < MIN_AUDIO_SAMPLES:
+        raise BadRequestError(f"{what}: audio too short ({samples.size} samples at {SAMPLE_RATE} Hz)")
+    return samples
+
+
+def _read_wav(raw: bytes, what: str) -> tuple[np.ndarray, int]:
+    try:
+        with wave.open(io.BytesIO(raw)) as w:
+            channels, width, rate = w.getnchannels(), w.getsampwidth(), w.getframerate()
+            frames = w.readframes(w.getnframes())
+    except (wave.Error, EOFError) as e:
+        # The stdlib reader handles integer PCM only (no float or compressed WAV).
+        raise BadRequestError(f"{what}: cannot read WAV ({e}); send integer PCM WAV") from None
+    if rate <= 0 or channels <= 0:
+        raise BadRequestError(f"{what}: invalid WAV header")
+    if width == 1:  # 8-bit WAV is unsigned
+        x = (np.frombuffer(frames, dtype=np.uint8).astype(np.float32) - 128.0) / 128.0
+    elif width == 2:
+        x = np.frombuffer(frames, dtype="<i2").astype(np.float32) / 32768.0
+    elif width == 3:
+        b = np.frombuffer(frames[: len(frames) // 3 * 3], dtype=np.uint8).reshape(-1, 3).astype(np.int32)
+        v = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)
+        x = (np.where(v >= 1 << 23, v - (1 << 24), v)).astype(np.float32) / float(1 << 23)
+    elif width == 4:
+        x = np.frombuffer(frames, dtype="<i4").astype(np.float32) / float(1 << 31)
+    else:
+        raise BadRequestError(f"{what}: unsupported WAV sample width {width}")
+    x = x[: x.size // channels * channels].reshape(-1, channels).mean(axis=1)  # downmix to mono
+    return x, rate
+
+
+def _resample(x: np.ndarray, rate: int) -> np.ndarray:
+    if rate == SAMPLE_RATE or x.size == 0:
+        return np.ascontiguousarray(x, dtype=np.float32)
+    # Linear interpolation: good enough for speech into a 128-bin log-mel front end.
+    n_out = max(1, int(round(x.size * SAMPLE_RATE / rate)))
+    t_out = np.arange(n_out, dtype=np.float64) * (rate / SAMPLE_RATE)
+    return np.interp(t_out, np.arange(x.size, dtype=np.float64), x).astype(np.float32)

@@ -1,0 +1,169 @@
+# Offline Qwen3OmniMoeProcessor (tokenizer + Whisper features + PIL image patches) and the conversion
+# of OpenAI-style chat messages into thinker inputs.
+import contextlib
+import json
+from pathlib import Path
+
+from omnistage.core.errors import BadRequestError
+from omnistage.models import media
+
+# The released preprocessor_config.json (one merged file for audio and image); used where a
+# checkpoint has none.
+DEFAULT_PREPROCESSOR = {
+    "feature_size": 128, "sampling_rate": 16000, "hop_length": 160, "n_fft": 400, "chunk_length": 300,
+    "padding_value": 0.0, "dither": 0.0, "return_attention_mask": True,
+    "patch_size": 16, "merge_size": 2, "temporal_patch_size": 2, "min_pixels": 3136, "max_pixels": 12845056,
+    "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+}
+_FEATURE_KEYS = ("feature_size", "sampling_rate", "hop_length", "n_fft", "chunk_length", "padding_value",
+                 "dither", "return_attention_mask")
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_OUTPUT_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "input_features",
+                "feature_attention_mask")
+
+
+class NoVideoProcessor:
+    # Stand-in for Qwen2VLVideoProcessor, which needs torchvision. The processor reads merge_size
+    # even for calls without video, and model_input_names when listing inputs.
+    merge_size = 2
+    temporal_patch_size = 2
+    model_input_names = ["pixel_values_videos", "video_grid_thw"]
+
+    def __call__(self, *args, **kwargs):
+        raise BadRequestError("video input is not supported")
+
+
+@contextlib.contextmanager
+def _allow_video_stand_in():
+    # Without torchvision ProcessorMixin cannot even resolve BaseVideoProcessor for its class check
+    # of the video_processor argument; skip the check for the stand-in while constructing.
+    from transformers.processing_utils import ProcessorMixin
+
+    original = ProcessorMixin.check_argument_for_proper_class
+
+    def check(self, name, arg):
+        return None if isinstance(arg, NoVideoProcessor) else original(self, name, arg)
+
+    ProcessorMixin.check_argument_for_proper_class = check
+    try:
+        yield
+    finally:
+        ProcessorMixin.check_argument_for_proper_class = original
+
+
+def _read_preprocessor_config(directory: Path | None) -> dict:
+    cfg = dict(DEFAULT_PREPROCESSOR)
+    path = directory / "preprocessor_config.json" if directory else None
+    if path and path.is_file():
+        cfg.update(json.loads(path.read_text()))
+    return cfg
+
+
+def _load_tokenizer(directory: Path | None):
+    from omnistage.models.tokenizer import CHAT_TEMPLATE, EXTRA_SPECIAL_TOKENS, build_tokenizer
+
+    has_files = directory is not None and any(
+        (directory / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
+    if not has_files:
+        return build_tokenizer()  # same vocabulary as the released model, built offline
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    if any(getattr(tokenizer, name, None) is None for name in EXTRA_SPECIAL_TOKENS):
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(directory), local_files_only=True, extra_special_tokens=dict(EXTRA_SPECIAL_TOKENS))
+    # The processor-level template (chat_template.json, as in the released repo) knows media parts;
+    # a tokenizer-level one may be the text-only Qwen3 template.
+    processor_template = directory / "chat_template.json"
+    if processor_template.is_file():
+        tokenizer.chat_template = json.loads(processor_template.read_text())["chat_template"]
+    elif not tokenizer.chat_template:
+        tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def load_processor(source):
+    """source: a checkpoint directory, or a `dummy:` source (built-in tokenizer, released defaults)."""
+    from transformers import Qwen2VLImageProcessorPil, Qwen3OmniMoeProcessor, WhisperFeatureExtractor
+
+    directory = None if str(source).startswith("dummy:") else Path(source)
+    if directory is not None and not directory.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
+    cfg = _read_preprocessor_config(directory)
+    feature_extractor = WhisperFeatureExtractor(**{k: cfg[k] for k in _FEATURE_KEYS})
+    # Pass `size` as a fresh dict: given min_pixels/max_pixels, 5.17 mutates the class-level default.
+    image_processor = Qwen2VLImageProcessorPil(
+        size={"shortest_edge": cfg["min_pixels"], "longest_edge": cfg["max_pixels"]},
+        patch_size=cfg["patch_size"], merge_size=cfg["merge_size"],
+        temporal_patch_size=cfg["temporal_patch_size"],
+        image_mean=cfg["image_mean"], image_std=cfg["image_std"],
+    )
+    tokenizer = _load_tokenizer(directory)
+    with _allow_video_stand_in():
+        return Qwen3OmniMoeProcessor(
+            image_processor=image_processor, video_processor=NoVideoProcessor(),
+            feature_extractor=feature_extractor, tokenizer=tokenizer, chat_template=tokenizer.chat_template,
+        )
+
+
+def _convert_part(part, role: str, where: str, images: list, audios: list) -> dict:
+    if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+        raise BadRequestError(f"{where}: a content part must be an object with a 'type'")
+    kind = part["type"]
+    if kind == "text":
+        if not isinstance(part.get("text"), str):
+            raise BadRequestError(f"{where}: a text part needs a string 'text'")
+        return {"type": "text", "text": part["text"]}
+    if kind not in ("image_url", "input_audio", "audio_url"):
+        raise BadRequestError(f"{where}: unsupported content part type {kind!r}")
+    if role != "user":
+        raise BadRequestError(f"{where}: {kind} parts are only allowed in user messages")
+    body = part.get(kind)
+    if isinstance(body, str) and kind != "input_audio":
+        body = {"url": body}
+    if not isinstance(body, dict):
+        raise BadRequestError(f"{where}: {kind} part needs a '{kind}' object")
+    if kind == "image_url":
+        _, raw = media.split_data_url(body.get("url"), where)
+        images.append(media.decode_image(raw, where))
+        return {"type": "image"}
+    if kind == "input_audio":
+        raw = media.b64decode(body.get("data"), where)
+        audios.append(media.decode_audio(raw, body.get("format", "wav"), where))
+    else:
+        mime, raw = media.split_data_url(body.get("url"), where)
+        audios.append(media.decode_audio(raw, media.audio_format_from_mime(mime, where), where))
+    return {"type": "audio"}
+
+
+def _convert_messages(messages) -> tuple[list, list, list]:
+    if not isinstance(messages, list) or not messages:
+        raise BadRequestError("messages must be a non-empty list")
+    conversation, images, audios = [], [], []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise BadRequestError(f"{where}: must be an object")
+        role = _ROLES.get(message.get("role"))
+        if role is None:
+            raise BadRequestError(f"{where}: unknown role {message.get('role')!r}")
+        content = message.get("content")
+        if isinstance(content, str):
+            conversation.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list) or not content:
+            raise BadRequestError(f"{where}: content must be a string or a non-empty list of parts")
+        parts = [_convert_part(p, role, f"{where}.content[{j}]", images, audios) for j, p in enumerate(content)]
+        conversation.append({"role": role, "content": parts})
+    return conversation, images, audios
+
+
+def prepare_inputs(processor, messages: list[dict]) -> dict:
+    """OpenAI chat messages -> {input_ids [1, L], attention_mask [1, L], and when present pixel_values
+    [patches, C*T*P*P], image_grid_thw [n_img, 3], input_features [n_audio, 128, frames],
+    feature_attention_mask [n_audio, frames]} as torch tensors, ready for the thinker."""
+    conversation, images, audios = _convert_messages(messages)
+    prompt = processor.tokenizer.apply_chat_template(
+        conversation, chat_template=processor.chat_template, add_generation_prompt=True, tokenize=False)
+    batch = processor(text=[prompt], images=images or None, audio=audios or None, return_tensors="pt")
+    return {k: batch[k] for k in _OUTPUT_KEYS if k in batch}

