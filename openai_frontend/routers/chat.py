@@ -1,0 +1,36 @@
+# POST /v1/chat/completions
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from openai_frontend import chat_service
+from openai_frontend.chat_params import plan_chat
+from openai_frontend.chat_render import ResponseIds
+from openai_frontend.errors import FrontendError, error_response
+from openai_frontend.schemas import ChatCompletionRequest
+from openai_frontend.sse import ClientDisconnected, SSEResponse, cancel_on_disconnect
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    settings = request.app.state.settings
+    client = request.app.state.client
+    if body.model is not None and body.model != settings.model_name:
+        raise FrontendError(
+            404, f"model {body.model!r} not found; this server serves {settings.model_name!r}",
+            param="model", code="model_not_found",
+        )
+    plan = plan_chat(body, settings)
+    ids = ResponseIds(model=settings.model_name)
+    if plan.stream:
+        return SSEResponse(chat_service.stream_events(client, plan, ids), on_error=error_response)
+    try:
+        # uvicorn does not cancel a handler whose client left; without this a long spoken answer
+        # would be generated to the end for nobody
+        result = await cancel_on_disconnect(request.receive, chat_service.complete(client, plan, ids))
+    except ClientDisconnected:
+        return Response(status_code=499)  # never delivered
+    return JSONResponse(result)

@@ -1,0 +1,164 @@
+# Request bodies of the OpenAI endpoints, validated by pydantic (strict: "0.5" is not a float).
+# Messages are checked for shape only and forwarded as sent; the ensemble interprets them.
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+VOICES = ("chelsie", "ethan", "aiden")  # Qwen3-Omni's speakers
+AUDIO_FORMAT_ALIASES = {"wav": "wav", "pcm": "pcm", "pcm16": "pcm"}  # pcm16: OpenAI's name for s16le
+MODALITIES = ("text", "audio")  # a request may ask for either or both
+ROLES = ("system", "developer", "user", "assistant")
+INT32_MAX = 2**31 - 1
+INT64 = (-(2**63), 2**63 - 1)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+# ---- messages -------------------------------------------------------------------------------------------
+# Content parts the ensemble understands: part type -> required string fields of its payload object
+# (None: the payload itself is the string).
+CONTENT_PARTS = {
+    "text": None,
+    "image_url": ("url",),
+    "input_audio": ("data", "format"),
+    "audio_url": ("url",),
+}
+
+
+def check_content(content: Any) -> Any:
+    """A string, or a non-empty list of content parts; returned unchanged (forwarded as sent)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not content:
+        raise ValueError("content must be a string or a non-empty list of content parts")
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in CONTENT_PARTS:
+            raise ValueError(f"content[{i}].type must be one of {', '.join(CONTENT_PARTS)}, got {kind!r}")
+        payload, fields = part.get(kind), CONTENT_PARTS[kind]
+        if fields is None:
+            ok = isinstance(payload, str)
+        else:
+            ok = isinstance(payload, dict) and all(isinstance(payload.get(f), str) for f in fields)
+        if not ok:
+            shape = "a string" if fields is None else "an object with string " + ", ".join(fields)
+            raise ValueError(f"content[{i}].{kind} must be {shape}")
+    return content
+
+
+class ChatMessage(_Open):
+    role: Literal[ROLES]  # type: ignore[valid-type]
+    content: Any
+
+    _content = field_validator("content", mode="before")(check_content)
+
+
+# ---- audio output ---------------------------------------------------------------------------------------
+def check_voice(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, dict) and set(value) == {"id"}:  # OpenAI's custom-voice form {"id": ...}
+        value = value["id"]
+    if not isinstance(value, str):
+        raise ValueError("voice must be a string")
+    voice = value.strip().lower()
+    if voice not in VOICES:
+        raise ValueError(f"unknown voice {value!r}; valid voices: {', '.join(VOICES)}")
+    return voice
+
+
+class AudioOptions(_Strict):
+    voice: Any = None
+    format: str = "wav"
+
+    _voice = field_validator("voice", mode="before")(check_voice)
+
+    @field_validator("format", mode="before")
+    @classmethod
+    def _format(cls, value: Any) -> str:
+        if not isinstance(value, str) or value.strip().lower() not in AUDIO_FORMAT_ALIASES:
+            supported = ", ".join(AUDIO_FORMAT_ALIASES)
+            raise ValueError(f"unsupported audio format {value!r}; supported: {supported}")
+        return AUDIO_FORMAT_ALIASES[value.strip().lower()]
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+# ---- sampling -------------------------------------------------------------------------------------------
+class Sampling(_Strict):
+    """The engine's sampling fields; names equal `omnistage.core.protocol.SAMPLING_PARAMETERS`."""
+
+    max_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    seed: Annotated[int, Field(ge=INT64[0], le=INT64[1])] | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+
+
+class StageSampling(Sampling):
+    """One entry of vLLM-Omni's `sampling_params_list` ([thinker, talker, code2wav])."""
+
+    # vLLM SamplingParams fields that change nothing here; accepted so vLLM-Omni clients work as they are
+    detokenize: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+
+
+# ---- /v1/chat/completions --------------------------------------------------------------------------------
+class ChatCompletionRequest(Sampling):
+    model_config = ConfigDict(strict=True, extra="ignore")  # OpenAI fields we do not use are tolerated
+
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    modalities: list[Literal[MODALITIES]] | None = None  # type: ignore[valid-type]
+    audio: AudioOptions | None = None
+    speaker: Any = None  # vLLM-Omni's top-level voice fields
+    voice: Any = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    sampling_params_list: Annotated[list[StageSampling | None], Field(max_length=3)] | None = None
+    # OpenAI fields whose silent omission would change the answer: accepted only at their no-op value
+    n: int | None = None
+    stop: str | list[str] | None = None
+    tools: list[Any] | None = None
+    logprobs: bool | None = None
+
+    _voices = field_validator("speaker", "voice", mode="before")(check_voice)
+
+    @field_validator("modalities")
+    @classmethod
+    def _modalities(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and (not value or len(set(value)) != len(value)):
+            raise ValueError(f"modalities must be a non-empty list of distinct values from {', '.join(MODALITIES)}")
+        return value
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> ChatCompletionRequest:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        if self.n not in (None, 1):
+            raise ValueError("n > 1 is not supported")
+        if self.stop:
+            raise ValueError("stop strings are not supported; use stop_token_ids")
+        if self.tools:
+            raise ValueError("tools are not supported")
+        if self.logprobs:
+            raise ValueError("logprobs are not supported")
+        return self

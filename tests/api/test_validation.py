@@ -1,0 +1,80 @@
+# Bad requests get 400 with OpenAI's error object, and the server keeps serving.
+import pytest
+
+USER = [{"role": "user", "content": "hi"}]
+JSON = {"content-type": "application/json"}
+
+BAD_BODIES = {
+    "malformed json": (b'{"messages": [', None),
+    "not an object": (b'[1, 2]', None),
+    "empty body": (b"", None),
+    "messages missing": ({"model": "qwen3-omni"}, "messages"),
+    "messages empty": ({"messages": []}, "messages"),
+    "messages not a list": ({"messages": "hi"}, "messages"),
+    "role unknown": ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    "content wrong type": ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    "content part unknown": ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "x"}}]}]},
+                             "messages[0].content"),
+    "image_url without url": ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+                              "messages[0].content"),
+    "temperature string": ({"messages": USER, "temperature": "hot"}, "temperature"),
+    "temperature range": ({"messages": USER, "temperature": 9}, "temperature"),
+    "max_tokens float": ({"messages": USER, "max_tokens": 3.5}, "max_tokens"),
+    "stream not bool": ({"messages": USER, "stream": "yes"}, "stream"),
+    "modality unknown": ({"messages": USER, "modalities": ["video"]}, "modalities[0]"),
+    "modalities empty": ({"messages": USER, "modalities": []}, "modalities"),
+    "voice unknown": ({"messages": USER, "audio": {"voice": "alloy", "format": "wav"}}, "audio.voice"),
+    "speaker unknown": ({"messages": USER, "speaker": "bob"}, "speaker"),
+    "format unsupported": ({"messages": USER, "audio": {"voice": "ethan", "format": "mp3"}}, "audio.format"),
+    "audio unknown key": ({"messages": USER, "audio": {"voice": "ethan", "speed": 2}}, "audio.speed"),
+    "stream_options without stream": ({"messages": USER, "stream_options": {"include_usage": True}}, None),
+    "n > 1": ({"messages": USER, "n": 2}, None),
+    "sampling_params_list typo": ({"messages": USER, "sampling_params_list": [{"temprature": 1}]}, "sampling_params_list[0].temprature"),
+}
+
+
+@pytest.mark.parametrize("body, param", BAD_BODIES.values(), ids=BAD_BODIES.keys())
+def test_bad_request(http, fake, body, param):
+    if isinstance(body, bytes):
+        r = http.post("/v1/chat/completions", content=body, headers=JSON)
+    else:
+        r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["message"]
+    assert error["param"] == param
+    assert fake.calls == []  # nothing reached the backend
+
+
+def test_messages_of_interest(http):
+    def message(body):
+        return http.post("/v1/chat/completions", json={"messages": USER, **body}).json()["error"]["message"]
+
+    assert "valid voices: chelsie, ethan, aiden" in message({"audio": {"voice": "alloy", "format": "wav"}})
+    assert "supported: wav, pcm, pcm16" in message({"audio": {"voice": "ethan", "format": "opus"}})
+    assert "stop_token_ids" in message({"stop": ["\n"]})
+    malformed = http.post("/v1/chat/completions", content=b"{", headers=JSON).json()["error"]["message"]
+    assert malformed.startswith("request body is not valid JSON")
+
+
+def test_json_needs_its_content_type(http):
+    # FastAPI's strict content type (a CSRF guard) is kept; the message says what to do
+    r = http.post("/v1/chat/completions", content=b'{"messages": [{"role": "user", "content": "hi"}]}')
+    assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("method, path, status", [("GET", "/v1/chat/completions", 405), ("POST", "/v1/completions", 404),
+                                                  ("GET", "/nope", 404)])
+def test_routing_errors_use_the_openai_envelope(http, method, path, status):
+    r = http.request(method, path, json={})
+    assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_server_healthy_after_bad_requests(http, fake):
+    for body, _ in BAD_BODIES.values():
+        http.post("/v1/chat/completions", content=body if isinstance(body, bytes) else None,
+                  json=None if isinstance(body, bytes) else body)
+    assert http.get("/health").status_code == 200
+    r = http.post("/v1/chat/completions", json={"messages": USER, "modalities": ["text"]})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "Hello world"
