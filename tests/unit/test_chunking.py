@@ -1,0 +1,150 @@
+import itertools
+
+import pytest
+
+from omnistage.core.chunking import ChunkCutter, ChunkSchedule, Window
+
+
+def cut(schedule, pushes):
+    """Windows per push() call plus finish(), for a list of frame counts."""
+    cutter = schedule.cutter()
+    return [cutter.push(n) for n in pushes], cutter.finish()
+
+
+def all_windows(schedule, total, step=1):
+    pushed, final = cut(schedule, [step] * (total // step) + ([total % step] if total % step else []))
+    return [w for ws in pushed for w in ws] + final
+
+
+def assert_covers(windows, total, left_context):
+    if not windows:
+        assert total == 0
+        return
+    assert [w.start for w in windows] == [0] + [w.end for w in windows[:-1]]
+    assert windows[-1].end == total
+    for w in windows:
+        assert w.end > w.start
+        assert w.context == min(left_context, w.start)
+        assert w.frames == w.end - w.start + w.context
+
+
+DEFAULT_ENDS = {
+    0: [],
+    1: [1],
+    3: [3],
+    4: [4],
+    5: [4, 5],
+    28: [4, 28],
+    29: [4, 29],
+    30: [4, 29, 30],
+    54: [4, 29, 54],
+    100: [4, 29, 54, 79, 100],
+}
+
+
+@pytest.mark.parametrize("total", sorted(DEFAULT_ENDS))
+def test_default_schedule_boundaries(total):
+    windows = all_windows(ChunkSchedule(), total)
+    assert [w.end for w in windows] == DEFAULT_ENDS[total]
+    assert_covers(windows, total, 25)
+    if windows:
+        assert windows[0] == Window(0, windows[0].end, 0)
+
+
+def test_default_schedule_windows():
+    assert all_windows(ChunkSchedule(), 100) == [
+        Window(0, 4, 0),
+        Window(4, 29, 4),
+        Window(29, 54, 25),
+        Window(54, 79, 25),
+        Window(79, 100, 25),
+    ]
+
+
+def test_windows_become_ready_at_the_right_push():
+    pushed, final = cut(ChunkSchedule(), [1] * 54)
+    ready_at = [i + 1 for i, ws in enumerate(pushed) if ws]  # frames pushed when a window came out
+    assert ready_at == [4, 29, 54]
+    assert all(len(ws) <= 1 for ws in pushed)
+    assert final == []  # 54 = 4 + 2 * 25: nothing left
+
+
+def test_one_push_can_release_several_windows():
+    schedule = ChunkSchedule()
+    pushed, final = cut(schedule, [3, 60, 0])
+    assert pushed == [[], [Window(0, 4, 0), Window(4, 29, 4), Window(29, 54, 25)], []]
+    assert final == [Window(54, 63, 25)]
+
+
+def test_coverage_exactly_once():
+    for first, chunk, ctx, total, step in itertools.product(
+        [1, 4], [1, 7, 25], [1, 25, 100], [0, 1, 3, 4, 5, 28, 29, 30, 54, 100], [1, 3, 25]
+    ):
+        schedule = ChunkSchedule(first_chunk_frames=first, chunk_frames=chunk, left_context_frames=ctx)
+        windows = all_windows(schedule, total, step)
+        assert_covers(windows, total, ctx)
+        if windows:
+            assert windows[0].context == 0
+            assert windows[0].end == min(first, total)
+            # every window but the first and the last emits exactly its chunk size
+            assert all(w.end - w.start == chunk for w in windows[1:-1])
+
+
+def test_first_chunk_of_one_frame():
+    assert all_windows(ChunkSchedule(1, 25, 25), 30) == [Window(0, 1, 0), Window(1, 26, 1), Window(26, 30, 25)]
+
+
+def test_finish_with_nothing_left():
+    cutter = ChunkCutter(ChunkSchedule())
+    assert cutter.push(29) == [Window(0, 4, 0), Window(4, 29, 4)]
+    assert cutter.finish() == []
+    assert ChunkSchedule().cutter().finish() == []
+
+
+def test_cutter_misuse():
+    cutter = ChunkSchedule().cutter()
+    for bad in (-1, 1.5, True, "3"):
+        with pytest.raises(ValueError, match="n_new_frames"):
+            cutter.push(bad)
+    cutter.finish()
+    with pytest.raises(RuntimeError):
+        cutter.push(1)
+    with pytest.raises(RuntimeError):
+        cutter.finish()
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"first_chunk_frames": 0}, "first_chunk_frames"),
+        ({"first_chunk_frames": -4}, "first_chunk_frames"),
+        ({"first_chunk_frames": 4.0}, "first_chunk_frames"),
+        ({"chunk_frames": 0}, "chunk_frames"),
+        ({"chunk_frames": True}, "chunk_frames"),
+        ({"chunk_frames": "25"}, "chunk_frames"),
+        ({"left_context_frames": 0}, "left_context_frames"),
+        ({"left_context_frames": -1}, "left_context_frames"),
+        ({"left_context_frames": None}, "left_context_frames"),
+    ],
+)
+def test_schedule_validation(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        ChunkSchedule(**kwargs)
+
+
+def test_left_context_error_says_why():
+    with pytest.raises(ValueError, match="non-final tail"):
+        ChunkSchedule(left_context_frames=0)
+
+
+def test_core_chunking_is_torch_free():
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    import omnistage
+
+    root = str(pathlib.Path(omnistage.__file__).resolve().parents[1])
+    code = "import sys, omnistage.core.chunking; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": root})
