@@ -10,7 +10,6 @@ from transformers import DynamicCache
 
 from ..core.engine import StepResult
 from ..core.errors import BadRequestError
-from ..core.protocol import CODE_GROUPS
 from ..core.scheduler import Sequence
 from .code_predictor import CodePredictor
 from .decoder_step import decode_step

@@ -1,6 +1,7 @@
-# Triton glue of the code2wav stage. Stateless per window, so Triton's dynamic batcher hands several
-# queued windows (from many requests) to one execute() call and they are decoded together. Responses
-# go out from a sender thread, so the next batch can start while this one's results are being sent.
+# Triton glue of the code2wav stage. Each request is one window of codec frames; windows are stateless,
+# so whatever windows have queued (from any number of requests) are decoded together. Triton 2.51
+# hands a max_batch_size-0 Python model one request per execute(), so the batching happens here:
+# execute() only enqueues, and a worker thread drains the queue, decodes the batch and sends.
 from __future__ import annotations
 
 import logging
@@ -15,7 +16,7 @@ from ..models.checkpoint import load_stage
 from ..stages.code2wav import Code2WavRunner
 from .responder import error_response, send_final
 from .stage_model import instance_device, model_parameters, stage_dtype
-from .tensors import from_torch, input_tensor
+from .tensors import input_tensor, output_tensors
 
 log = logging.getLogger(__name__)
 
@@ -29,12 +30,12 @@ class Code2WavModel:
             torch.cuda.set_device(self.device)
         module = load_stage(params["model_path"], "code2wav", dtype, self.device)
         self.runner = Code2WavRunner(module, self.device, dtype)
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._sender = threading.Thread(target=self._send_loop, name="code2wav-sender", daemon=True)
-        self._sender.start()
+        self.max_batch = int(params.get("max_batch_windows", 64))
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._worker = threading.Thread(target=self._loop, name="code2wav-worker", daemon=True)
+        self._worker.start()
 
     def execute(self, requests):
-        windows, senders = [], []
         for request in requests:
             sender = request.get_response_sender()
             try:
@@ -42,32 +43,32 @@ class Code2WavModel:
                 context = input_tensor(request, "context_frames")
                 if codes is None or context is None:
                     raise BadRequestError("codes and context_frames are required")
-                windows.append((codes.to(self.device).long(), int(context.reshape(-1)[0])))
-                senders.append(sender)
+                window = (codes.to(self.device).long(), int(context.reshape(-1)[0]))
+                self.runner.validate(*window)
+                self._queue.put((window, sender))
             except Exception as e:
-                self._outbox.put((sender, error_response(e if isinstance(e, OmniError) else BadRequestError(str(e)))))
-        if windows:
-            try:
-                wavs = self.runner.decode(windows)
-                for sender, wav in zip(senders, wavs):
-                    response = pb_utils.InferenceResponse(output_tensors=[from_torch("audio", wav.float())])
-                    self._outbox.put((sender, response))
-            except OmniError as e:
-                for sender in senders:
-                    self._outbox.put((sender, error_response(e)))
-            except Exception as e:
-                log.exception("[code2wav] decode failed")
-                for sender in senders:
-                    self._outbox.put((sender, error_response(e)))
+                send_final(sender, error_response(e if isinstance(e, OmniError) else BadRequestError(str(e))))
         return None
 
-    def _send_loop(self) -> None:
+    def _loop(self) -> None:
         while True:
-            item = self._outbox.get()
-            if item is None:
+            batch = [self._queue.get()]
+            while len(batch) < self.max_batch:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            if any(item is None for item in batch):
                 return
-            sender, response = item
-            send_final(sender, response)
+            try:
+                wavs = self.runner.decode([window for window, _ in batch])
+                responses = [output_tensors({"audio": wav.float().contiguous()}) for wav in wavs]
+                for (_, sender), tensors in zip(batch, responses):
+                    send_final(sender, pb_utils.InferenceResponse(output_tensors=tensors))
+            except Exception as e:
+                log.exception("[code2wav] decode failed")
+                for _, sender in batch:
+                    send_final(sender, error_response(e if isinstance(e, OmniError) else OmniError(str(e))))
 
     def finalize(self) -> None:
-        self._outbox.put(None)
+        self._queue.put(None)

@@ -19,7 +19,7 @@ from ..pipeline.request import OmniOutput, OmniRequest
 from .bls import BlsStageClient
 from .responder import Responder, error_response, send_final
 from .stage_model import model_parameters
-from .tensors import from_torch, read_string, request_parameters, string_tensor
+from .tensors import output_tensors, read_string, request_parameters
 
 log = logging.getLogger(__name__)
 
@@ -104,18 +104,18 @@ class OmniModel:
         return inputs
 
     def encode(self, output: OmniOutput | None, finish_reason: str | None) -> list:
-        tensors = []
+        values = {}
         if output is not None:
             if output.text or output.token_ids:
-                tensors.append(string_tensor("text", output.text))
-                tensors.append(from_torch("token_ids", torch.tensor(output.token_ids, dtype=torch.int64)))
+                values["text"] = output.text
+                values["token_ids"] = torch.tensor(output.token_ids, dtype=torch.int64)
             if output.audio is not None:
-                tensors.append(from_torch("audio", output.audio))
+                values["audio"] = output.audio
             if output.usage is not None:
-                tensors.append(string_tensor("usage", json.dumps(output.usage)))
+                values["usage"] = json.dumps(output.usage)
         if finish_reason is not None:
-            tensors.append(string_tensor("finish_reason", finish_reason))
-        return tensors
+            values["finish_reason"] = finish_reason
+        return output_tensors(values)
 
     def _cancel(self, session: str) -> None:
         request = self.requests.get(session)

@@ -11,7 +11,6 @@ import torch
 
 from ..core.engine import StageEngine
 from ..core.errors import BadRequestError, OmniError
-from ..core.sampling import SamplingParams, sampling_from_parameters
 from ..core.scheduler import Scheduler, Sequence
 from ..models.checkpoint import load_config, load_stage
 from .metrics import StageMetrics
@@ -51,7 +50,6 @@ class StageModel:
         model = load_stage(source, self.STAGE, self.dtype, self.device)
         self.max_slots = int(self.params.get("max_batch_size", 8))
         self.max_seq_len = int(self.params.get("max_seq_len", 1024))
-        self.max_tokens_limit = self.max_seq_len
         runner = self.build_runner(model)
         self.responder = Responder(self.STAGE, self.encode, self._cancel)
         scheduler = Scheduler(self.max_slots, int(self.params.get("max_prefills_per_step", 4)),
@@ -72,12 +70,6 @@ class StageModel:
 
     def encode(self, output, finish_reason: str | None) -> list:
         raise NotImplementedError
-
-    def default_sampling(self) -> SamplingParams:
-        return SamplingParams()
-
-    def sampling(self, params: dict) -> SamplingParams:
-        return sampling_from_parameters(params, self.default_sampling(), self.max_tokens_limit)
 
     def execute(self, requests):
         for request in requests:
