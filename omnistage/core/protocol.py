@@ -103,14 +103,24 @@ TALKER = ModelContract(
     },
 )
 
-# ---- code2wav: one window of frames in (left context + new frames), the new waveform samples out ----------
+# ---- code2wav: the new frames of one chunk + the stream's carried state in, final samples + new state out --
+# Exact streaming: the state (K/V of the pre-transformer's last window, the last conv-context rows and the
+# frame count) makes the concatenated chunks equal the full decode. The first chunk of a stream has no state.
+PAST_KV, PAST_HIDDEN, PAST_FRAMES = "past_kv", "past_hidden", "past_frames"
 CODE2WAV = ModelContract(
     name="code2wav",
     inputs=(
-        TensorSpec("codes", "TYPE_INT64", (-1, CODE_GROUPS)),  # [context + new frames, 16]
-        TensorSpec("context_frames", "TYPE_INT64", (1,)),  # leading frames that are context only
+        TensorSpec("codes", "TYPE_INT64", (-1, CODE_GROUPS)),  # [new frames, 16]
+        TensorSpec(PAST_KV, "TYPE_FP32", (-1, 2, -1, -1, -1), optional=True),  # [layers, k/v, heads, W, head_dim]
+        TensorSpec(PAST_HIDDEN, "TYPE_FP32", (-1, -1), optional=True),  # [C, hidden]
+        TensorSpec(PAST_FRAMES, "TYPE_INT64", (1,), optional=True),
     ),
-    outputs=(TensorSpec("audio", "TYPE_FP32", (-1,)),),  # 24 kHz mono samples that became final
+    outputs=(
+        TensorSpec("audio", "TYPE_FP32", (-1,)),  # 24 kHz mono samples that became final
+        TensorSpec(PAST_KV, "TYPE_FP32", (-1, 2, -1, -1, -1)),  # the state to send with the next chunk
+        TensorSpec(PAST_HIDDEN, "TYPE_FP32", (-1, -1)),
+        TensorSpec(PAST_FRAMES, "TYPE_INT64", (1,)),
+    ),
 )
 
 # ---- omni_ensemble: what users call -------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import torch
 from ..core.engine import StageEngine
 from ..core.sampling import SamplingParams
 from ..core.scheduler import Scheduler
-from ..stages.code2wav import Code2WavRunner
+from ..stages.code2wav import Code2WavRunner, state_from_tensors, state_to_tensors
 from ..stages.talker import TalkerRunner
 from ..stages.thinker import ThinkerRunner
 from ..stages.wire import talker_response, talker_sequence, thinker_response, thinker_sequence
@@ -56,9 +56,11 @@ class LocalStages:
     def abort(self, stage: str, session: str) -> None:
         self.engines[stage].abort(session)
 
-    def code2wav(self, codes: torch.Tensor, context_frames: int) -> torch.Tensor:
+    def code2wav(self, codes: torch.Tensor, state: dict | None) -> tuple[torch.Tensor, dict]:
+        chunk = (codes, state_from_tensors(state) if state else None)
         with self._code2wav_lock:  # one forward at a time, as one Triton instance would run
-            return self.code2wav_runner.decode([(codes, context_frames)])[0]
+            audio, new_state = self.code2wav_runner.decode([chunk])[0]
+        return audio.clone(), state_to_tensors(new_state)
 
     # ---- internals ----------------------------------------------------------------------------------------
     def _emit(self, stage: str):

@@ -3,8 +3,9 @@
 #   caller thread : thinker stream -> text deltas out; reply-token rows -> talker (start, then appends)
 #   talker thread : codec frames -> chunk windows -> code2wav queue
 #   code2wav thread: windows decoded in order -> audio chunks out
-# The talker starts on the thinker's first reply token (async chunk); frames are cut into windows on the
-# chunk schedule, each carrying its left context, so what is sent to code2wav per step stays bounded.
+# The talker starts on the thinker's first reply token (async chunk); frames are cut into chunks on the
+# schedule, and each chunk goes to code2wav with the state its predecessor returned (exact streaming),
+# so what is sent per chunk stays bounded however long the utterance.
 from __future__ import annotations
 
 import logging
@@ -30,7 +31,8 @@ class StageClient(Protocol):
     def talker(self, session: str, inputs: dict, parameters: dict) -> Iterator[dict]: ...
     def talker_append(self, session: str, rows: torch.Tensor | None, end: bool) -> None: ...
     def abort(self, stage: str, session: str) -> None: ...
-    def code2wav(self, codes: torch.Tensor, context_frames: int) -> torch.Tensor: ...
+    # one chunk of a stream: its new frames and the state the previous chunk returned (None at first)
+    def code2wav(self, codes: torch.Tensor, state: dict | None) -> tuple[torch.Tensor, dict]: ...
 
 
 @dataclass
@@ -71,7 +73,9 @@ class OmniRequest:
         self._talker_thread: threading.Thread | None = None
         self._code2wav_thread: threading.Thread | None = None
         self._windows: queue.SimpleQueue = queue.SimpleQueue()
-        self._frames: list[torch.Tensor] = []  # [16] long each
+        self._frames: list[torch.Tensor] = []  # [16] long each, frames not yet sent to code2wav
+        self._frames_sent = 0  # frames before self._frames[0]
+        self._code2wav_state: dict | None = None
 
     # ---- public -------------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -177,8 +181,11 @@ class OmniRequest:
             if self.cancelled.is_set() or self.error is not None:
                 continue  # drain
             try:
-                codes = torch.stack(self._frames[window.start - window.context : window.end])
-                audio = self.stages.code2wav(codes, window.context)
+                first = window.start - self._frames_sent
+                codes = torch.stack(self._frames[first : first + window.frames])
+                del self._frames[: first + window.frames]
+                self._frames_sent = window.end
+                audio, self._code2wav_state = self.stages.code2wav(codes, self._code2wav_state)
                 self.emit(OmniOutput(audio=audio.float().reshape(-1)), None, None)
             except OmniError as e:
                 self._fail(e)

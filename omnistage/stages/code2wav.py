@@ -1,19 +1,38 @@
-# Code2Wav stage runner: decodes many windows of codec frames (from many requests) into waveform samples,
-# one batched forward per window length. Windows come from omnistage.core.chunking; each returns only the
-# samples that became final (see the geometry note there).
+# Streaming Code2Wav with carried state: the chunks of a stream, concatenated, equal the full decode (float
+# tolerance) at any chunk schedule, with bounded state and bounded work per chunk.
+#
+# Why state: the pre-transformer's 8 sliding-window layers reach ~8 * 71 frames back, so stateless windows
+# with a short left context decode a different signal. Instead each stream carries (1) per layer the post-rope
+# K/V of its last `window - 1` frames (under transformers' rule q - window < k <= q no new query sees further
+# back), (2) the last C pre-transformer outputs (after the final norm), C = the left reach of the conv stack
+# (upsample + decoder) in frames, derived from its geometry, and (3) the number of frames decoded so far (rope
+# positions and the window mask are absolute). A chunk of n frames runs the transformer layers (transformers'
+# own modules) on the n new rows only, and the conv stack on C + n rows.
+#
+# The runner is stateless: callers hand the state in and get the new one back, so Triton can batch chunks of
+# many streams and run replicas. Chunks with equal (n, W, C') shapes run as one forward.
 from __future__ import annotations
 
 import contextlib
 import operator
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+    Qwen3OmniMoeCausalConvNet,
+    Qwen3OmniMoeCausalTransConvNet,
+)
 
 from omnistage.core.errors import BadRequestError
+from omnistage.core.protocol import PAST_FRAMES, PAST_HIDDEN, PAST_KV
+
+# Frames of conv context kept beyond the derived reach: guards a mis-modelled layer, not needed when exact.
+CONTEXT_MARGIN_FRAMES = 1
 
 
 @contextlib.contextmanager
-def _native_cpu_convs():
+def native_cpu_convs():
     # oneDNN builds its conv primitives per input shape (measured, tiny model, 2 cores: 1.3-8 s on the first
     # call of each new window length, then 0.25-0.9 s) and window lengths vary from call to call; NNPACK, what
     # torch picks next, is 3x slower on batches (16 x 56 frames: 5.5 s vs 1.8 s). The native convs have no
@@ -28,97 +47,244 @@ def _native_cpu_convs():
         torch.backends.mkldnn.set_flags(_enabled=mkldnn)
 
 
+@dataclass(frozen=True)
+class StreamState:
+    kv: torch.Tensor  # [layers, 2, kv_heads, W, head_dim] post-rope K/V of the last W = min(position, window-1) frames
+    hidden: torch.Tensor  # [C', hidden] pre-transformer outputs of the last C' = min(position, C) frames
+    position: int  # frames decoded so far
+
+
+ChunkIn = tuple[torch.Tensor, "StreamState | None"]  # codes [n, Q] int, state (None: a new stream)
+ChunkOut = tuple[torch.Tensor, StreamState]  # float32 [samples], state after the chunk
+
+
+def state_to_tensors(state: StreamState) -> dict[str, torch.Tensor]:
+    return {
+        PAST_KV: state.kv.float(),
+        PAST_HIDDEN: state.hidden.float(),
+        PAST_FRAMES: torch.tensor([state.position], dtype=torch.int64),
+    }
+
+
+def state_from_tensors(tensors: dict[str, torch.Tensor]) -> StreamState:
+    # Kept in fp32; decode() casts to the module's dtype (lossless for a state that came from it).
+    try:
+        frames = tensors[PAST_FRAMES]
+        if frames.numel() != 1 or frames.dtype.is_floating_point:
+            raise BadRequestError(f"{PAST_FRAMES} must be one integer, got {frames.dtype} {list(frames.shape)}")
+        return StreamState(tensors[PAST_KV], tensors[PAST_HIDDEN], int(frames.item()))
+    except KeyError as e:
+        raise BadRequestError(f"code2wav state lacks tensor {e}") from None
+
+
+def conv_reach_frames(module: torch.nn.Module, samples_per_frame: int, tail_samples: int) -> int:
+    """Fewest leading frames C whose samples the chunk may drop such that the first sample it emits
+    (local index C * spf - tail) depends only on real frames, not on the zero left padding."""
+    layers = []
+    for part in (module.upsample, module.decoder):
+        for m in part.modules():
+            if isinstance(m, (Qwen3OmniMoeCausalConvNet, Qwen3OmniMoeCausalTransConvNet)):
+                layers.append(m)
+            elif isinstance(m, (torch.nn.Conv1d, torch.nn.ConvTranspose1d)) and not any(m is x.conv for x in layers):
+                raise RuntimeError(f"code2wav conv stack has an unmodelled conv {m}")
+
+    def first_input(layer: torch.nn.Module, i: int) -> int:  # lowest input index output i depends on
+        conv = layer.conv
+        if conv.padding != (0,) or (isinstance(layer, Qwen3OmniMoeCausalTransConvNet) and conv.dilation != (1,)):
+            raise RuntimeError(f"code2wav conv geometry unsupported: {conv}")
+        if isinstance(layer, Qwen3OmniMoeCausalConvNet):  # left pad `padding`, effective kernel `kernel_size`
+            return i * layer.stride - layer.padding
+        # Transposed: input j feeds uncropped outputs [j*s, j*s + k - 1]; the left crop shifts by left_pad.
+        k, s = conv.kernel_size[0], conv.stride[0]
+        return -((k - 1 - i - layer.left_pad) // s)  # ceil((i + left_pad - k + 1) / s)
+
+    def first_frame(sample: int) -> int:
+        for layer in reversed(layers):
+            sample = first_input(layer, sample)
+        return sample
+
+    reach = 0
+    while first_frame(reach * samples_per_frame - tail_samples) < 0:
+        reach += 1
+        if reach > 10_000:
+            raise RuntimeError("code2wav conv reach not found")
+    return reach
+
+
+def _last(t: torch.Tensor, dim: int, keep: int) -> torch.Tensor:
+    return t.narrow(dim, max(0, t.shape[dim] - keep), min(keep, t.shape[dim]))
+
+
+class _ChunkCache:
+    """Duck-typed transformers Cache for one batched chunk: each attention layer calls update() once and
+    attends to the carried K/V followed by its new rows."""
+
+    def __init__(self, past: torch.Tensor):
+        self.past = past  # [B, layers, 2, kv_heads, W, head_dim]
+        self.full: list[torch.Tensor] = []  # per layer [B, 2, kv_heads, W + n, head_dim]
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        assert layer_idx == len(self.full), "code2wav layers must run in order"
+        k = torch.cat([self.past[:, layer_idx, 0], key_states], dim=2)
+        v = torch.cat([self.past[:, layer_idx, 1], value_states], dim=2)
+        self.full.append(torch.stack([k, v], dim=1))
+        return k, v
+
+
 class Code2WavRunner:
-    def __init__(self, module: torch.nn.Module, device: torch.device | str, dtype: torch.dtype):
-        # The module is loaded elsewhere, already in `dtype`: casting here with .to(dtype) would also cast
-        # the rotary inv_freq buffers, which from_pretrained / _from_config(dtype=...) keep in fp32.
+    def __init__(self, module: torch.nn.Module, device: torch.device | str, dtype: torch.dtype,
+                 context_frames: int | None = None):
+        # As Code2WavRunner: the module comes loaded in `dtype` (casting here would also cast rope's inv_freq).
         param_dtype = next(module.parameters()).dtype
         if param_dtype != dtype:
             raise ValueError(f"code2wav module is {param_dtype}, expected {dtype}; load it in that dtype")
+        config = module.config
+        if any(t != "sliding_attention" for t in config.layer_types):
+            raise ValueError(f"code2wav streaming needs sliding-window layers only, got {config.layer_types}")
+        self.attn_impl = config._attn_implementation
+        if self.attn_impl not in ("sdpa", "eager"):
+            raise ValueError(f"code2wav streaming supports sdpa and eager attention, got {self.attn_impl}")
         self.device = torch.device(device)
         self.dtype = dtype
         self.module = module.to(self.device).eval()
-        config = module.config
         self.num_quantizers = int(config.num_quantizers)
         self.codebook_size = int(config.codebook_size)
-        # Measured rather than taken from the config: output length = frames * samples_per_frame - tail.
-        zeros = torch.zeros(1, 2, self.num_quantizers, dtype=torch.long)  # [1, T, Q]
-        len1, len2 = (self._forward(zeros[:, :t]).shape[-1] for t in (1, 2))
+        self.hidden_size = int(config.hidden_size)
+        self.window = int(config.sliding_window)
+        self.layers = list(module.pre_transformer.layers[: config.num_hidden_layers])
+        attn = self.layers[0].self_attn
+        self.kv_heads = int(config.num_key_value_heads)
+        self.head_dim = int(attn.head_dim)
+        self.kv_frames = self.window - 1  # keys a new query can still see: q - window < k < first new
+        # Measured, as in Code2WavRunner: output length = frames * samples_per_frame - tail.
+        zeros = torch.zeros(1, self.num_quantizers, 2, dtype=torch.long, device=self.device)
+        with torch.inference_mode(), self._convs():
+            len1, len2 = (self.module(zeros[..., :t]).shape[-1] for t in (1, 2))
         self.samples_per_frame = len2 - len1  # 1920 for Qwen3-Omni
-        self.tail_samples = self.samples_per_frame - len1  # 555: the non-final end of every window
-        if not 0 <= self.tail_samples < self.samples_per_frame:
-            raise RuntimeError(
-                f"code2wav geometry unsupported: {self.samples_per_frame} samples per frame, "
-                f"tail {self.tail_samples}"
-            )
+        self.tail_samples = self.samples_per_frame - len1  # 555
+        self.conv_reach = conv_reach_frames(module, self.samples_per_frame, self.tail_samples)  # 10 for Qwen3-Omni
+        self.context_frames = self.conv_reach + CONTEXT_MARGIN_FRAMES if context_frames is None else context_frames
+        if self.context_frames < 1:  # a chunk after the first must re-emit the previous chunk's missing tail
+            raise ValueError(f"context_frames must be >= 1, got {self.context_frames}")
 
-    def output_samples(self, frames: int, context: int) -> int:
-        """Samples decode() returns for a window of `frames` frames with `context` left-context frames."""
-        return (frames - context) * self.samples_per_frame - (self.tail_samples if context == 0 else 0)
+    def output_samples(self, frames: int, position: int) -> int:
+        """Samples decode() returns for a chunk of `frames` frames after `position` decoded frames."""
+        return frames * self.samples_per_frame - (self.tail_samples if position == 0 else 0)
 
-    def validate(self, codes: torch.Tensor, context: int) -> None:
-        """Checks one window as decode() does (syncs the device for the value range)."""
-        self._check_shape(codes, context)
-        self._check_values(codes)
+    def validate(self, codes: torch.Tensor, state: StreamState | None) -> None:
+        """Checks one chunk as decode() does (syncs the device for the value range), so a serving loop can
+        turn away a bad chunk on its own instead of failing the batch it would have joined."""
+        self._check(codes, state)
+        lo, hi = (int(v) for v in torch.stack([codes.min(), codes.max()]).tolist())
+        if lo < 0 or hi >= self.codebook_size:
+            raise BadRequestError(f"codes must be in [0, {self.codebook_size}), got values in [{lo}, {hi}]")
 
     @torch.inference_mode()
-    def decode(self, windows: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
-        """windows: (codes [T, Q] int, context frames). Returns per window float32 [samples] on self.device:
-        the samples of frames [context, T), minus the non-final tail (the whole window when context == 0)."""
-        contexts = []
-        groups: dict[int, list[int]] = defaultdict(list)  # frames T -> window indices
-        for i, (codes, context) in enumerate(windows):
+    def decode(self, chunks: list[ChunkIn]) -> list[ChunkOut]:
+        states: list[StreamState] = []
+        groups: dict[tuple[int, int, int], list[int]] = defaultdict(list)  # (n, W, C') -> chunk indices
+        for i, (codes, state) in enumerate(chunks):
             try:
-                contexts.append(self._check_shape(codes, context))
+                states.append(self._check(codes, state))
             except BadRequestError as e:
-                raise BadRequestError(f"code2wav window {i}: {e}") from None
-            groups[codes.shape[0]].append(i)
-        batches = {
-            t: torch.stack([windows[i][0].to(self.device, torch.long, non_blocking=True) for i in idx])  # [B, T, Q]
-            for t, idx in groups.items()
-        }
+                raise BadRequestError(f"code2wav chunk {i}: {e}") from None
+            groups[(codes.shape[0], states[-1].kv.shape[3], states[-1].hidden.shape[0])].append(i)
+        batches = {key: torch.stack([chunks[i][0].to(self.device, torch.long) for i in idx])  # [B, n, Q]
+                   for key, idx in groups.items()}
         # Value range of every group with one host sync, before any forward runs.
         bounds = torch.stack([torch.stack([b.min(), b.max()]) for b in batches.values()]).tolist() if batches else []
         for idx, (lo, hi) in zip(groups.values(), bounds):
-            if lo < 0 or hi >= self.codebook_size:
-                for i in idx:
-                    try:
-                        self._check_values(windows[i][0])
-                    except BadRequestError as e:
-                        raise BadRequestError(f"code2wav window {i}: {e}") from None
+            for i in idx if lo < 0 or hi >= self.codebook_size else ():
+                lo_i, hi_i = (int(v) for v in torch.stack([chunks[i][0].min(), chunks[i][0].max()]).tolist())
+                if lo_i < 0 or hi_i >= self.codebook_size:
+                    raise BadRequestError(f"code2wav chunk {i}: codes must be in [0, {self.codebook_size}), "
+                                          f"got values in [{lo_i}, {hi_i}]")
 
-        out: list[torch.Tensor | None] = [None] * len(windows)
-        for t, idx in groups.items():
-            wav = self._forward(batches[t])  # [B, T * spf - tail]
-            for row, i in enumerate(idx):
-                context = contexts[i]
-                first = context * self.samples_per_frame - self.tail_samples if context else 0
-                out[i] = wav[row, first:].float()  # a view of the batch output; the caller copies it out
+        out: list[ChunkOut | None] = [None] * len(chunks)
+        for key, idx in groups.items():
+            group_states = [states[i] for i in idx]
+            wav, kv, hidden = self._forward(batches[key], group_states)
+            first = key[2] * self.samples_per_frame - self.tail_samples if key[2] else 0
+            for row, (i, s) in enumerate(zip(idx, group_states)):
+                # Audio: a view of the batch output (the caller copies it out). State: own storage, so one
+                # stream's state does not keep the whole batch alive.
+                new = StreamState(kv[row].clone(), hidden[row].clone(), s.position + key[0])
+                out[i] = (wav[row, first:].float(), new)
         return out
 
-    def _forward(self, codes: torch.Tensor) -> torch.Tensor:
-        # codes [B, T, Q] -> wav [B, T * spf - tail]; equal lengths only, so no padding or attention mask.
-        with torch.inference_mode(), _native_cpu_convs() if self.device.type == "cpu" else contextlib.nullcontext():
-            return self.module(codes.to(self.device).transpose(1, 2))[:, 0]
+    def _forward(self, codes: torch.Tensor, states: list[StreamState]):
+        # codes [B, n, Q]; states share W and C'.
+        # Returns wav [B, (C' + n) * spf - tail] and the next states' kv [B, L, 2, H, W', D], hidden [B, C'', D].
+        n = codes.shape[1]
+        m = self.module
+        past_kv = torch.stack([s.kv.to(self.device, self.dtype) for s in states])  # [B, L, 2, H, W, D]
+        past_hidden = torch.stack([s.hidden.to(self.device, self.dtype) for s in states])  # [B, C', D]
+        position = torch.tensor([s.position for s in states], device=self.device)[:, None]  # [B, 1]
+        past = past_kv.shape[4]
 
-    def _check_shape(self, codes: object, context: object) -> int:
+        hidden = m.code_embedding(codes.transpose(1, 2) + m.code_offset).mean(1)  # [B, n, D]
+        position_ids = position + torch.arange(n, device=self.device)  # [B, n]
+        key_pos = position - past + torch.arange(past + n, device=self.device)  # [B, W + n]
+        q, k = position_ids[:, None, :, None], key_pos[:, None, None, :]
+        mask = (k <= q) & (k > q - self.window)  # [B, 1, n, W + n]: transformers' sliding-window rule
+        if self.attn_impl == "eager":  # eager adds the mask to the scores
+            mask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill(
+                ~mask, torch.finfo(self.dtype).min)
+        cache = _ChunkCache(past_kv)
+        rope = m.pre_transformer.rotary_emb(hidden, position_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, attention_mask=mask, position_embeddings=rope, position_ids=position_ids,
+                           past_key_values=cache, use_cache=True)
+        hidden = m.pre_transformer.norm(hidden)
+
+        hidden = torch.cat([past_hidden, hidden], dim=1)  # [B, C' + n, D]
+        wav = self._conv_stack(hidden)
+        kv = _last(torch.stack(cache.full, dim=1), 4, self.kv_frames)  # [B, L, 2, H, W', D]
+        return wav, kv, _last(hidden, 1, self.context_frames)
+
+    def _conv_stack(self, hidden: torch.Tensor) -> torch.Tensor:
+        # [B, T, D] pre-transformer outputs -> [B, T * spf - tail] samples, as the module's forward.
+        with self._convs():
+            wav = hidden.transpose(1, 2)  # [B, D, T]
+            for blocks in self.module.upsample:
+                for block in blocks:
+                    wav = block(wav)
+            for block in self.module.decoder:
+                wav = block(wav)
+        return wav.clamp(min=-1, max=1)[:, 0]
+
+    def _convs(self):
+        return native_cpu_convs() if self.device.type == "cpu" else contextlib.nullcontext()
+
+    def _check(self, codes: object, state: object) -> StreamState:
         if not isinstance(codes, torch.Tensor):
             raise BadRequestError(f"codes must be a tensor, got {type(codes).__name__}")
         if codes.dtype.is_floating_point or codes.dtype.is_complex or codes.dtype == torch.bool:
             raise BadRequestError(f"codes must be integers, got {codes.dtype}")
         if codes.dim() != 2 or codes.shape[1] != self.num_quantizers or codes.shape[0] < 1:
             raise BadRequestError(f"codes must be [frames >= 1, {self.num_quantizers}], got {list(codes.shape)}")
+        if state is None:
+            return StreamState(
+                torch.empty(len(self.layers), 2, self.kv_heads, 0, self.head_dim, dtype=self.dtype, device=self.device),
+                torch.empty(0, self.hidden_size, dtype=self.dtype, device=self.device),
+                0,
+            )
+        if not isinstance(state, StreamState):
+            raise BadRequestError(f"state must be a StreamState or None, got {type(state).__name__}")
         try:
-            if isinstance(context, bool):
+            if isinstance(state.position, bool):
                 raise TypeError
-            context = operator.index(context)
+            position = operator.index(state.position)
         except TypeError:
-            raise BadRequestError(f"context_frames must be an int, got {context!r}") from None
-        if not 0 <= context < codes.shape[0]:
-            raise BadRequestError(f"context_frames must be in [0, frames = {codes.shape[0]}), got {context}")
-        return context
-
-    def _check_values(self, codes: torch.Tensor) -> None:
-        lo, hi = (int(v) for v in torch.stack([codes.min(), codes.max()]).tolist())
-        if lo < 0 or hi >= self.codebook_size:
-            raise BadRequestError(f"codes must be in [0, {self.codebook_size}), got values in [{lo}, {hi}]")
+            raise BadRequestError(f"state position must be an int, got {state.position!r}") from None
+        if position < 0:
+            raise BadRequestError(f"state position must be >= 0, got {position}")
+        for name, t, shape in (
+            ("kv", state.kv, [len(self.layers), 2, self.kv_heads, min(position, self.kv_frames), self.head_dim]),
+            ("hidden", state.hidden, [min(position, self.context_frames), self.hidden_size]),
+        ):
+            if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
+                raise BadRequestError(f"state {name} must be a float tensor")
+            if list(t.shape) != shape:
+                raise BadRequestError(f"state {name} must be {shape} after {position} frames, got {list(t.shape)}")
+        return StreamState(state.kv, state.hidden, position)

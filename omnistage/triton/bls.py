@@ -72,8 +72,9 @@ class BlsStageClient:
         for _ in self._stream(stage, (), {}, {"session": session, "action": "abort"}):
             pass
 
-    def code2wav(self, codes: torch.Tensor, context_frames: int) -> torch.Tensor:
-        inputs = {"codes": codes, "context_frames": torch.tensor([context_frames], dtype=torch.int64)}
-        for out in self._stream("code2wav", CODE2WAV.outputs, inputs, {}):
-            return out["audio"]
+    def code2wav(self, codes: torch.Tensor, state: dict | None) -> tuple[torch.Tensor, dict]:
+        for out in self._stream("code2wav", CODE2WAV.outputs, {"codes": codes, **(state or {})}, {}):
+            audio = out.pop("audio")
+            # copies: the response's tensors live in Triton's shared pools, the state outlives this call
+            return audio.clone(), {k: v.clone() for k, v in out.items()}
         raise EngineError("code2wav returned no audio")

@@ -1,7 +1,8 @@
-# Triton glue of the code2wav stage. Each request is one window of codec frames; windows are stateless,
-# so whatever windows have queued (from any number of requests) are decoded together. Triton 2.51
-# hands a max_batch_size-0 Python model one request per execute(), so the batching happens here:
-# execute() only enqueues, and a worker thread drains the queue, decodes the batch and sends.
+# Triton glue of the code2wav stage. Each request is one chunk of a stream: its new codec frames plus the
+# state the stream's previous chunk returned. The model keeps no per-stream state, so whatever chunks have
+# queued (from any number of streams) are decoded together. Triton 2.51 hands a max_batch_size-0 Python
+# model one request per execute(), so the batching happens here: execute() only enqueues, and a worker
+# thread drains the queue, decodes the batch and sends.
 from __future__ import annotations
 
 import logging
@@ -12,11 +13,13 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from ..core.errors import BadRequestError, OmniError
+from ..core.protocol import CODE2WAV
 from ..models.checkpoint import load_stage
-from ..stages.code2wav import Code2WavRunner
+from ..core.protocol import PAST_FRAMES
+from ..stages.code2wav import Code2WavRunner, state_from_tensors, state_to_tensors
 from .responder import error_response, send_final
 from .stage_model import instance_device, model_parameters, stage_dtype
-from .tensors import input_tensor, output_tensors
+from .tensors import input_tensors, output_tensors
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +42,13 @@ class Code2WavModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                codes = input_tensor(request, "codes")
-                context = input_tensor(request, "context_frames")
-                if codes is None or context is None:
-                    raise BadRequestError("codes and context_frames are required")
-                window = (codes.to(self.device).long(), int(context.reshape(-1)[0]))
-                self.runner.validate(*window)
-                self._queue.put((window, sender))
+                inputs = input_tensors(request, CODE2WAV)
+                if "codes" not in inputs:
+                    raise BadRequestError("codes is required")
+                state = state_from_tensors(inputs) if PAST_FRAMES in inputs else None
+                chunk = (inputs["codes"].to(self.device), state)
+                self.runner.validate(*chunk)
+                self._queue.put((chunk, sender))
             except Exception as e:
                 send_final(sender, error_response(e if isinstance(e, OmniError) else BadRequestError(str(e))))
         return None
@@ -61,8 +64,8 @@ class Code2WavModel:
             if any(item is None for item in batch):
                 return
             try:
-                wavs = self.runner.decode([window for window, _ in batch])
-                responses = [output_tensors({"audio": wav.float().contiguous()}) for wav in wavs]
+                decoded = self.runner.decode([chunk for chunk, _ in batch])
+                responses = [output_tensors({"audio": wav.float(), **state_to_tensors(state)}) for wav, state in decoded]
                 for (_, sender), tensors in zip(batch, responses):
                     send_final(sender, pb_utils.InferenceResponse(output_tensors=tensors))
             except Exception as e:

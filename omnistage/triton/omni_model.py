@@ -38,11 +38,7 @@ class OmniModel:
         self.config = load_config(source)
         self.processor = load_processor(source)
         self.speakers = {k.lower() for k in self.config.talker_config.speaker_id}
-        self.schedule = ChunkSchedule(
-            int(params.get("first_chunk_frames", 4)),
-            int(params.get("chunk_frames", 25)),
-            int(params.get("left_context_frames", 25)),
-        )
+        self.schedule = ChunkSchedule(int(params.get("first_chunk_frames", 4)), int(params.get("chunk_frames", 25)))
         self.stages = BlsStageClient()
         self.requests: dict[str, OmniRequest] = {}
         self.responder = Responder("omni_ensemble", self.encode, self._cancel)

@@ -16,7 +16,7 @@ def all_windows(schedule, total, step=1):
     return [w for ws in pushed for w in ws] + final
 
 
-def assert_covers(windows, total, left_context):
+def assert_covers(windows, total):
     if not windows:
         assert total == 0
         return
@@ -24,8 +24,7 @@ def assert_covers(windows, total, left_context):
     assert windows[-1].end == total
     for w in windows:
         assert w.end > w.start
-        assert w.context == min(left_context, w.start)
-        assert w.frames == w.end - w.start + w.context
+        assert w.frames == w.end - w.start
 
 
 DEFAULT_ENDS = {
@@ -46,18 +45,18 @@ DEFAULT_ENDS = {
 def test_default_schedule_boundaries(total):
     windows = all_windows(ChunkSchedule(), total)
     assert [w.end for w in windows] == DEFAULT_ENDS[total]
-    assert_covers(windows, total, 25)
+    assert_covers(windows, total)
     if windows:
-        assert windows[0] == Window(0, windows[0].end, 0)
+        assert windows[0] == Window(0, windows[0].end)
 
 
 def test_default_schedule_windows():
     assert all_windows(ChunkSchedule(), 100) == [
-        Window(0, 4, 0),
-        Window(4, 29, 4),
-        Window(29, 54, 25),
-        Window(54, 79, 25),
-        Window(79, 100, 25),
+        Window(0, 4),
+        Window(4, 29),
+        Window(29, 54),
+        Window(54, 79),
+        Window(79, 100),
     ]
 
 
@@ -72,31 +71,30 @@ def test_windows_become_ready_at_the_right_push():
 def test_one_push_can_release_several_windows():
     schedule = ChunkSchedule()
     pushed, final = cut(schedule, [3, 60, 0])
-    assert pushed == [[], [Window(0, 4, 0), Window(4, 29, 4), Window(29, 54, 25)], []]
-    assert final == [Window(54, 63, 25)]
+    assert pushed == [[], [Window(0, 4), Window(4, 29), Window(29, 54)], []]
+    assert final == [Window(54, 63)]
 
 
 def test_coverage_exactly_once():
-    for first, chunk, ctx, total, step in itertools.product(
-        [1, 4], [1, 7, 25], [1, 25, 100], [0, 1, 3, 4, 5, 28, 29, 30, 54, 100], [1, 3, 25]
+    for first, chunk, total, step in itertools.product(
+        [1, 4], [1, 7, 25], [0, 1, 3, 4, 5, 28, 29, 30, 54, 100], [1, 3, 25]
     ):
-        schedule = ChunkSchedule(first_chunk_frames=first, chunk_frames=chunk, left_context_frames=ctx)
+        schedule = ChunkSchedule(first_chunk_frames=first, chunk_frames=chunk)
         windows = all_windows(schedule, total, step)
-        assert_covers(windows, total, ctx)
+        assert_covers(windows, total)
         if windows:
-            assert windows[0].context == 0
             assert windows[0].end == min(first, total)
             # every window but the first and the last emits exactly its chunk size
             assert all(w.end - w.start == chunk for w in windows[1:-1])
 
 
 def test_first_chunk_of_one_frame():
-    assert all_windows(ChunkSchedule(1, 25, 25), 30) == [Window(0, 1, 0), Window(1, 26, 1), Window(26, 30, 25)]
+    assert all_windows(ChunkSchedule(1, 25), 30) == [Window(0, 1), Window(1, 26), Window(26, 30)]
 
 
 def test_finish_with_nothing_left():
     cutter = ChunkCutter(ChunkSchedule())
-    assert cutter.push(29) == [Window(0, 4, 0), Window(4, 29, 4)]
+    assert cutter.push(29) == [Window(0, 4), Window(4, 29)]
     assert cutter.finish() == []
     assert ChunkSchedule().cutter().finish() == []
 
@@ -122,19 +120,11 @@ def test_cutter_misuse():
         ({"chunk_frames": 0}, "chunk_frames"),
         ({"chunk_frames": True}, "chunk_frames"),
         ({"chunk_frames": "25"}, "chunk_frames"),
-        ({"left_context_frames": 0}, "left_context_frames"),
-        ({"left_context_frames": -1}, "left_context_frames"),
-        ({"left_context_frames": None}, "left_context_frames"),
     ],
 )
 def test_schedule_validation(kwargs, field):
     with pytest.raises(ValueError, match=field):
         ChunkSchedule(**kwargs)
-
-
-def test_left_context_error_says_why():
-    with pytest.raises(ValueError, match="non-final tail"):
-        ChunkSchedule(left_context_frames=0)
 
 
 def test_core_chunking_is_torch_free():

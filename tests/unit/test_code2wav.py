@@ -1,35 +1,53 @@
-# Code2WavRunner on a tiny random Code2Wav (1 transformer layer, sliding window 72): streamed == full decode.
-# The tiny model's waveform is ~1e-6 in amplitude, so every comparison is relative to max|reference|.
+# Code2WavRunner on tiny random Code2Wavs: streamed with carried state == full decode at every schedule,
+# batch invariance, input validation, state over the wire. The init is rescaled so that every path matters
+# (default init gives ~1e-6 audio, layer scales 0.01, ConvNeXt gamma 1e-6 and near-uniform attention,
+# under which a wrong rope position or a missing key would hide below tolerance).
 import pytest
 import torch
+from torch import nn
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeCode2WavConfig
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
 
-from omnistage.core.chunking import ChunkSchedule
 from omnistage.core.errors import BadRequestError
-from omnistage.stages.code2wav import Code2WavRunner
-
-TINY_CODE2WAV = dict(
-    codebook_size=2048,
-    num_quantizers=16,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    sliding_window=72,
-    max_position_embeddings=8000,
-    upsample_rates=[8, 5, 4, 3],  # with upsampling_ratios: 1920 samples per frame, as in the real model
-    upsampling_ratios=[2, 2],
-    decoder_dim=64,
-    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+from omnistage.models.tiny_config import tiny_config_dict
+from omnistage.stages.code2wav import (
+    PAST_FRAMES,
+    PAST_HIDDEN,
+    PAST_KV,
+    Code2WavRunner,
+    StreamState,
+    native_cpu_convs,
+    state_from_tensors,
+    state_to_tensors,
 )
-N_FRAMES = 150  # schedule 4 / 25: windows end at 4, 29, 54, 79, 104, 129, then 150 on finish
+
+TOL = 1e-5
 
 
-def build_tiny(seed=0):
+def build(seed=0, dtype=torch.float32, **overrides):
+    config = Qwen3OmniMoeCode2WavConfig(**{**tiny_config_dict()["code2wav_config"], **overrides})
     torch.manual_seed(seed)
-    return Qwen3OmniMoeCode2Wav._from_config(Qwen3OmniMoeCode2WavConfig(**TINY_CODE2WAV), dtype=torch.float32)
+    module = Qwen3OmniMoeCode2Wav._from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for m in module.modules():
+            if isinstance(m, nn.Conv1d):  # [out, in / groups, k]
+                m.weight.normal_(0, m.weight[0].numel() ** -0.5)
+            elif isinstance(m, nn.ConvTranspose1d):  # [in, out, k]: each output sums in * k / stride terms
+                m.weight.normal_(0, (m.weight.shape[0] * m.weight.shape[2] / m.stride[0]) ** -0.5)
+            elif isinstance(m, nn.Linear):
+                m.weight.normal_(0, m.weight.shape[1] ** -0.5)
+        for name, p in module.named_parameters():
+            if name.endswith(("layer_scale.scale", "gamma")):
+                p.fill_(0.5)
+            elif name.endswith(("alpha", "beta")):
+                p.normal_(0, 0.3)
+            elif name.startswith("code_embedding"):
+                p.normal_(0, 1.0)
+        for name, m in module.decoder.named_modules():
+            if name.endswith("conv2"):  # residual units: keep the decoder's activations O(1)
+                m.conv.weight.mul_(0.2)
+        module.decoder[-1].conv.weight.mul_(0.05)  # audio ~0.1-0.5, clear of the clamp at 1
+    return module.to(dtype)
 
 
 def rel_err(a, b):
@@ -40,154 +58,160 @@ def random_codes(frames, seed):
     return torch.randint(0, 2048, (frames, 16), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.fixture(scope="module")
-def runner():
+def full_decode(streamer, codes):
+    with torch.inference_mode(), native_cpu_convs():  # oneDNN would build conv primitives per length (slow)
+        return streamer.module(codes.T[None].to(streamer.device))[0, 0].float()
+
+
+def stream(streamer, codes, first, size):
+    pieces, state, start = [], None, 0
+    while start < codes.shape[0]:
+        n = min(first if start == 0 else size, codes.shape[0] - start)
+        [(audio, state)] = streamer.decode([(codes[start : start + n], state)])
+        assert audio.shape == (streamer.output_samples(n, start),)
+        assert state.position == start + n
+        pieces.append(audio)
+        start += n
+    return torch.cat(pieces)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def two_threads():
     torch.set_num_threads(min(2, torch.get_num_threads()))
-    return Code2WavRunner(build_tiny(), "cpu", torch.float32)
 
 
 @pytest.fixture(scope="module")
-def codes():
-    return random_codes(N_FRAMES, seed=1)
+def streamer():
+    return Code2WavRunner(build(), "cpu", torch.float32)
 
 
 @pytest.fixture(scope="module")
-def full(runner, codes):
-    wav = runner.decode([(codes, 0)])[0]
-    assert wav.abs().max() > 0
-    return wav
+def deep():  # 3 layers, window 8: the K/V cache must carry reach across layers (3 * 7 frames); GQA
+    module = build(seed=1, num_hidden_layers=3, sliding_window=8, num_key_value_heads=1)
+    return Code2WavRunner(module, "cpu", torch.float32)
 
 
-def stream(runner, codes, schedule, pushes):
-    """Decodes `codes` window by window as the orchestrator would; returns the concatenated samples."""
-    cutter = schedule.cutter()
-    windows = [w for n in pushes for w in cutter.push(n)] + cutter.finish()
-    pieces = runner.decode([(codes[w.decode_start : w.end], w.context) for w in windows])
-    for w, piece in zip(windows, pieces):
-        assert piece.shape[0] == runner.output_samples(w.frames, w.context)
-    return torch.cat(pieces), windows
+@pytest.fixture(scope="module")
+def codes300():
+    return random_codes(300, seed=2)
 
 
-def test_geometry_measured(runner, full):
-    assert (runner.samples_per_frame, runner.tail_samples) == (1920, 555)
-    assert full.shape == (N_FRAMES * 1920 - 555,)
-    assert full.dtype == torch.float32
+def test_geometry(streamer):
+    assert (streamer.samples_per_frame, streamer.tail_samples) == (1920, 555)
+    assert streamer.conv_reach == 10  # same conv stack as the full-size model
+    assert streamer.context_frames == 11  # + 1 frame margin
+    assert streamer.kv_frames == 71
 
 
-def test_decode_matches_module(runner, codes):
-    with torch.inference_mode():
-        ref = runner.module(codes[:12].T[None])[0, 0]  # [16, T] -> [1, 1, samples]
-    assert rel_err(runner.decode([(codes[:12], 0)])[0], ref) < 1e-5
-
-
-def test_stream_equals_full_decode_with_enough_context(runner, codes, full):
-    # 100 frames of left context > the 1-layer model's receptive field (71 frames back): no deviation.
-    streamed, windows = stream(runner, codes, ChunkSchedule(4, 25, 100), [1] * N_FRAMES)
-    assert [w.end for w in windows] == [4, 29, 54, 79, 104, 129, 150]
-    assert streamed.shape == full.shape
-    assert rel_err(streamed, full) < 1e-5
-
-
-def test_stream_default_context_is_exact_in_length_and_continuous(runner, codes, full):
-    streamed, windows = stream(runner, codes, ChunkSchedule(), [3, 1, 30, 100, 16])
-    assert streamed.shape == full.shape
-    # Windows that see all earlier frames (the first two) are exact; later ones miss frames beyond 25 back
-    # (measured: rel. error 3.5e-3 over the whole stream on this model).
-    exact = windows[1].end * 1920 - 555
-    assert rel_err(streamed[:exact], full[:exact]) < 1e-5
-    assert rel_err(streamed, full) < 1e-2
-    # No gap or jump at the seams: the step across each boundary is what the full decode has there.
-    scale = full.abs().max()
-    for w in windows[:-1]:
-        b = w.end * 1920 - 555
-        step, ref_step = streamed[b] - streamed[b - 1], full[b] - full[b - 1]
-        assert (step - ref_step).abs() < 1e-2 * scale
-
-
-def test_batched_equals_alone(runner):
-    windows = [
-        (random_codes(10, 2), 0),
-        (random_codes(29, 3), 4),
-        (random_codes(10, 4), 3),
-        (random_codes(50, 5), 25),
-        (random_codes(29, 6), 25),
-        (random_codes(50, 7), 0),
-        (random_codes(1, 8), 0),
-    ]
-    forwards = []
-    hook = runner.module.register_forward_hook(lambda m, args, out: forwards.append(args[0].shape))
-    try:
-        batched = runner.decode(windows)
-    finally:
-        hook.remove()
-    assert sorted(tuple(s) for s in forwards) == [(1, 16, 1), (2, 16, 10), (2, 16, 29), (2, 16, 50)]
-    for (codes, context), got in zip(windows, batched):
-        alone = runner.decode([(codes, context)])[0]
-        assert got.shape == alone.shape == (runner.output_samples(codes.shape[0], context),)
-        assert rel_err(got, alone) < 1e-5
-
-
-def test_empty_batch(runner):
-    assert runner.decode([]) == []
-
-
-def test_int32_codes_accepted(runner):
-    codes = random_codes(8, 9)
-    a, b = runner.decode([(codes, 2), (codes.to(torch.int32), 2)])
-    assert rel_err(a, b) < 1e-5
+def test_scaled_init_is_audible(streamer, codes300):
+    peak = full_decode(streamer, codes300[:30]).abs().max().item()
+    assert 0.05 < peak < 1
 
 
 @pytest.mark.parametrize(
-    "codes, context, match",
-    [
-        (torch.zeros(8, 15, dtype=torch.long), 0, r"\[frames >= 1, 16\]"),
-        (torch.zeros(8, dtype=torch.long), 0, r"\[frames >= 1, 16\]"),
-        (torch.zeros(1, 8, 16, dtype=torch.long), 0, r"\[frames >= 1, 16\]"),
-        (torch.zeros(0, 16, dtype=torch.long), 0, r"\[frames >= 1, 16\]"),
-        (torch.zeros(8, 16), 0, "integers"),
-        (torch.zeros(8, 16, dtype=torch.bool), 0, "integers"),
-        ([[0] * 16] * 8, 0, "tensor"),
-        (torch.full((8, 16), 2048), 0, r"\[0, 2048\)"),
-        (torch.full((8, 16), -1), 0, r"\[0, 2048\)"),
-        (torch.zeros(8, 16, dtype=torch.long), 8, "context_frames"),
-        (torch.zeros(8, 16, dtype=torch.long), -1, "context_frames"),
-        (torch.zeros(8, 16, dtype=torch.long), 1.0, "context_frames"),
-        (torch.zeros(8, 16, dtype=torch.long), True, "context_frames"),
-    ],
+    "frames,first,size", [(150, 4, 25), (300, 4, 25), (150, 1, 1), (150, 7, 13), (300, 7, 13)]
 )
-def test_bad_window_raises(runner, codes, context, match):
-    good = (torch.zeros(8, 16, dtype=torch.long), 0)
-    with pytest.raises(BadRequestError, match=match) as info:
-        runner.decode([good, (codes, context)])
-    assert "window 1" in str(info.value)
-    with pytest.raises(BadRequestError, match=match):
-        runner.validate(codes, context)
+def test_stream_equals_full(streamer, codes300, frames, first, size):
+    codes = codes300[:frames]
+    full = full_decode(streamer, codes)
+    streamed = stream(streamer, codes, first, size)
+    assert streamed.shape == full.shape == (frames * 1920 - 555,)
+    assert rel_err(streamed, full) < TOL
 
 
-def test_bad_value_fails_before_any_forward(runner):
-    bad = torch.zeros(4, 16, dtype=torch.long)
-    bad[2, 7] = 4096
-    forwards = []
-    hook = runner.module.register_forward_hook(lambda *a: forwards.append(1))
-    try:
-        with pytest.raises(BadRequestError, match="window 2"):
-            runner.decode([(random_codes(10, 1), 0), (random_codes(4, 2), 0), (bad, 1)])
-    finally:
-        hook.remove()
-    assert forwards == []
+@pytest.mark.parametrize("first,size", [(4, 25), (1, 1), (7, 13), (60, 60)])
+def test_deep_small_window_equals_full(deep, first, size):
+    assert deep.kv_frames == 7
+    codes = random_codes(60, seed=3)
+    full = full_decode(deep, codes)
+    assert rel_err(stream(deep, codes, first, size), full) < TOL
 
 
-def test_dtype_mismatch_rejected():
-    with pytest.raises(ValueError, match="bfloat16"):
-        Code2WavRunner(build_tiny(), "cpu", torch.bfloat16)
+def test_eager_attention_equals_full():
+    module = build(seed=1, num_hidden_layers=2, sliding_window=8)
+    module.set_attn_implementation("eager")
+    eager = Code2WavRunner(module, "cpu", torch.float32)
+    codes = random_codes(40, seed=4)
+    assert rel_err(stream(eager, codes, 3, 5), full_decode(eager, codes)) < TOL
 
 
-def test_cpu_conv_flags_restored(runner, codes):
-    before = torch.backends.mkldnn.enabled, torch._C._get_nnpack_enabled()
-    runner.decode([(codes[:6], 0)])
-    assert (torch.backends.mkldnn.enabled, torch._C._get_nnpack_enabled()) == before
+def test_derived_reach_is_exact(streamer, codes300):
+    # Structural check, free of rounding: a NaN in frame 0 reaches sample R * spf - tail (so with R - 1 context
+    # frames the first emitted sample would depend on the zero padding) and no sample from (R + 1) * spf - tail
+    # on (so with R frames, shifted by one, it depends on real frames only).
+    r, spf, tail = streamer.conv_reach, streamer.samples_per_frame, streamer.tail_samples
+    hidden = torch.randn(1, r + 4, streamer.hidden_size)
+    hidden[:, 0] = float("nan")
+    with torch.inference_mode():
+        wav = streamer._conv_stack(hidden)[0]
+    assert wav[r * spf - tail].isnan() and not wav[(r + 1) * spf - tail :].isnan().any()
+    # And numerically: streaming with exactly R context frames (no margin) equals the full decode.
+    exact = Code2WavRunner(streamer.module, "cpu", torch.float32, context_frames=r)
+    codes = codes300[:80]
+    assert rel_err(stream(exact, codes, 4, 25), full_decode(exact, codes)) < TOL
 
 
-def test_seeded_builds_are_identical():
-    a, b = build_tiny(), build_tiny()
-    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+def test_batched_equals_alone(deep):
+    # Streams at different positions (W and C' still growing, then full) in one call, two sharing a shape.
+    streams = [random_codes(40, seed=10 + s) for s in range(4)]
+    prefix = [0, 5, 20, 20]
+    states = []
+    for codes, p in zip(streams, prefix):
+        state = None
+        if p:
+            [(_, state)] = deep.decode([(codes[:p], None)])
+        states.append(state)
+    chunks = [(codes[p : p + n], state) for codes, p, state, n in zip(streams, prefix, states, [4, 6, 6, 6])]
+    batched = deep.decode(chunks)
+    for chunk, (audio, state) in zip(chunks, batched):
+        [(audio1, state1)] = deep.decode([chunk])
+        assert rel_err(audio, audio1) < TOL
+        assert state.position == state1.position
+        assert torch.allclose(state.kv, state1.kv, atol=1e-6) and torch.allclose(state.hidden, state1.hidden, atol=1e-6)
+    assert [s.kv.shape[3] for _, s in batched] == [4, 7, 7, 7]
+    assert [s.hidden.shape[0] for _, s in batched] == [4, 11, 11, 11]
+
+
+def test_bad_inputs(deep):
+    good = random_codes(3, seed=5)
+    [(_, state)] = deep.decode([(good, None)])
+    bad = [
+        (good.float(), None, "integers"),
+        (good[:, :15], None, "must be"),
+        (good[:0], None, "frames >= 1"),
+        (good.clone().fill_(2048), None, r"\[0, 2048\)"),
+        (good.clone().fill_(-1), None, r"\[0, 2048\)"),
+        ([[0] * 16], None, "tensor"),
+        (good, "state", "StreamState"),
+        (good, StreamState(state.kv, state.hidden, 4), "after 4 frames"),
+        (good, StreamState(state.kv, state.hidden, -1), ">= 0"),
+        (good, StreamState(state.kv, state.hidden, True), "int"),
+        (good, StreamState(state.kv[:, :, :, :1], state.hidden, 3), "kv"),
+        (good, StreamState(state.kv, state.hidden[:, :5], 3), "hidden"),
+        (good, StreamState(state.kv.long(), state.hidden, 3), "float"),
+    ]
+    for codes, st, match in bad:
+        with pytest.raises(BadRequestError, match=match):
+            deep.decode([(good, None), (codes, st)])
+    with pytest.raises(BadRequestError, match="chunk 1"):
+        deep.decode([(good, None), (good.clone().fill_(2048), None)])
+
+
+def test_state_round_trip_bf16():
+    streamer = Code2WavRunner(build(seed=1, num_hidden_layers=2, sliding_window=8, dtype=torch.bfloat16),
+                                "cpu", torch.bfloat16)
+    codes = random_codes(30, seed=6)
+    [(_, state)] = streamer.decode([(codes[:12], None)])
+    assert state.kv.dtype == torch.bfloat16
+    wire = state_to_tensors(state)
+    assert set(wire) == {PAST_KV, PAST_HIDDEN, PAST_FRAMES}
+    assert wire[PAST_KV].dtype == wire[PAST_HIDDEN].dtype == torch.float32
+    assert wire[PAST_FRAMES].dtype == torch.int64 and wire[PAST_FRAMES].tolist() == [12]
+    back = state_from_tensors(wire)
+    assert back.position == 12 and torch.equal(back.kv.bfloat16(), state.kv)
+    [(a, sa)], [(b, sb)] = (streamer.decode([(codes[12:], s)]) for s in (state, back))
+    assert torch.equal(a, b) and torch.equal(sa.kv, sb.kv) and torch.equal(sa.hidden, sb.hidden)
+    with pytest.raises(BadRequestError, match=PAST_KV):
+        state_from_tensors({PAST_HIDDEN: wire[PAST_HIDDEN], PAST_FRAMES: wire[PAST_FRAMES]})
+    with pytest.raises(BadRequestError, match=PAST_FRAMES):
+        state_from_tensors({**wire, PAST_FRAMES: torch.tensor([1.0])})

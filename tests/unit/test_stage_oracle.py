@@ -9,7 +9,7 @@ from omnistage.models.processor import prepare_inputs
 from omnistage.stages.talker import TalkerPrompt, TalkerRunner
 from omnistage.stages.thinker import ThinkerPrompt, ThinkerRunner
 
-from . import oracle
+from .. import oracle
 
 REPLY, FRAMES = 6, 10
 

@@ -1,3 +1,4 @@
+# Session fixtures shared by unit and Triton tests: the tiny checkpoint and transformers' reference model.
 import pytest
 import torch
 

@@ -1,0 +1,161 @@
+# Runs one tritonserver process over a rendered model repository.
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import urllib.request
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from omnistage.launch.process import ManagedProcess, ProcessFailed, free_port, free_ports, port_in_use
+from omnistage.launch.triton_env import REPO_ROOT, TritonInstall, locate_triton, prepare_backends, server_env
+
+__all__ = ["TritonServer", "TritonStartError", "free_port", "free_ports"]
+
+# e.g. "E1202 ... model_lifecycle.cc:654] failed to load 'broken' version 1: Internal: RuntimeError: ..."
+_LOAD_FAILED = re.compile(r"failed to load '([^']+)'[^\n]*")
+
+
+class TritonStartError(ProcessFailed):
+    pass
+
+
+class TritonServer:
+    def __init__(
+        self,
+        model_repository: Path,
+        run_dir: Path,
+        *,
+        host: str = "127.0.0.1",
+        http_port: int = 8000,
+        grpc_port: int = 8001,
+        metrics_port: int = 8002,
+        gpus: Sequence[int] = (),  # non-empty when models run on cuda: each gets a larger CUDA pool
+        cuda_pool_bytes: int = 1 << 30,
+        exit_timeout_s: int = 10,
+        model_control_mode: str = "none",
+        load_models: Sequence[str] = (),  # explicit mode only; "*" loads all
+        extra_args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+        # the stub puts its working directory first on sys.path: the repo root makes `import
+        # omnistage` work in model.py even where the checkout is not pip-installed
+        cwd: Path = REPO_ROOT,
+        install: TritonInstall | None = None,
+    ):
+        self.model_repository, self.run_dir = Path(model_repository), Path(run_dir)
+        self.host, self.http_port, self.grpc_port, self.metrics_port = host, http_port, grpc_port, metrics_port
+        self.gpus, self.cuda_pool_bytes, self.exit_timeout_s = tuple(gpus), cuda_pool_bytes, exit_timeout_s
+        self.model_control_mode, self.load_models, self.extra_args = model_control_mode, tuple(load_models), tuple(extra_args)
+        self.base_env, self.cwd = env, Path(cwd)
+        self.install = install or locate_triton()
+        self.process: ManagedProcess | None = None
+        self._log_offset = 0
+        # checked against GET /v2 once ready, so that a leftover server on our ports can't pass as us
+        self.server_id = f"omnistage-{os.getpid()}-{http_port}"
+
+    @classmethod
+    def on_free_ports(cls, model_repository: Path, run_dir: Path, **kw) -> TritonServer:
+        http, grpc, metrics = free_ports(3, kw.get("host", "127.0.0.1"))
+        return cls(model_repository, run_dir, http_port=http, grpc_port=grpc, metrics_port=metrics, **kw)
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:  # tritonclient.grpc spelling: host:port, no scheme
+        return f"{self.host}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.metrics_port}/metrics"
+
+    @property
+    def log_path(self) -> Path:
+        return self.run_dir / "tritonserver.log"
+
+    def argv(self, backends: Path) -> list[str]:
+        args = [
+            str(self.install.server),
+            f"--id={self.server_id}",
+            f"--model-repository={self.model_repository}",
+            f"--backend-directory={backends}",
+            f"--http-address={self.host}", f"--http-port={self.http_port}",
+            f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
+            f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
+            f"--model-control-mode={self.model_control_mode}",
+            "--log-verbose=0",
+            # our configs are complete; auto-complete would let the backend fill in defaults silently
+            "--disable-auto-complete-config",
+            f"--exit-timeout-secs={self.exit_timeout_s}",
+        ]
+        args += [f"--load-model={m}" for m in self.load_models]
+        # GPU tensors between the Python backend and the server go through this pool; Triton's 64 MB
+        # default is smaller than one batch of stage tensors (hidden states, codec frames).
+        args += [f"--cuda-memory-pool-byte-size={g}:{self.cuda_pool_bytes}" for g in self.gpus]
+        return args + list(self.extra_args)
+
+    def start(self) -> None:
+        busy = [p for p in (self.http_port, self.grpc_port, self.metrics_port) if port_in_use(p, self.host)]
+        if busy:
+            raise TritonStartError(f"port(s) {busy} on {self.host} already in use (a leftover tritonserver?)")
+        backends = prepare_backends(self.install, self.run_dir / "triton")
+        self.log_path.unlink(missing_ok=True)
+        env = server_env(self.install, self.base_env)
+        self.process = ManagedProcess("tritonserver", self.argv(backends), env, self.log_path, cwd=self.cwd)
+        self._log_offset = 0
+        self.process.start()
+
+    def wait_ready(self, timeout: float = 300.0, progress: Callable[[str], None] | None = None) -> float:
+        assert self.process is not None, "start() first"
+        try:
+            waited = self.process.wait_http_ok(f"{self.http_url}/v2/health/ready", timeout, self._load_failure, progress)
+        except ProcessFailed as e:
+            raise TritonStartError(str(e)) from None
+        with urllib.request.urlopen(f"{self.http_url}/v2", timeout=5) as r:
+            answered = json.load(r).get("name")
+        if answered != self.server_id:
+            raise TritonStartError(f"{self.http_url} is served by {answered!r}, not by the server we started")
+        return waited
+
+    def _load_failure(self) -> str | None:
+        # Triton keeps starting the other models (and only then exits) after one fails; reading the
+        # log reports the failing model at once and by name.
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return None
+        end = chunk.rfind(b"\n") + 1  # only whole lines; the rest is read next time
+        self._log_offset += end
+        m = _LOAD_FAILED.search(chunk[:end].decode(errors="replace"))
+        return f"model {m.group(1)!r} failed to load: {m.group(0)}" if m else None
+
+    def start_and_wait(self, timeout: float = 300.0, progress: Callable[[str], None] | None = None) -> float:
+        self.start()
+        try:
+            return self.wait_ready(timeout, progress)
+        except BaseException:
+            self.stop()
+            raise
+
+    def log_tail(self, lines: int = 60) -> str:
+        return self.process.log_tail(lines) if self.process else ""
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.alive()
+
+    def stop(self) -> int | None:
+        if self.process is None:
+            return None
+        return self.process.stop(grace=self.exit_timeout_s + 5.0)
+
+    def __enter__(self) -> TritonServer:
+        self.start_and_wait(progress=lambda m: print(m, file=sys.stderr))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
