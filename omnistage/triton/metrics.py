@@ -1,6 +1,7 @@
 # Custom Prometheus metrics of a stage instance, published on Triton's metrics port next to Triton's
-# own per-model metrics. Sampled from the engine's stats a few times per second by a small thread, so the
-# engine loop itself never touches the metrics API.
+# own per-model metrics. Sampled from the engine's stats a few times per second by one small thread: the
+# engine loop never touches the metrics API, and no two threads update metrics at once (concurrent
+# updates from several stub threads crash tritonserver 2.51: boost interprocess lock_exception).
 from __future__ import annotations
 
 import logging
@@ -28,13 +29,16 @@ class StageMetrics:
         self.engine, self.responder = engine, responder
         labels = {"instance": instance}
         self._gauges, self._counters = {}, {}
+        self._families = []  # a garbage-collected MetricFamily invalidates its metrics, so keep them
         self._last = {"steps_total": 0, "responses_total": 0}
         try:
             for name, text in _GAUGES.items():
                 family = pb_utils.MetricFamily(f"omni_{stage}_{name}", text, pb_utils.MetricFamily.GAUGE)
+                self._families.append(family)
                 self._gauges[name] = family.Metric(labels=labels)
             for name, text in _COUNTERS.items():
                 family = pb_utils.MetricFamily(f"omni_{stage}_{name}", text, pb_utils.MetricFamily.COUNTER)
+                self._families.append(family)
                 self._counters[name] = family.Metric(labels=labels)
         except Exception as e:  # metrics disabled on the server (--allow-metrics=false)
             log.warning("[%s] custom metrics unavailable: %s", stage, e)

