@@ -43,6 +43,8 @@ def default_spec(model_path: str, device: str) -> dict[str, ModelSpec]:
     cuda = device == "cuda"
     common = {"model_path": absolute_model_path(model_path), "device": device, "dtype": "bfloat16" if cuda else "float32"}
     engine = {"max_batch_size": "64" if cuda else "8", "max_seq_len": "4096" if cuda else "1024"}
+    if cuda:  # transformers' grouped-GEMM experts instead of its per-expert Python loop (host-bound on GPU)
+        engine["experts_implementation"] = "grouped_mm"
     gpu = {"kind": "KIND_GPU", "gpus": (0,)} if cuda else {}
     return {
         "thinker": ModelSpec(parameters={**common, **engine}, **gpu),

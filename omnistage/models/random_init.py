@@ -56,3 +56,29 @@ def init_random_weights_(model: nn.Module, seed: int) -> None:
     gen = torch.Generator(device=device).manual_seed(int(seed))
     for module, owner in owned_modules(model):
         _init_module(module, owner, gen)
+
+
+@torch.no_grad()
+def make_code2wav_audible_(code2wav: nn.Module, seed: int) -> None:
+    """Redraws a random Code2Wav so it outputs audible audio (~0.1-0.5, clear of the clamp at 1) instead of
+    the ~1e-6 that initializer_range 0.02 gives: tiny-checkpoint audio is then audible, and comparisons
+    of waveforms are meaningful in absolute terms. Variance-preserving gains; small residual/last gains."""
+    gen = torch.Generator(device=next(code2wav.parameters()).device).manual_seed(int(seed))
+    for m in code2wav.modules():
+        if isinstance(m, nn.Conv1d):  # [out, in / groups, k]
+            m.weight.normal_(0, m.weight[0].numel() ** -0.5, generator=gen)
+        elif isinstance(m, nn.ConvTranspose1d):  # [in, out, k]: each output sums in * k / stride terms
+            m.weight.normal_(0, (m.weight.shape[0] * m.weight.shape[2] / m.stride[0]) ** -0.5, generator=gen)
+        elif isinstance(m, nn.Linear):
+            m.weight.normal_(0, m.weight.shape[1] ** -0.5, generator=gen)
+    for name, p in code2wav.named_parameters():
+        if name.endswith(("layer_scale.scale", "gamma")):
+            p.fill_(0.5)
+        elif name.endswith(("alpha", "beta")):
+            p.normal_(0, 0.3, generator=gen)
+        elif name.startswith("code_embedding"):
+            p.normal_(0, 1.0, generator=gen)
+    for name, m in code2wav.decoder.named_modules():
+        if name.endswith("conv2"):  # residual units: keep the decoder's activations O(1)
+            m.conv.weight.mul_(0.2)
+    code2wav.decoder[-1].conv.weight.mul_(0.05)

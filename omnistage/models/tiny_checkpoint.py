@@ -23,7 +23,7 @@ TINY_PREPROCESSOR = {
 def make_tiny_checkpoint(out_dir, seed: int = 0) -> Path:
     from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
 
-    from omnistage.models.random_init import init_random_weights_
+    from omnistage.models.random_init import init_random_weights_, make_code2wav_audible_
     from omnistage.models.skeleton import empty_stage
     from omnistage.models.tiny_config import tiny_config_dict
     from omnistage.models.tokenizer import build_tokenizer
@@ -33,6 +33,7 @@ def make_tiny_checkpoint(out_dir, seed: int = 0) -> Path:
     config = Qwen3OmniMoeConfig(**tiny_config_dict())
     model = empty_stage(Qwen3OmniMoeForConditionalGeneration, config, torch.float32, "cpu")
     init_random_weights_(model, seed)
+    make_code2wav_audible_(model.code2wav, seed)  # playable audio, not ~1e-6 noise
     # save_pretrained reverses the fused-expert conversion, writing the released per-expert names.
     model.save_pretrained(out)
     build_tokenizer().save_pretrained(out)

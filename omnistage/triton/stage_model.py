@@ -47,7 +47,8 @@ class StageModel:
             torch.cuda.set_device(self.device)
         source = self.params["model_path"]
         self.config = load_config(source)
-        model = load_stage(source, self.STAGE, self.dtype, self.device)
+        model = load_stage(source, self.STAGE, self.dtype, self.device,
+                           experts_implementation=self.params.get("experts_implementation") or None)
         self.max_slots = int(self.params.get("max_batch_size", 8))
         self.max_seq_len = int(self.params.get("max_seq_len", 1024))
         runner = self.build_runner(model)

@@ -4,11 +4,11 @@
 # under which a wrong rope position or a missing key would hide below tolerance).
 import pytest
 import torch
-from torch import nn
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeCode2WavConfig
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
 
 from omnistage.core.errors import BadRequestError
+from omnistage.models.random_init import make_code2wav_audible_
 from omnistage.models.tiny_config import tiny_config_dict
 from omnistage.stages.code2wav import (
     PAST_FRAMES,
@@ -28,25 +28,7 @@ def build(seed=0, dtype=torch.float32, **overrides):
     config = Qwen3OmniMoeCode2WavConfig(**{**tiny_config_dict()["code2wav_config"], **overrides})
     torch.manual_seed(seed)
     module = Qwen3OmniMoeCode2Wav._from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for m in module.modules():
-            if isinstance(m, nn.Conv1d):  # [out, in / groups, k]
-                m.weight.normal_(0, m.weight[0].numel() ** -0.5)
-            elif isinstance(m, nn.ConvTranspose1d):  # [in, out, k]: each output sums in * k / stride terms
-                m.weight.normal_(0, (m.weight.shape[0] * m.weight.shape[2] / m.stride[0]) ** -0.5)
-            elif isinstance(m, nn.Linear):
-                m.weight.normal_(0, m.weight.shape[1] ** -0.5)
-        for name, p in module.named_parameters():
-            if name.endswith(("layer_scale.scale", "gamma")):
-                p.fill_(0.5)
-            elif name.endswith(("alpha", "beta")):
-                p.normal_(0, 0.3)
-            elif name.startswith("code_embedding"):
-                p.normal_(0, 1.0)
-        for name, m in module.decoder.named_modules():
-            if name.endswith("conv2"):  # residual units: keep the decoder's activations O(1)
-                m.conv.weight.mul_(0.2)
-        module.decoder[-1].conv.weight.mul_(0.05)  # audio ~0.1-0.5, clear of the clamp at 1
+    make_code2wav_audible_(module, seed)
     return module.to(dtype)
 
 
