@@ -20,11 +20,4 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(skip)
 
 
-@pytest.fixture(scope="session")
-def tiny_checkpoint(tmp_path_factory):
-    from omnistage.models.tiny_checkpoint import make_tiny_checkpoint
-
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=0)
-
-
 from tests.model_fixtures import hf_model, processor, tiny_checkpoint  # noqa: E402,F401  (session fixtures)
