@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol
 
@@ -52,6 +53,23 @@ class OmniOutput:
         )
 
 
+class HopTimer:
+    """Count and mean duration of one kind of stage round trip (reported in usage["hops"])."""
+
+    def __init__(self):
+        self.count, self.seconds = 0, 0.0
+
+    def __enter__(self):
+        self._t0 = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.count += 1
+        self.seconds += time.perf_counter() - self._t0
+
+    def summary(self) -> dict:
+        return {"count": self.count, "mean_ms": round(self.seconds / self.count * 1e3, 3)}
+
+
 # emit(output, finish_reason, error): finish_reason or error ends the response stream
 Emit = Callable[[OmniOutput | None, "str | None", "OmniError | None"], None]
 
@@ -76,6 +94,7 @@ class OmniRequest:
         self._frames: list[torch.Tensor] = []  # [16] long each, frames not yet sent to code2wav
         self._frames_sent = 0  # frames before self._frames[0]
         self._code2wav_state: dict | None = None
+        self.hops = {"talker_append": HopTimer(), "code2wav": HopTimer()}  # handoff round trips, for usage
 
     # ---- public -------------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -97,6 +116,7 @@ class OmniRequest:
             "completion_tokens": self.completion_tokens,
             "audio_frames": self.audio_frames,
             "audio_seconds": round(self.audio_frames * FRAME_SECONDS, 3),
+            "hops": {name: hop.summary() for name, hop in self.hops.items() if hop.count},
         }
         reason = "abort" if self.cancelled.is_set() else (self.finish_reason or "stop")
         self.emit(OmniOutput(text=self.detok.flush(), usage=usage), reason, None)
@@ -135,7 +155,8 @@ class OmniRequest:
             if self._pending_rows:
                 self._start_talker(torch.cat(self._pending_rows), end)
         elif (rows is not None and rows.shape[0]) or end:
-            self.stages.talker_append(self.session, rows, end)
+            with self.hops["talker_append"]:
+                self.stages.talker_append(self.session, rows, end)
 
     def _start_talker(self, rows: torch.Tensor, end: bool) -> None:
         inputs = dict(self._cond, text_rows=rows)
@@ -185,7 +206,8 @@ class OmniRequest:
                 codes = torch.stack(self._frames[first : first + window.frames])
                 del self._frames[: first + window.frames]
                 self._frames_sent = window.end
-                audio, self._code2wav_state = self.stages.code2wav(codes, self._code2wav_state)
+                with self.hops["code2wav"]:
+                    audio, self._code2wav_state = self.stages.code2wav(codes, self._code2wav_state)
                 self.emit(OmniOutput(audio=audio.float().reshape(-1)), None, None)
             except OmniError as e:
                 self._fail(e)

@@ -86,15 +86,16 @@ def _stage(url, model, inputs: dict, parameters: dict) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize("kind", ["text", "image"])
+@pytest.mark.parametrize("kind", ["text", "image", "audio"])
 def test_stage_models_serve_generates_codec_codes(kind, triton_server, hf_model, processor):
     """Thinker and talker called directly through Triton, as a user of the stage models would."""
     inputs = prepare_inputs(processor, oracle.messages(kind))
     want_text, want_codes, _ = oracle.generate(hf_model, inputs, REPLY, FRAMES)
     thinker_inputs = {"input_ids": inputs["input_ids"][0].numpy()}
-    for name in ("pixel_values", "image_grid_thw"):
+    for name in ("pixel_values", "image_grid_thw", "input_features", "feature_attention_mask"):
         if name in inputs:
-            thinker_inputs[name] = inputs[name].numpy().astype(np.float32 if name == "pixel_values" else np.int64)
+            floats = name in ("pixel_values", "input_features")
+            thinker_inputs[name] = inputs[name].numpy().astype(np.float32 if floats else np.int64)
     thinker = _stage(triton_server.grpc_url, "thinker", thinker_inputs,
                      {"max_tokens": REPLY, "temperature": "0", "export_talker": True})  # fmt: skip
     tokens = [int(t) for r in thinker for t in (r.get("token_ids") if r.get("token_ids") is not None else [])]
@@ -106,6 +107,8 @@ def test_stage_models_serve_generates_codec_codes(kind, triton_server, hf_model,
     talker_inputs["text_rows"] = rows
     if "image_grid_thw" in inputs:
         talker_inputs["image_grid_thw"] = inputs["image_grid_thw"].numpy().astype(np.int64)
+    if "feature_attention_mask" in inputs:
+        talker_inputs["audio_feature_lengths"] = inputs["feature_attention_mask"].sum(-1).numpy().astype(np.int64)
     talker = _stage(triton_server.grpc_url, "talker", talker_inputs,
                     {"session": f"direct-{kind}", "text_end": True, "speaker": "Ethan", "max_tokens": FRAMES,
                      "temperature": "0", "repetition_penalty": "1.05"})  # fmt: skip
