@@ -17,6 +17,7 @@ from .scheduler import Scheduler, Sequence
 log = logging.getLogger(__name__)
 
 ABORTED = "abort"
+SLOW_STEP_SECONDS = 2.0  # steps slower than this are logged
 
 
 @dataclass
@@ -147,6 +148,9 @@ class StageEngine:
         self.steps += 1
         self.last_batch_size = len(prefills) + len(decodes)
         self.last_step_seconds = time.perf_counter() - t0
+        if self.steps <= 3 or self.last_step_seconds > SLOW_STEP_SECONDS:
+            log.info("[%s] step %d: %d prefill + %d decode in %.1f ms", self.name, self.steps, len(prefills),
+                     len(decodes), self.last_step_seconds * 1e3)  # fmt: skip
 
     def _end(self, seq: Sequence, output: Any, error: OmniError | None, finish_reason: str | None = None) -> None:
         self.scheduler.finish(seq)

@@ -17,6 +17,7 @@ from ..core.protocol import CODE2WAV
 from ..models.checkpoint import load_stage
 from ..core.protocol import PAST_FRAMES
 from ..stages.code2wav import Code2WavRunner, state_from_tensors, state_to_tensors
+from .logs import setup_logging
 from .responder import error_response, send_final
 from .stage_model import instance_device, model_parameters, stage_dtype
 from .tensors import input_tensors, output_tensors
@@ -26,6 +27,7 @@ log = logging.getLogger(__name__)
 
 class Code2WavModel:
     def initialize(self, args) -> None:
+        setup_logging()
         params = model_parameters(args)
         self.device = instance_device(args, params)
         dtype = stage_dtype(params, self.device)

@@ -17,6 +17,7 @@ from ..models.processor import load_processor, prepare_inputs
 from ..pipeline.options import OmniOptions
 from ..pipeline.request import OmniOutput, OmniRequest
 from .bls import BlsStageClient
+from .logs import setup_logging
 from .responder import Responder, error_response, send_final
 from .stage_model import model_parameters
 from .tensors import output_tensors, read_string, request_parameters
@@ -33,6 +34,7 @@ _THINKER_INPUTS = {  # processor output -> thinker input, with the wire dtype
 
 class OmniModel:
     def initialize(self, args) -> None:
+        setup_logging()
         params = model_parameters(args)
         source = params["model_path"]
         self.config = load_config(source)

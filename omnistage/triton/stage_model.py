@@ -13,6 +13,7 @@ from ..core.engine import StageEngine
 from ..core.errors import BadRequestError, OmniError
 from ..core.scheduler import Scheduler, Sequence
 from ..models.checkpoint import load_config, load_stage
+from .logs import setup_logging
 from .metrics import StageMetrics
 from .responder import Responder, error_response, send_final
 from .tensors import request_parameters
@@ -40,6 +41,7 @@ class StageModel:
     STAGE = ""  # thinker | talker
 
     def initialize(self, args) -> None:
+        setup_logging()
         self.params = model_parameters(args)
         self.device = instance_device(args, self.params)
         self.dtype = stage_dtype(self.params, self.device)
