@@ -73,6 +73,7 @@ def thinker_times(report, source, config, dev, dtype, kw, params, prompt) -> Non
     report["thinker_load_s"] = round(time.perf_counter() - t0, 2)
     runner = ThinkerRunner(thinker, config, **kw)
     ids = torch.randint(0, 150000, (prompt,), generator=torch.Generator().manual_seed(0))
+    ids[-3:] = torch.tensor([config.im_start_token_id, config.assistant_token_id, 198])  # "<|im_start|>assistant\n"
     seqs = [running(i, params, ThinkerPrompt(ids, export_talker=True)) for i in range(max(BATCHES))]
     report["thinker_prefill_ms"] = timed(lambda: runner.prefill(seqs[:1]), repeat=2)
     for s in seqs:
