@@ -49,7 +49,7 @@ def stage_metrics(server) -> dict:
 
 def timed(url, messages, params) -> dict:
     s = OmniStream(url, messages, params)
-    r = s.run(timeout=120)
+    r = s.run(timeout=60)
     audio_t = [t for t, k in r.events if k == "audio"]
     text_t = [t for t, k in r.events if k == "text"]
     audio_s = len(r.waveform) / 24000
@@ -82,6 +82,13 @@ def watch(server, stop: threading.Event) -> None:
         print("[smoke] metrics", json.dumps(stage_metrics(server)), flush=True)
 
 
+def dump_stacks() -> None:
+    """SIGUSR1 to every Python stub: faulthandler writes all their threads' stacks into the server log."""
+    import subprocess
+
+    subprocess.run(["pkill", "-USR1", "-f", "triton_python_backend_stub"], check=False)
+
+
 def main(out: str, tiny_too: bool = False) -> None:
     report = {"note": "full-size Qwen3-Omni config, DUMMY random bf16 weights, eager stages (no CUDA graphs)"}
     run = Path("/tmp/smoke")
@@ -105,6 +112,10 @@ def main(out: str, tiny_too: bool = False) -> None:
         report["metrics_after_single"] = stage_metrics(server)
         for n in (16, 64):
             report[f"full_burst_{n}"] = burst(server.grpc_url, n)
+            if report[f"full_burst_{n}"]["ok"] < n:
+                dump_stacks()
+                time.sleep(2)
+                break
             report[f"metrics_after_{n}"] = stage_metrics(server)
             print(json.dumps(report[f"full_burst_{n}"]), flush=True)
             Path(out).write_text(json.dumps(report, indent=1))

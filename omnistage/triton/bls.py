@@ -37,7 +37,9 @@ def _read(response) -> dict:
             value = t.as_numpy().reshape(-1)[0]
             out[t.name()] = value.decode() if isinstance(value, bytes) else str(value)
         else:
-            out[t.name()] = to_torch(t)
+            # own the memory: a response's GPU tensors live in Triton's pools, tied to the response object
+            tensor = to_torch(t)
+            out[t.name()] = tensor.clone() if tensor.is_cuda else tensor
     return out
 
 
@@ -74,7 +76,5 @@ class BlsStageClient:
 
     def code2wav(self, codes: torch.Tensor, state: dict | None) -> tuple[torch.Tensor, dict]:
         for out in self._stream("code2wav", CODE2WAV.outputs, {"codes": codes, **(state or {})}, {}):
-            audio = out.pop("audio")
-            # copies: the response's tensors live in Triton's shared pools, the state outlives this call
-            return audio.clone(), {k: v.clone() for k, v in out.items()}
+            return out.pop("audio"), out
         raise EngineError("code2wav returned no audio")
