@@ -54,7 +54,8 @@ SAMPLING_PARAMETERS = {
 THINKER = ModelContract(
     name="thinker",
     inputs=(
-        TensorSpec("input_ids", "TYPE_INT64", (-1,)),
+        # optional only so that `action=abort` requests, which carry no tensors, pass Triton's input check
+        TensorSpec("input_ids", "TYPE_INT64", (-1,), optional=True),
         TensorSpec("pixel_values", "TYPE_FP32", (-1, -1), optional=True),  # [patches, C*T*P*P]
         TensorSpec("image_grid_thw", "TYPE_INT64", (-1, 3), optional=True),  # [images, 3]
         TensorSpec("input_features", "TYPE_FP32", (-1, -1, -1), optional=True),  # [audios, mels, frames]

@@ -13,7 +13,7 @@ class SamplingParams:
     min_tokens: int = 0  # EOS is suppressed until this many were produced
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
-    top_k: int = 0  # 0 = off
+    top_k: int = 0  # 0 or -1 (vLLM's spelling) = off
     repetition_penalty: float = 1.0  # HF semantics, over the tokens this request generated
     presence_penalty: float = 0.0  # OpenAI semantics
     frequency_penalty: float = 0.0
@@ -35,8 +35,8 @@ class SamplingParams:
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
             (0.0 <= self.temperature <= 2.0, "temperature must be in [0, 2]"),
             (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
-            (self.top_k >= 0, "top_k must be >= 0"),
-            (0.0 < self.repetition_penalty <= 2.0, "repetition_penalty must be in (0, 2]"),
+            (self.top_k >= -1, "top_k must be >= -1 (0 or -1: off)"),
+            (0.0 < self.repetition_penalty <= 10.0, "repetition_penalty must be in (0, 10]"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
             (self.seed is None or 0 <= self.seed < 2**63, "seed must be a non-negative 64-bit integer"),

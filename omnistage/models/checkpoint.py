@@ -62,7 +62,7 @@ def load_stage(source, stage: str, dtype=torch.bfloat16, device="cpu", seed: int
                attn_implementation: str | None = None, experts_implementation: str | None = None):
     """Returns the eval-mode transformers module of one stage: thinker -> ThinkerForConditionalGeneration,
     talker -> TalkerForConditionalGeneration (with its code predictor), code2wav -> Code2Wav."""
-    from omnistage.models.random_init import init_random_weights_
+    from omnistage.models.random_init import init_random_weights_, make_code2wav_audible_
     from omnistage.models.skeleton import empty_stage
     from omnistage.models.weights import load_prefixed_
 
@@ -75,6 +75,8 @@ def load_stage(source, stage: str, dtype=torch.bfloat16, device="cpu", seed: int
                         attn_implementation=attn_implementation, experts_implementation=experts_implementation)
     if is_dummy(source):
         init_random_weights_(model, stage_seed(seed, stage))
+        if stage == "code2wav":  # initializer_range alone gives ~1e-6 (tiny) or a clipped roar (full size)
+            make_code2wav_audible_(model, stage_seed(seed, stage))
     else:
         load_prefixed_(model, Path(source), stage)
     return model.eval().requires_grad_(False)

@@ -226,5 +226,5 @@ class OmniRequest:
             if started:
                 try:
                     self.stages.abort(stage, self.session)
-                except Exception as e:  # best effort: the stage may already be done with it
-                    log.debug("abort %s/%s: %s", stage, self.session, e)
+                except Exception as e:  # the stage may already be done with it; anything else is worth seeing
+                    log.warning("abort of %s/%s failed: %s", stage, self.session, e)

@@ -144,7 +144,9 @@ def test_audio_streams_before_the_thinker_finishes(triton_server):
 
 
 def test_disconnect_frees_slots_in_every_stage(triton_server):
-    params = dict(GREEDY, max_tokens=500, ignore_eos=True, talker_max_tokens=500, talker_ignore_eos=True)
+    # long enough that neither stage could finish on its own within the wait below
+    params = dict(GREEDY, max_tokens=900, ignore_eos=True, talker_max_tokens=500, talker_ignore_eos=True)
+    steps_before = gauge(triton_server.metrics(), "omni_thinker_steps_total")
     stream = OmniStream(triton_server.grpc_url, oracle.messages("text"), params)
     while not stream.result.audio:
         assert stream.next(timeout=60), stream.result.error
@@ -153,6 +155,9 @@ def test_disconnect_frees_slots_in_every_stage(triton_server):
     stream.cancel()
     for stage in ("thinker", "talker"):
         wait_for(lambda: gauge(triton_server.metrics(), f"omni_{stage}_slots_in_use") == 0, what=f"{stage} slots")
+    # freed by the abort, not by running out: 900 tokens take at least 900 thinker steps
+    time.sleep(0.5)
+    assert gauge(triton_server.metrics(), "omni_thinker_steps_total") - steps_before < 850
     # and the server still serves
     assert omni(triton_server.grpc_url, oracle.messages("text"), dict(GREEDY, max_tokens=2, modalities="text")).error is None
 

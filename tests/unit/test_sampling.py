@@ -26,6 +26,10 @@ def test_bad_parameters_are_bad_requests(params):
         sampling_from_parameters(params, SamplingParams(max_tokens=10), 100)
 
 
+def test_vllm_spelling_of_top_k_off_is_accepted():
+    assert sampling_from_parameters({"top_k": -1}, SamplingParams(max_tokens=10), 100).top_k == -1
+
+
 def test_greedy_with_repetition_penalty_matches_transformers():
     torch.manual_seed(0)
     logits = torch.randn(3, 50)

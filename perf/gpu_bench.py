@@ -1,0 +1,336 @@
+# One GPU device call: the transformers baseline, then our server on the same (dummy full-size) weights,
+# the W1 sweep and a short W2 subset, all under one time budget. Every phase has a deadline derived from
+# what is left, so the run ends in time whatever happens, and bench.json is rewritten after each phase
+# (a kill still leaves the phases done so far). Run through perf/gpu_bench.sh.
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from perf import loadgen, workloads
+from perf.bench_server import BenchServer
+from perf.compare import comparison, plot_bench, reference, summary_text
+
+REPO = Path(__file__).resolve().parents[1]
+FULL_CONFIG = REPO / "perf" / "qwen3_omni_30b_a3b_instruct.config.json"
+
+
+class Budget:
+    def __init__(self, total_s: float, reserve_s: float):
+        self.t0, self.total_s, self.reserve_s = time.monotonic(), total_s, reserve_s
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def left(self) -> float:
+        """Seconds left for work (the final reserve excluded)."""
+        return self.total_s - self.reserve_s - self.elapsed()
+
+    def slice(self, cap: float, keep_for_later: float = 0.0) -> float:
+        return max(0.0, min(cap, self.left() - keep_for_later))
+
+
+def say(msg: str) -> None:
+    print(f"[gpu_bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def hardware() -> dict:
+    info = {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version()}
+    try:
+        q = "name,memory.total,driver_version"
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=False,
+        ).stdout.strip()
+        info["gpus"] = [dict(zip(q.split(","), (v.strip() for v in line.split(",")))) for line in out.splitlines()]
+    except (OSError, subprocess.SubprocessError) as exc:
+        info["gpus"] = f"nvidia-smi failed: {exc}"
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("torch", "transformers", "tritonclient", "nvidia-pytriton", "httpx"):
+        try:
+            info[dist] = version(dist)
+        except PackageNotFoundError:
+            info[dist] = None
+    return info
+
+
+def omni_metrics(url: str) -> dict:
+    """The stages' own gauges / counters (omni_<stage>_<what>) from Triton's metrics endpoint."""
+    try:
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+    except OSError as exc:
+        return {"error": str(exc)}
+    out: dict[str, list[float]] = {}
+    for name, value in re.findall(r"^(omni_\w+)(?:\{[^}]*\})? (\S+)$", text, re.MULTILINE):
+        out.setdefault(name, []).append(float(value))
+    return out
+
+
+class Bench:
+    def __init__(self, args):
+        self.args, self.out = args, Path(args.out)
+        self.budget = Budget(args.budget_s, args.reserve_s)
+        self.tmp = Path(tempfile.mkdtemp(prefix="omnistage_gpu_bench_"))
+        self.report: dict = {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "what": "omnistage (Triton, staged) vs transformers generate() on the same weights, one GPU",
+            "weights": (
+                "dummy: seeded random weights (omnistage.models.checkpoint, seed 0), speed only"
+                if args.model.startswith("dummy:")
+                else f"checkpoint {args.model}"
+            ),
+            "model": {
+                "source": args.model,
+                "device": args.device,
+                "config": "Qwen3-Omni-30B-A3B-Instruct, full size (35.26 B params)"
+                if args.model == f"dummy:{FULL_CONFIG}"
+                else "see source",
+            },
+            "hardware": hardware(),
+            "reference": reference(),
+            "phases": [],
+            "ours": {},
+            "baseline": None,
+        }
+        self.server: BenchServer | None = None
+
+    # ---- bookkeeping ----------------------------------------------------------------------------------
+    def save(self) -> None:
+        self.report["elapsed_s"] = self.budget.elapsed()
+        if self.report["baseline"] and self.report["ours"].get("w1"):
+            self.report["comparison"] = comparison(self.report["ours"]["w1"]["levels"], self.report["baseline"]["runs"])
+        path = self.out / "bench.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.report, indent=1))
+        tmp.replace(path)
+
+    def phase(self, name: str, status: str, t0: float, **extra) -> None:
+        entry = {"name": name, "status": status, "seconds": round(time.monotonic() - t0, 1), **extra}
+        self.report["phases"].append(entry)
+        say(f"phase {name}: {status} in {entry['seconds']}s" + (f" ({extra['note']})" if extra.get("note") else ""))
+        self.save()
+
+    # ---- phases ---------------------------------------------------------------------------------------
+    def baseline(self) -> None:
+        a = self.args
+        limit = self.budget.slice(a.baseline_cap_s, keep_for_later=a.server_min_s + a.bench_min_s)
+        t0 = time.monotonic()
+        if limit < 60:
+            return self.phase("baseline", "skipped", t0, note=f"only {limit:.0f}s left for it")
+        out = self.tmp / "baseline.json"
+        cmd = [sys.executable, "-m", "perf.baseline_transformers", "--model", a.model, "--device", a.device,
+               "--batch", *map(str, a.baseline_batch), "--requests", str(a.baseline_requests),
+               "--reply-tokens", str(a.w1_reply_tokens), "--frames", str(a.w1_frames),
+               "--time-budget", str(max(10.0, limit - 45)), "--out", str(out)]  # fmt: skip
+        say(f"baseline: {' '.join(cmd[2:])} (limit {limit:.0f}s)")
+        try:
+            rc = subprocess.run(cmd, cwd=REPO, timeout=limit, check=False).returncode
+            status = "ok" if rc == 0 else f"exit {rc}"
+        except subprocess.TimeoutExpired:
+            status = "timed out (partial)"  # run() killed it; what it saved per batch size is kept
+        if out.is_file():
+            self.report["baseline"] = json.loads(out.read_text())
+        self.phase("baseline", status, t0, note=None if out.is_file() else "no results written")
+
+    def start_server(self) -> bool:
+        a = self.args
+        limit = self.budget.slice(a.server_cap_s, keep_for_later=a.bench_min_s)
+        t0 = time.monotonic()
+        engine = {"max_seq_len": a.max_seq_len}
+        self.report["server"] = {"device": a.device, "engine_overrides": engine, "ready_timeout_s": limit}
+        b = a.port_base
+        try:
+            self.server = BenchServer(
+                a.model,
+                a.device,
+                self.tmp / "server",
+                engine=engine,
+                http_port=b,
+                grpc_port=b + 1,
+                metrics_port=b + 2,
+                api_port=b + 91,
+            )
+            self.report["server"]["spec"] = {n: s.parameters for n, s in self.server.spec.items()}
+            ready = self.server.start(limit, progress=say)
+        except Exception as exc:  # noqa: BLE001 - recorded; the run goes on to write what it has
+            self.phase("server_start", "failed", t0, note=str(exc)[-2000:])
+            return False
+        self.report["server"]["triton_ready_s"] = ready
+        self.phase("server_start", "ok", t0)
+        return True
+
+    def sweep(
+        self,
+        name: str,
+        workload: workloads.Workload,
+        levels: list[int],
+        sizes: list[int],
+        weights: list[float],
+        share: float,
+        warmup: int,
+    ) -> None:
+        """The levels of one workload within `share` of the time left, split by weight as levels finish."""
+        t0 = time.monotonic()
+        pot = max(0.0, self.budget.left() * share)
+        deadline = time.monotonic() + pot
+        result = loadgen.results_json(self.server.api_url, workload, self.report["date"], levels, sizes, warmup)
+        self.report["ours"][name] = result
+        try:
+            if warmup:
+                limit = min(self.args.warmup_cap_s, pot * 0.25)
+                level = asyncio.run(
+                    loadgen.run_level(
+                        self.server.api_url, workload, warmup, warmup, timeout_s=limit, label=f"{name} warm-up"
+                    )
+                )
+                s = level.summary()
+                result["warmup"] = {
+                    k: s[k] for k in ("num_prompts", "completed", "failed", "cut_by_deadline", "wall_s", "errors")
+                }
+            offset = warmup
+            for i, (c, n) in enumerate(zip(levels, sizes)):
+                left = deadline - time.monotonic()
+                limit = left * weights[i] / sum(weights[i:])
+                if limit < 5 or not self.server.alive():
+                    result["levels"].append(
+                        {
+                            "concurrency": c,
+                            "num_prompts": n,
+                            "skipped": "server down" if not self.server.alive() else f"{left:.0f}s left",
+                        }
+                    )
+                    continue
+                say(f"{name} c={c}: {n} prompts, {limit:.0f}s limit")
+                level = asyncio.run(
+                    loadgen.run_level(self.server.api_url, workload, c, n, offset=offset, timeout_s=limit)
+                )
+                offset += n
+                entry = level.summary()
+                entry["requests"] = [r.to_json() for r in level.records]
+                entry["stage_metrics_after"] = omni_metrics(self.server.triton.metrics_url)
+                result["levels"].append(entry)
+                say(f"{name} c={c}: {loadgen._line(entry)}")
+                self.save()
+            self.phase(name, "ok", t0)
+        except Exception as exc:  # noqa: BLE001
+            self.phase(name, "failed", t0, note=f"{type(exc).__name__}: {exc}"[:1000])
+
+    def finish(self) -> None:
+        if self.server is not None:
+            (self.out / "server_log_tail.txt").write_text(self.server.log_tail(200))
+            t0 = time.monotonic()
+            self.server.stop()
+            self.phase("server_stop", "ok", t0)
+        self.report["plot"] = plot_bench(self.report, self.out / "bench.png")
+        self.save()
+        print(summary_text(self.report), flush=True)
+
+    def run(self) -> None:
+        a = self.args
+        self.save()
+        if not a.skip_baseline:
+            self.baseline()
+        if a.skip_server or not self.start_server():
+            return
+        w1 = workloads.w1(256).with_lengths(a.w1_reply_tokens, a.w1_frames)
+        w1_sizes = loadgen.level_sizes(a.w1_concurrency, a.w1_factor, a.w1_min_prompts)
+        w2_share = 0.0 if a.skip_w2 else a.w2_share
+        self.sweep(
+            "w1",
+            w1,
+            a.w1_concurrency,
+            w1_sizes,
+            [2.0 + c / 16 for c in a.w1_concurrency],
+            1.0 - w2_share,
+            warmup=a.warmup,
+        )
+        if not a.skip_w2:
+            w2 = workloads.w2(8, prompt_tokens=a.w2_prompt_tokens).with_lengths(a.w2_reply_tokens, a.w2_reply_tokens)
+            self.sweep(
+                "w2",
+                w2,
+                a.w2_concurrency,
+                [a.w2_prompts_per_level * c for c in a.w2_concurrency],
+                [1.0] * len(a.w2_concurrency),
+                1.0,
+                warmup=0,
+            )
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    env = os.environ.get
+    ap = argparse.ArgumentParser(prog="python -m perf.gpu_bench")
+    ap.add_argument("--out", required=True, help="dir for bench.json, bench.png, server_log_tail.txt")
+    ap.add_argument("--model", default=f"dummy:{FULL_CONFIG}")
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run of the whole script (tiny checkpoint)")
+    ap.add_argument("--port-base", type=int, default=18200, help="http, grpc, metrics = base..base+2; API base+91")
+    ap.add_argument("--budget-s", type=float, default=float(env("PERF_BUDGET_S", 510)), help="whole run")
+    ap.add_argument("--reserve-s", type=float, default=25.0, help="kept for server stop, plot and files")
+    ap.add_argument("--baseline-cap-s", type=float, default=160.0)
+    ap.add_argument("--baseline-batch", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--baseline-requests", type=int, default=3)
+    ap.add_argument("--server-cap-s", type=float, default=240.0, help="most seconds for the server to load")
+    ap.add_argument("--server-min-s", type=float, default=90.0, help="kept for the server when the baseline runs")
+    ap.add_argument("--bench-min-s", type=float, default=90.0, help="kept for the load phases")
+    # W2 needs prompt 2500 + 900 reply <= max_seq_len (talker: ~2505 rows + 900 frames + 1); KV at 64 slots:
+    # thinker 96 KiB x 3584 x 64 = 21 GiB, talker 20 KiB x 3584 x 64 = 4.4 GiB
+    ap.add_argument("--max-seq-len", type=int, default=int(env("PERF_MAX_SEQ_LEN", 3584)))
+    ap.add_argument("--w1-concurrency", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument(
+        "--w1-factor", type=float, default=float(env("PERF_W1_FACTOR", 2)), help="prompts = factor x concurrency"
+    )
+    ap.add_argument("--w1-min-prompts", type=int, default=2)
+    ap.add_argument("--w1-reply-tokens", type=int, default=18)
+    ap.add_argument("--w1-frames", type=int, default=46)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--warmup-cap-s", type=float, default=40.0)
+    ap.add_argument("--w2-concurrency", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--w2-prompts-per-level", type=int, default=1, help="x concurrency")
+    ap.add_argument("--w2-share", type=float, default=0.3, help="of the time left after the server start")
+    ap.add_argument("--w2-prompt-tokens", type=int, default=2500)
+    ap.add_argument("--w2-reply-tokens", type=int, default=900, help="= codec frames")
+    ap.add_argument("--skip-baseline", action="store_true")
+    ap.add_argument("--skip-server", action="store_true")
+    ap.add_argument("--skip-w2", action="store_true", default=env("PERF_SKIP_W2") == "1")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    bench = Bench(args)
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        bench.run()
+    except KeyboardInterrupt as stop:
+        bench.report["phases"].append({"name": "interrupted", "status": str(stop)})
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        bench.finish()
+        say(f"done in {bench.budget.elapsed():.0f}s: {Path(args.out) / 'bench.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+# perf_analyzer input files and helpers: see README.md here.
