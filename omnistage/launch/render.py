@@ -54,7 +54,7 @@ def default_spec(model_path: str, device: str) -> dict[str, ModelSpec]:
         "code2wav": ModelSpec(parameters={**common, "max_batch_windows": "64"}, **gpu),
         # the orchestrator only moves tensors between stages (BLS); it holds no weights
         "omni_ensemble": ModelSpec(
-            parameters={**common, "first_chunk_frames": "4", "chunk_frames": "25"}
+            parameters={**common, "first_chunk_frames": "4", "chunk_frames": "25", "max_inflight": "128"}
         ),
     }
 

@@ -18,6 +18,9 @@ __all__ = ["TritonServer", "TritonStartError", "free_port", "free_ports"]
 _LOAD_FAILED = re.compile(r"failed to load '([^']+)'[^\n]*")
 
 
+PYTHON_THREAD_POOL = 512  # see argv(); omni_ensemble's max_inflight default is sized from it
+
+
 class TritonStartError(ProcessFailed):
     pass
 
@@ -92,6 +95,11 @@ class TritonServer:
             f"--exit-timeout-secs={self.exit_timeout_s}",
         ]
         args += [f"--load-model={m}" for m in self.load_models]
+        # Every open BLS call of a Python model holds a thread of this pool in the server; omni_ensemble
+        # keeps about three per request (thinker stream, talker stream, an append or code2wav call), and
+        # with 2.51's default of 32 a few dozen concurrent requests deadlock (measured: 64 did on CPU).
+        # omni_ensemble caps its requests in flight (max_inflight) to stay under this.
+        args.append(f"--backend-config=python,thread-pool-size={PYTHON_THREAD_POOL}")
         # GPU tensors between the Python backend and the server go through this pool; Triton's 64 MB
         # default is smaller than one batch of stage tensors (hidden states, codec frames).
         args += [f"--cuda-memory-pool-byte-size={g}:{self.cuda_pool_bytes}" for g in self.gpus]

@@ -42,6 +42,10 @@ class OmniModel:
         self.speakers = {k.lower() for k in self.config.talker_config.speaker_id}
         self.schedule = ChunkSchedule(int(params.get("first_chunk_frames", 4)), int(params.get("chunk_frames", 25)))
         self.stages = BlsStageClient()
+        # Requests beyond this wait here before opening any BLS stream: each served request holds up to
+        # ~3 of the server's Python-backend BLS threads (--backend-config=python,thread-pool-size), and
+        # running out of them deadlocks every request at once instead of queueing the newest.
+        self.slots = threading.BoundedSemaphore(int(params.get("max_inflight", 128)))
         self.requests: dict[str, OmniRequest] = {}
         self.responder = Responder("omni_ensemble", self.encode, self._cancel)
         self.responder.start()
@@ -73,7 +77,11 @@ class OmniModel:
             return
         request = OmniRequest(session, inputs, options, self.stages, self.processor.tokenizer, self.schedule, emit)
         self.requests[session] = request
-        request.run()
+        with self.slots:
+            if request.cancelled.is_set():  # gone while queued
+                emit(None, "abort", None)
+                return
+            request.run()
 
     def _emit(self, session: str, output, reason, error) -> None:
         if reason is not None or error is not None:

@@ -129,6 +129,16 @@ def test_concurrent_requests_match_each_alone(triton_server, processor):
         assert oracle.rel_error(torch.from_numpy(b.waveform), torch.from_numpy(a.waveform)) < 1e-4
 
 
+def test_many_concurrent_requests_all_finish(triton_server):
+    """More requests than Triton's default Python-backend BLS thread pool (32) can hold streams for: with
+    that default the orchestrator deadlocked at 64 concurrent requests."""
+    params = dict(GREEDY, max_tokens=4, ignore_eos=True, talker_max_tokens=8, talker_ignore_eos=True)
+    streams = [OmniStream(triton_server.grpc_url, oracle.messages("text"), params) for _ in range(64)]
+    results = [s.run(timeout=240) for s in streams]
+    assert all(r.error is None and r.finish_reason == "length" for r in results)
+    assert all(len(r.waveform) == 8 * 1920 - 555 for r in results)
+
+
 def test_audio_streams_before_the_thinker_finishes(triton_server):
     reply, frames = 200, 60
     r = omni(triton_server.grpc_url, oracle.messages("text"),
