@@ -9,7 +9,6 @@ import logging
 import queue
 import threading
 
-import torch
 import triton_python_backend_utils as pb_utils
 
 from ..core.errors import BadRequestError, OmniError
@@ -17,9 +16,8 @@ from ..core.protocol import CODE2WAV
 from ..models.checkpoint import load_stage
 from ..core.protocol import PAST_FRAMES
 from ..stages.code2wav import Code2WavRunner, state_from_tensors, state_to_tensors
-from .logs import setup_logging
 from .responder import error_response, send_final
-from .stage_model import instance_device, model_parameters, stage_dtype
+from .stage_model import init_instance
 from .tensors import input_tensors, output_tensors
 
 log = logging.getLogger(__name__)
@@ -27,12 +25,7 @@ log = logging.getLogger(__name__)
 
 class Code2WavModel:
     def initialize(self, args) -> None:
-        setup_logging()
-        params = model_parameters(args)
-        self.device = instance_device(args, params)
-        dtype = stage_dtype(params, self.device)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        params, self.device, dtype = init_instance(args)
         module = load_stage(params["model_path"], "code2wav", dtype, self.device)
         self.runner = Code2WavRunner(module, self.device, dtype)
         self.max_batch = int(params.get("max_batch_windows", 64))

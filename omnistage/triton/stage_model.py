@@ -37,16 +37,21 @@ def stage_dtype(params: dict[str, str], device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+def init_instance(args) -> tuple[dict[str, str], torch.device, torch.dtype]:
+    """What every stage instance does first: logging, its parameters, and its device and dtype."""
+    setup_logging()
+    params = model_parameters(args)
+    device = instance_device(args, params)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return params, device, stage_dtype(params, device)
+
+
 class StageModel:
     STAGE = ""  # thinker | talker
 
     def initialize(self, args) -> None:
-        setup_logging()
-        self.params = model_parameters(args)
-        self.device = instance_device(args, self.params)
-        self.dtype = stage_dtype(self.params, self.device)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        self.params, self.device, self.dtype = init_instance(args)
         source = self.params["model_path"]
         self.config = load_config(source)
         model = load_stage(source, self.STAGE, self.dtype, self.device,
