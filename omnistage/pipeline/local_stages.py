@@ -10,12 +10,18 @@ from typing import Iterator
 import torch
 
 from ..core.engine import StageEngine
-from ..core.sampling import SamplingParams
 from ..core.scheduler import Scheduler
 from ..stages.code2wav import Code2WavRunner, state_from_tensors, state_to_tensors
 from ..stages.talker import TalkerRunner
 from ..stages.thinker import ThinkerRunner
-from ..stages.wire import talker_response, talker_sequence, thinker_response, thinker_sequence
+from ..stages.wire import (
+    talker_defaults,
+    talker_response,
+    talker_sequence,
+    thinker_defaults,
+    thinker_response,
+    thinker_sequence,
+)
 
 
 class LocalStages:
@@ -41,12 +47,11 @@ class LocalStages:
 
     # ---- StageClient --------------------------------------------------------------------------------------
     def thinker(self, session: str, inputs: dict, parameters: dict) -> Iterator[dict]:
-        defaults = SamplingParams(max_tokens=self.max_seq_len // 2)
-        seq = thinker_sequence(session, inputs, parameters, defaults, self.max_seq_len)
+        seq = thinker_sequence(session, inputs, parameters, thinker_defaults(self.max_seq_len), self.max_seq_len)
         return self._run("thinker", seq, thinker_response)
 
     def talker(self, session: str, inputs: dict, parameters: dict) -> Iterator[dict]:
-        defaults = SamplingParams(max_tokens=self.max_seq_len // 2)
+        defaults = talker_defaults(self.max_seq_len)
         seq = talker_sequence(session, inputs, parameters, defaults, self.max_seq_len, self.speakers)
         return self._run("talker", seq, talker_response)
 

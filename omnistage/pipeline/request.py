@@ -27,6 +27,23 @@ log = logging.getLogger(__name__)
 FRAME_SECONDS = 0.08  # 12.5 Hz codec frames
 
 
+_THINKER_INPUTS = {  # processor output -> thinker input, with the wire dtype
+    "pixel_values": torch.float32,
+    "image_grid_thw": torch.int64,
+    "input_features": torch.float32,
+    "feature_attention_mask": torch.int64,
+}
+
+
+def thinker_inputs(prepared: dict) -> dict:
+    """prepare_inputs() output (batch of one) -> the thinker's request tensors."""
+    inputs = {"input_ids": prepared["input_ids"].reshape(-1).long()}
+    for name, dtype in _THINKER_INPUTS.items():
+        if prepared.get(name) is not None:
+            inputs[name] = prepared[name].to(dtype)
+    return inputs
+
+
 class StageClient(Protocol):
     def thinker(self, session: str, inputs: dict, parameters: dict) -> Iterator[dict]: ...
     def talker(self, session: str, inputs: dict, parameters: dict) -> Iterator[dict]: ...

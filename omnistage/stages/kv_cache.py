@@ -14,10 +14,6 @@ class SlotKVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.slots, self.max_len = slots, max_len
 
-    @staticmethod
-    def bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype) -> int:
-        return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-
     def load_prefill(self, slot: int, past_key_values) -> int:
         """Copies a batch-1 transformers DynamicCache (from an eager prefill) into `slot`; returns its length."""
         length = 0

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from dataclasses import replace
+
 from ..core.errors import BadRequestError
 from ..core.sampling import SamplingParams, coerce_parameter, sampling_from_parameters
 from ..core.scheduler import Sequence
@@ -11,6 +13,17 @@ from .talker import TalkerOutput, TalkerPrompt
 from .thinker import TalkerConditioning, ThinkerOutput, ThinkerPrompt
 
 Tensors = dict  # name -> torch.Tensor (or str for TYPE_STRING outputs)
+
+# vLLM-Omni's deploy defaults for the talker: temperature 0.9, top-k 50, repetition penalty 1.05
+_TALKER_DEFAULTS = SamplingParams(max_tokens=4096, temperature=0.9, top_k=50, repetition_penalty=1.05)
+
+
+def thinker_defaults(max_seq_len: int) -> SamplingParams:
+    return SamplingParams(max_tokens=min(2048, max_seq_len // 2))
+
+
+def talker_defaults(max_seq_len: int) -> SamplingParams:
+    return replace(_TALKER_DEFAULTS, max_tokens=min(_TALKER_DEFAULTS.max_tokens, max_seq_len // 2))
 
 
 def thinker_sequence(session: str, inputs: Tensors, params: dict, defaults: SamplingParams, limit: int) -> Sequence:

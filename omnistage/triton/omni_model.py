@@ -15,7 +15,7 @@ from ..core.errors import BadRequestError, OmniError
 from ..models.checkpoint import load_config
 from ..models.processor import load_processor, prepare_inputs
 from ..pipeline.options import OmniOptions
-from ..pipeline.request import OmniOutput, OmniRequest
+from ..pipeline.request import OmniOutput, OmniRequest, thinker_inputs
 from .bls import BlsStageClient
 from .logs import setup_logging
 from .responder import Responder, error_response, send_final
@@ -23,14 +23,6 @@ from .stage_model import model_parameters
 from .tensors import output_tensors, read_string, request_parameters
 
 log = logging.getLogger(__name__)
-
-_THINKER_INPUTS = {  # processor output -> thinker input, with the wire dtype
-    "pixel_values": torch.float32,
-    "image_grid_thw": torch.int64,
-    "input_features": torch.float32,
-    "feature_attention_mask": torch.int64,
-}
-
 
 class OmniModel:
     def initialize(self, args) -> None:
@@ -68,7 +60,7 @@ class OmniModel:
     def _serve(self, session: str, messages: list, options: OmniOptions) -> None:
         emit = lambda output, reason, error: self._emit(session, output, reason, error)  # noqa: E731
         try:
-            inputs = self._thinker_inputs(prepare_inputs(self.processor, messages))
+            inputs = thinker_inputs(prepare_inputs(self.processor, messages))
         except OmniError as e:
             emit(None, None, e)
             return
@@ -100,14 +92,6 @@ class OmniModel:
         if not isinstance(messages, list) or not messages:
             raise BadRequestError("messages must be a non-empty JSON list")
         return messages
-
-    @staticmethod
-    def _thinker_inputs(prepared: dict) -> dict:
-        inputs = {"input_ids": prepared["input_ids"].reshape(-1).long()}
-        for name, dtype in _THINKER_INPUTS.items():
-            if prepared.get(name) is not None:
-                inputs[name] = prepared[name].to(dtype)
-        return inputs
 
     def encode(self, output: OmniOutput | None, finish_reason: str | None) -> list:
         values = {}

@@ -3,20 +3,13 @@
 # ends it. Appends and aborts are answered at once with an empty final response.
 from __future__ import annotations
 
-from dataclasses import replace
-
 from ..core.errors import BadRequestError
 from ..core.protocol import TALKER
-from ..core.sampling import SamplingParams
 from ..stages.talker import TalkerRunner
-from ..stages.wire import talker_response, talker_sequence, text_end
+from ..stages.wire import talker_defaults, talker_response, talker_sequence, text_end
 from .responder import send_final
 from .stage_model import StageModel
 from .tensors import input_tensor, input_tensors, output_tensors
-
-# vLLM-Omni's deploy defaults for the talker
-TALKER_DEFAULTS = SamplingParams(max_tokens=4096, temperature=0.9, top_k=50, repetition_penalty=1.05)
-
 
 class TalkerModel(StageModel):
     STAGE = "talker"
@@ -26,12 +19,10 @@ class TalkerModel(StageModel):
         return TalkerRunner(model, self.config, max_slots=self.max_slots, max_seq_len=self.max_seq_len,
                             device=self.device, dtype=self.dtype)  # fmt: skip
 
-    def default_sampling(self) -> SamplingParams:
-        return replace(TALKER_DEFAULTS, max_tokens=min(TALKER_DEFAULTS.max_tokens, self.max_seq_len // 2))
-
     def sequence_from(self, request, params: dict, request_id: str):
         inputs = input_tensors(request, TALKER)
-        return talker_sequence(request_id, inputs, params, self.default_sampling(), self.max_seq_len, self.speakers)
+        defaults = talker_defaults(self.max_seq_len)
+        return talker_sequence(request_id, inputs, params, defaults, self.max_seq_len, self.speakers)
 
     def control(self, action: str, request, params: dict, request_id: str, sender) -> None:
         if action != "append":

@@ -2,9 +2,8 @@
 from __future__ import annotations
 
 from ..core.protocol import THINKER
-from ..core.sampling import SamplingParams
 from ..stages.thinker import ThinkerRunner
-from ..stages.wire import thinker_response, thinker_sequence
+from ..stages.wire import thinker_defaults, thinker_response, thinker_sequence
 from .stage_model import StageModel
 from .tensors import input_tensors, output_tensors
 
@@ -16,12 +15,9 @@ class ThinkerModel(StageModel):
         return ThinkerRunner(model, self.config, max_slots=self.max_slots, max_seq_len=self.max_seq_len,
                              device=self.device, dtype=self.dtype)  # fmt: skip
 
-    def default_sampling(self) -> SamplingParams:
-        return SamplingParams(max_tokens=min(2048, self.max_seq_len // 2))
-
     def sequence_from(self, request, params: dict, request_id: str):
         inputs = input_tensors(request, THINKER)
-        return thinker_sequence(request_id, inputs, params, self.default_sampling(), self.max_seq_len)
+        return thinker_sequence(request_id, inputs, params, thinker_defaults(self.max_seq_len), self.max_seq_len)
 
     def encode(self, output, finish_reason):
         return output_tensors(thinker_response(output, finish_reason))

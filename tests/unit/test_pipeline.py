@@ -11,7 +11,7 @@ from omnistage.core.chunking import ChunkSchedule
 from omnistage.models.processor import prepare_inputs
 from omnistage.pipeline.local_stages import LocalStages
 from omnistage.pipeline.options import OmniOptions
-from omnistage.pipeline.request import OmniRequest
+from omnistage.pipeline.request import OmniRequest, thinker_inputs
 
 from .. import oracle
 
@@ -50,10 +50,8 @@ class Recorder:
 def start(stages, processor, msgs, params, schedule=ChunkSchedule(4, 25), session="s"):
     rec = Recorder()
     options = OmniOptions.from_parameters(params, SPEAKERS)
-    inputs = prepare_inputs(processor, msgs)
-    thinker_inputs = {"input_ids": inputs["input_ids"][0]}
-    thinker_inputs.update({k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")})
-    request = OmniRequest(session, thinker_inputs, options, stages, processor.tokenizer, schedule, rec)
+    inputs = thinker_inputs(prepare_inputs(processor, msgs))
+    request = OmniRequest(session, inputs, options, stages, processor.tokenizer, schedule, rec)
     thread = threading.Thread(target=request.run)
     thread.start()
     return request, rec, thread
