@@ -1,4 +1,5 @@
-# Per-stage step times of the runners in-process (no Triton), on the full-size config with dummy weights:
+# Per-stage step times of the runners in-process (no Triton), on the full-size config with dummy weights,
+# eager and with CUDA graphs (and whether both pick the same greedy tokens from the same state):
 # thinker prefill and decode, talker frame (code predictor + talker step), code2wav 25-frame chunk, at
 # several batch sizes. Where the time goes, stage by stage. Writes JSON to argv[1].
 #
@@ -13,7 +14,7 @@ import time
 import torch
 
 from omnistage.core.sampling import SamplingParams
-from omnistage.core.scheduler import Sequence, SeqStatus
+from omnistage.core.scheduler import SeqStatus, Sequence
 from omnistage.models.checkpoint import load_config, load_stage
 from omnistage.stages.code2wav import Code2WavRunner
 from omnistage.stages.talker import TalkerPrompt, TalkerRunner
@@ -51,7 +52,7 @@ def main() -> None:
     args = ap.parse_args()
     source, dev, dtype = f"dummy:{args.config}", torch.device("cuda", 0), torch.bfloat16
     config = load_config(source)
-    report = {"weights": "dummy random bf16", "model": "full-size Qwen3-Omni-30B-A3B config", "eager": True,
+    report = {"weights": "dummy random bf16", "model": "full-size Qwen3-Omni-30B-A3B config",
               "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "prompt_tokens": args.prompt}  # fmt: skip
     kw = dict(max_slots=max(BATCHES), max_seq_len=1024, device=dev, dtype=dtype)
     long = SamplingParams(max_tokens=500, ignore_eos=True)
@@ -67,41 +68,78 @@ def main() -> None:
         json.dump(report, f, indent=1)
 
 
+def greedy_agreement(eager_steps, graph_steps) -> float:
+    """Fraction of equal greedy picks between two runs that started from the same state."""
+    pairs = [(a, b) for ea, gb in zip(eager_steps, graph_steps) for a, b in zip(ea, gb)]
+    return round(sum(a == b for a, b in pairs) / max(1, len(pairs)), 4)
+
+
 def thinker_times(report, source, config, dev, dtype, kw, params, prompt) -> None:
     t0 = time.perf_counter()
     thinker = load_stage(source, "thinker", dtype, dev, experts_implementation="grouped_mm")
     report["thinker_load_s"] = round(time.perf_counter() - t0, 2)
-    runner = ThinkerRunner(thinker, config, **kw)
     ids = torch.randint(0, 150000, (prompt,), generator=torch.Generator().manual_seed(0))
     ids[-3:] = torch.tensor([config.im_start_token_id, config.assistant_token_id, 198])  # "<|im_start|>assistant\n"
-    seqs = [running(i, params, ThinkerPrompt(ids, export_talker=True)) for i in range(max(BATCHES))]
-    report["thinker_prefill_ms"] = timed(lambda: runner.prefill(seqs[:1]), repeat=2)
-    for s in seqs:
-        runner.prefill([s])
-    report["thinker_decode_ms"] = {b: timed(lambda b=b: runner.decode(seqs[:b])) for b in BATCHES}
+    picks = {mode: thinker_mode(report, mode, thinker, config, kw, params, ids) for mode in ("eager", "graphs")}
+    report["thinker_graph_eager_greedy_agreement"] = greedy_agreement(picks["eager"], picks["graphs"])
     report["gpu_mem_gb_thinker"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
     print(json.dumps(report), flush=True)
 
 
 def talker_times(report, source, config, dev, dtype, kw, params, prompt) -> None:
     talker = load_stage(source, "talker", dtype, dev, experts_implementation="grouped_mm")
-    runner = TalkerRunner(talker, config, **kw)
     g = torch.Generator().manual_seed(1)
     d = config.thinker_config.text_config.hidden_size
     cond = TalkerConditioning(torch.randn(prompt - 10, d, generator=g) * 0.02,
                               torch.zeros(prompt - 10, dtype=torch.bool),
                               torch.randint(0, 150000, (prompt - 10,), generator=g), torch.randn(6, d, generator=g) * 0.02)  # fmt: skip
     rows = list((torch.randn(20, d, generator=g) * 0.02).unbind(0))
-    seqs = [running(i, params, TalkerPrompt(cond, 2302, list(rows), True)) for i in range(max(BATCHES))]
-    report["talker_prefill_ms"] = timed(lambda: runner.prefill(seqs[:1]), repeat=2)
+    prompts = [TalkerPrompt(cond, 2302, list(rows), True) for _ in range(max(BATCHES))]
+    picks = {mode: talker_mode(report, mode, talker, config, kw, params, prompts, dev) for mode in ("eager", "graphs")}
+    report["talker_graph_eager_greedy_agreement"] = greedy_agreement(picks["eager"], picks["graphs"])
+    print(json.dumps(report), flush=True)
+
+
+def thinker_mode(report, mode, thinker, config, kw, params, ids) -> list[list[int]]:
+    n = max(BATCHES)
+    runner = ThinkerRunner(thinker, config, **kw, cuda_graphs=mode == "graphs")
+    t0 = time.perf_counter()
+    runner.capture_graphs()
+    report[f"thinker_capture_s_{mode}"] = round(time.perf_counter() - t0, 2)
+    seqs = [running(i, params, ThinkerPrompt(ids.roll(i), export_talker=True)) for i in range(n)]
+    report[f"thinker_prefill_ms_{mode}"] = timed(lambda: runner.prefill(seqs[:1]), repeat=2)
+    report[f"thinker_prefill8_ms_{mode}"] = timed(lambda: runner.prefill(seqs[:8]), repeat=2)  # one batched forward
+    for i in range(0, n, 8):
+        runner.prefill(seqs[i : i + 8])
+    picks = [[r.output.token_ids[0] for r in runner.decode(seqs[:16])] for _ in range(4)]
+    report[f"thinker_decode_ms_{mode}"] = {b: timed(lambda b=b: runner.decode(seqs[:b])) for b in BATCHES}
+    return picks
+
+
+def talker_mode(report, mode, talker, config, kw, params, prompts, dev) -> list[list[int]]:
+    n = len(prompts)
+    runner = TalkerRunner(talker, config, **kw, cuda_graphs=mode == "graphs")
+    t0 = time.perf_counter()
+    runner.capture_graphs()
+    report[f"talker_capture_s_{mode}"] = round(time.perf_counter() - t0, 2)
+    seqs = [running(i, params, p) for i, p in enumerate(prompts)]
+    report[f"talker_prefill_ms_{mode}"] = timed(lambda: runner.prefill(seqs[:1]), repeat=2)
     for s in seqs:
         runner.prefill([s])
-    report["talker_frame_ms"] = {b: timed(lambda b=b: runner.decode(seqs[:b])) for b in BATCHES}
-    hidden, c0 = runner.hidden[: max(BATCHES)], torch.zeros(max(BATCHES), dtype=torch.long, device=dev)
-    report["code_predictor_15_steps_ms"] = {
-        b: timed(lambda b=b: runner.predictor(hidden[:b], c0[:b], lambda step, logits: logits.argmax(-1))) for b in BATCHES
-    }
-    print(json.dumps(report), flush=True)
+    picks = [[r.seq.generated[-1] for r in runner.decode(seqs[:16])] for _ in range(4)]
+    report[f"talker_frame_ms_{mode}"] = {b: timed(lambda b=b: runner.decode(seqs[:b])) for b in BATCHES}
+    hidden, c0 = runner.hidden[:n], torch.zeros(n, dtype=torch.long, device=dev)
+    if runner.static_predictor is not None:
+
+        def predict(b):
+            return runner.static_predictor(hidden[:b], c0[:b], [True] * b)
+    else:
+
+        def predict(b):
+            return runner.predictor(hidden[:b], c0[:b], lambda step, logits: logits.argmax(-1))
+
+    report[f"code_predictor_15_steps_ms_{mode}"] = {b: timed(lambda b=b: predict(b)) for b in BATCHES}
+    return picks
 
 
 def code2wav_times(report, source, dev, dtype) -> None:

@@ -45,6 +45,7 @@ def default_spec(model_path: str, device: str) -> dict[str, ModelSpec]:
     engine = {"max_batch_size": "64" if cuda else "8", "max_seq_len": "4096" if cuda else "1024"}
     if cuda:  # transformers' grouped-GEMM experts instead of its per-expert Python loop (host-bound on GPU)
         engine["experts_implementation"] = "grouped_mm"
+        engine["cuda_graphs"] = "1"  # decode steps replayed as CUDA graphs per batch / context bucket
     gpu = {"kind": "KIND_GPU", "gpus": (0,)} if cuda else {}
     return {
         "thinker": ModelSpec(parameters={**common, **engine}, **gpu),

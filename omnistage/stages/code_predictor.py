@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .cuda_graphs import GraphBank, batch_buckets, bucket_for
 from .kv_cache import LockstepCache
 
 
@@ -13,16 +14,21 @@ class CodePredictor:
         self.talker_embed = talker.get_input_embeddings()
         cfg = self.cp.config
         self.groups = cfg.num_code_groups
-        self.layers, self.kv_heads, self.head_dim = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+        self.layers, self.kv_heads, self.head_dim = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
         self.device, self.dtype = device, dtype
 
-    def __call__(self, past_hidden: torch.Tensor, c0: torch.Tensor, pick) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self, past_hidden: torch.Tensor, c0: torch.Tensor, pick, cache: LockstepCache | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """past_hidden [B, D] (talker's last normed hidden state), c0 [B] long; pick(step, logits [B, V]) -> [B]
         chooses codebook `step` (1..15). Returns codes [B, 16] and the sum of the 16 code embeddings [B, D],
         which is the talker's next input (before the text row is added)."""
         model = self.cp.model
         batch = c0.shape[0]
-        cache = LockstepCache(self.layers, batch, self.kv_heads, self.groups, self.head_dim, self.dtype, self.device)
+        if cache is None:
+            cache = LockstepCache(
+                self.layers, batch, self.kv_heads, self.groups, self.head_dim, self.dtype, self.device
+            )
         first = self.talker_embed(c0)  # [B, D]
         embeds = [first]
         hidden = torch.stack([past_hidden.to(self.dtype), first], dim=1)  # [B, 2, D]
@@ -47,3 +53,69 @@ class CodePredictor:
             hidden = layer(hidden, attention_mask=None, position_embeddings=position_embeddings, past_key_values=cache)
         cache.advance(t)
         return model.norm(hidden)
+
+
+class StaticCodePredictor:
+    """The same 15 sub-steps from static buffers, replayed as one CUDA graph per batch bucket. Residual
+    codebooks are picked inside the graph: argmax for greedy rows, else top-k 50 / top-p 0.8 sampling
+    (the reference's settings) by the Gumbel-max trick on the device's default generator, so sampled
+    rows draw from a stream shared by the batch (a request's seed does not fix its residual codebooks)."""
+
+    TOP_K, TOP_P = 50, 0.8
+
+    def __init__(self, predictor: CodePredictor, max_rows: int, hidden_size: int, cuda_graphs: bool):
+        self.p = predictor
+        dev, dtype = predictor.device, predictor.dtype
+        self.bank = GraphBank("code_predictor", dev, cuda_graphs)
+        self.buckets = batch_buckets(max_rows) if self.bank.enabled else None
+        self.past_hidden = torch.zeros(max_rows, hidden_size, dtype=dtype, device=dev)
+        self.c0 = torch.zeros(max_rows, dtype=torch.long, device=dev)
+        self.greedy = torch.ones(max_rows, dtype=torch.bool, device=dev)
+        self.codes = torch.zeros(max_rows, predictor.groups, dtype=torch.long, device=dev)
+        self.codec_sum = torch.zeros(max_rows, hidden_size, dtype=dtype, device=dev)
+        self.caches: dict[int, LockstepCache] = {}
+
+    def __call__(self, past_hidden: torch.Tensor, c0: torch.Tensor, greedy: list[bool]):
+        """As CodePredictor.__call__ for n rows; returns views into the static outputs (valid until the next call)."""
+        n = c0.shape[0]
+        rows = n if self.buckets is None else bucket_for(n, self.buckets)
+        self.past_hidden[:n].copy_(past_hidden)
+        self.c0[:n].copy_(c0)
+        self.greedy[:n].copy_(torch.tensor(greedy), non_blocking=True)
+        self.bank.run(rows, lambda: self._run(rows))
+        return self.codes[:n], self.codec_sum[:n]
+
+    def capture_all(self) -> None:
+        if self.bank.enabled:
+            self.bank.capture_all(self.buckets, lambda rows: lambda: self._run(rows))
+
+    def _cache(self, rows: int) -> LockstepCache:
+        if rows not in self.caches:
+            p = self.p
+            self.caches[rows] = LockstepCache(p.layers, rows, p.kv_heads, p.groups, p.head_dim, p.dtype, p.device)
+        return self.caches[rows]
+
+    def _run(self, rows: int) -> None:
+        greedy = self.greedy[:rows]
+
+        def pick(step: int, logits: torch.Tensor) -> torch.Tensor:
+            logits = logits.float()
+            return torch.where(greedy, logits.argmax(-1), _sample_top_k_top_p(logits, self.TOP_K, self.TOP_P))
+
+        cache = self._cache(rows)
+        cache.length = 0
+        codes, codec_sum = self.p(self.past_hidden[:rows], self.c0[:rows], pick, cache)
+        self.codes[:rows].copy_(codes)
+        self.codec_sum[:rows].copy_(codec_sum)
+
+
+def _sample_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """[B, V] -> [B]: one draw per row at temperature 1, with no host sync (Gumbel-max over the kept set)."""
+    kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+    logits = logits.masked_fill(logits < kth, float("-inf"))
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(-1)
+    drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix reaching top_p
+    logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    gumbel = -torch.log(-torch.log(torch.rand_like(logits).clamp_(1e-20, 1.0)))
+    return (logits + gumbel).argmax(-1)

@@ -14,9 +14,9 @@ def decode_step(
     inputs_embeds: torch.Tensor,  # [rows, 1, D]
     positions: torch.Tensor,  # [rows] long: cache index the new token is written at
     rope_deltas: torch.Tensor,  # [rows] long: MRoPE offset of each row (0 for text-only prompts)
+    kv_len: int,  # positions attention reads (> every row's position); a host int, so no device sync
 ) -> torch.Tensor:
     rows = inputs_embeds.shape[0]
-    kv_len = int(positions.max()) + 1
     # [rows, 1, 1, kv_len]: each row attends to its own prefix and the new token
     mask = (torch.arange(kv_len, device=positions.device)[None, :] <= positions[:, None])[:, None, None, :]
     # decode tokens sit on the text diagonal of MRoPE: all three sections share one position

@@ -14,16 +14,16 @@ class SlotKVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.slots, self.max_len = slots, max_len
 
-    def load_prefill(self, slot: int, past_key_values) -> int:
-        """Copies a batch-1 transformers DynamicCache (from an eager prefill) into `slot`; returns its length."""
-        length = 0
+    def load_prefill(self, slot: int, past_key_values, row: int = 0, length: int | None = None) -> int:
+        """Copies row `row` of a transformers DynamicCache (from an eager prefill; right-padded when batched,
+        so its first `length` positions) into `slot`; returns the length."""
         for i, layer in enumerate(past_key_values.layers):
-            length = layer.keys.shape[2]
-            self.k[i][slot, :, :length] = layer.keys[0]
-            self.v[i][slot, :, :length] = layer.values[0]
+            length = layer.keys.shape[2] if length is None else length
+            self.k[i][slot, :, :length] = layer.keys[row, :, :length]
+            self.v[i][slot, :, :length] = layer.values[row, :, :length]
         return length
 
-    def step_view(self, rows: int, positions: torch.Tensor, kv_len: int) -> "DecodeStepCache":
+    def step_view(self, rows: int, positions: torch.Tensor, kv_len: int) -> DecodeStepCache:
         return DecodeStepCache(self, rows, positions, kv_len)
 
 

@@ -11,10 +11,10 @@ from transformers import DynamicCache
 from ..core.engine import StepResult
 from ..core.errors import BadRequestError
 from ..core.scheduler import Sequence
-from .code_predictor import CodePredictor
-from .decoder_step import decode_step
+from .code_predictor import CodePredictor, StaticCodePredictor
 from .kv_cache import SlotKVCache
 from .sampler import Sampler
+from .static_decode import StaticDecoder
 from .thinker import TalkerConditioning
 
 
@@ -37,7 +37,7 @@ class TalkerPrompt:
 class TalkerOutput:
     codes: torch.Tensor  # [frames, 16] long
 
-    def merge(self, later: "TalkerOutput") -> "TalkerOutput":
+    def merge(self, later: TalkerOutput) -> TalkerOutput:
         return TalkerOutput(torch.cat([self.codes, later.codes]))
 
 
@@ -52,8 +52,9 @@ class _SlotState:
 
 
 class TalkerRunner:
-    def __init__(self, model, config, *, max_slots: int, max_seq_len: int, device, dtype, seed: int = 0):
-        self.model, self.config, self.device, self.dtype = model, config, torch.device(device), dtype
+    def __init__(self, model, config, *, max_slots: int, max_seq_len: int, device, dtype, seed: int = 0,
+                 cuda_graphs: bool = False):  # fmt: skip
+        self.model, self.config, self.device, self.dtype = (model, config, torch.device(device), dtype)
         tc = config.talker_config
         text = tc.text_config
         self.text_config = text
@@ -68,6 +69,14 @@ class TalkerRunner:
         self.hidden = torch.zeros(max_slots, text.hidden_size, dtype=dtype, device=self.device)  # last normed hidden
         self.sampler = Sampler(self.device, seed)
         self.predictor = CodePredictor(model, self.device, dtype)
+        self.decoder = StaticDecoder("talker", model.model, self.cache, model.codec_head, text.vocab_size, None,
+                                     cuda_graphs=cuda_graphs)  # fmt: skip
+        # graphed residual codebooks pick inside the graph; eager keeps per-request generators (seeds)
+        self.static_predictor = (
+            StaticCodePredictor(self.predictor, max_slots, text.hidden_size, True)
+            if self.decoder.bank.enabled
+            else None
+        )
         self.eos = tc.codec_eos_token_id
         self.suppress = torch.zeros(text.vocab_size, dtype=torch.bool, device=self.device)
         self.suppress[text.vocab_size - 1024 :] = True  # codec specials are never sampled, except EOS
@@ -105,11 +114,21 @@ class TalkerRunner:
         return [self._prefill_one(seq) for seq in seqs]
 
     @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        self.decoder.capture_all()
+        if self.static_predictor is not None:
+            self.static_predictor.capture_all()
+
+    @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> list[StepResult]:
         slots = torch.tensor([s.slot for s in seqs], device=self.device)
         states = [self.slots[s.slot] for s in seqs]
         c0 = torch.tensor([st.c0 for st in states], device=self.device)
-        codes, codec_sum = self.predictor(self.hidden[slots], c0, lambda step, logits: self._pick_residual(logits, seqs))
+        if self.static_predictor is not None:
+            codes, codec_sum = self.static_predictor(self.hidden[slots], c0, [s.params.greedy for s in seqs])
+        else:
+            pick = lambda step, logits: self._pick_residual(logits, seqs)
+            codes, codec_sum = self.predictor(self.hidden[slots], c0, pick)
         for st in states:
             st.frames += 1
         finished = [st.frames >= s.params.max_tokens for s, st in zip(seqs, states)]
@@ -158,16 +177,13 @@ class TalkerRunner:
 
     def _advance(self, seqs: list[Sequence], codes: torch.Tensor, codec_sum: torch.Tensor) -> list[StepResult]:
         """Feeds each frame back with its text row and picks the next frame's codebook 0."""
-        text_rows = torch.stack([self._text_input(s) for s in seqs])
-        rows = max(s.slot for s in seqs) + 1
-        embeds = torch.zeros(rows, 1, self.text_config.hidden_size, dtype=self.dtype, device=self.device)
         slots = torch.tensor([s.slot for s in seqs], device=self.device)
-        embeds[slots, 0] = codec_sum + text_rows
-        positions = torch.tensor([st.length if st else 0 for st in self.slots[:rows]], device=self.device)
-        deltas = torch.tensor([st.rope_delta if st else 0 for st in self.slots[:rows]], device=self.device)
-        hidden = decode_step(self.model.model, self.cache, embeds, positions, deltas)[slots]
-        self.hidden[slots] = hidden
-        tokens = self._pick_c0(self.model.codec_head(hidden), seqs).tolist()
+        # rows of occupied slots that are not stepping (waiting for text) write at their next free position
+        self.decoder.embeds[slots, 0] = codec_sum + self._text_inputs(seqs)
+        states = self.slots[: 1 + max(i for i, s in enumerate(self.slots) if s is not None)]
+        self.decoder.step([st.length if st else 0 for st in states], [st.rope_delta if st else 0 for st in states])
+        self.hidden[slots] = self.decoder.hidden_out[slots]
+        tokens = self._pick_c0(self.decoder.logits_out[slots], seqs).tolist()
         results = []
         for i, (seq, token) in enumerate(zip(seqs, tokens)):
             state = self.slots[seq.slot]
@@ -181,14 +197,21 @@ class TalkerRunner:
             results.append(StepResult(seq, frame))
         return results
 
-    def _text_input(self, seq: Sequence) -> torch.Tensor:
-        """Row fed with frame k (k = frames so far): reply row k, then tts_eos once, then tts_pad."""
-        p: TalkerPrompt = seq.payload
-        state = self.slots[seq.slot]
-        k = state.frames
-        if k < len(p.text):
-            return self.model.text_projection(p.text[k].to(self.device, self.dtype)[None])[0]
-        return state.tts_eos if k == len(p.text) else state.tts_pad
+    def _text_inputs(self, seqs: list[Sequence]) -> torch.Tensor:
+        """[n, D] rows fed with frame k (k = frames so far): reply row k (projected in one batch), then
+        tts_eos once, then tts_pad."""
+        out = torch.empty(len(seqs), self.text_config.hidden_size, dtype=self.dtype, device=self.device)
+        speaking = []
+        for i, seq in enumerate(seqs):
+            state, text = self.slots[seq.slot], seq.payload.text
+            if state.frames < len(text):
+                speaking.append(i)
+            else:
+                out[i] = state.tts_eos if state.frames == len(text) else state.tts_pad
+        if speaking:
+            raw = torch.stack([seqs[i].payload.text[self.slots[seqs[i].slot].frames] for i in speaking])
+            out[speaking] = self.model.text_projection(raw.to(self.device, self.dtype))
+        return out
 
     def _pick_c0(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         banned = [[self.eos] if s.num_generated < s.params.min_tokens or s.params.ignore_eos else [] for s in seqs]

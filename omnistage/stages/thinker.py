@@ -11,9 +11,9 @@ from transformers import DynamicCache
 from ..core.engine import StepResult
 from ..core.errors import BadRequestError
 from ..core.scheduler import Sequence
-from .decoder_step import decode_step
 from .kv_cache import SlotKVCache
 from .sampler import Sampler
+from .static_decode import StaticDecoder
 
 
 @dataclass
@@ -24,6 +24,10 @@ class ThinkerPrompt:
     input_features: torch.Tensor | None = None
     feature_attention_mask: torch.Tensor | None = None
     export_talker: bool = False  # also produce what the talker needs
+
+    @property
+    def is_text_only(self) -> bool:
+        return self.pixel_values is None and self.input_features is None
 
 
 @dataclass
@@ -41,7 +45,7 @@ class ThinkerOutput:
     talker: TalkerConditioning | None = None  # first output only
     prompt_tokens: int | None = None  # first output only
 
-    def merge(self, later: "ThinkerOutput") -> "ThinkerOutput":
+    def merge(self, later: ThinkerOutput) -> ThinkerOutput:
         rows = [r for r in (self.text_rows, later.text_rows) if r is not None]
         return ThinkerOutput(
             token_ids=self.token_ids + later.token_ids,
@@ -59,8 +63,9 @@ class _SlotState:
 
 
 class ThinkerRunner:
-    def __init__(self, model, config, *, max_slots: int, max_seq_len: int, device, dtype, seed: int = 0):
-        self.model, self.config, self.device, self.dtype = model, config, torch.device(device), dtype
+    def __init__(self, model, config, *, max_slots: int, max_seq_len: int, device, dtype, seed: int = 0,
+                 cuda_graphs: bool = False):  # fmt: skip
+        self.model, self.config, self.device, self.dtype = (model, config, torch.device(device), dtype)
         text = config.thinker_config.text_config
         self.text_config = text
         self.max_seq_len = max_seq_len
@@ -68,6 +73,8 @@ class ThinkerRunner:
             text.num_hidden_layers, max_slots, text.num_key_value_heads, max_seq_len, text.head_dim, dtype, self.device
         )
         self.slots: list[_SlotState | None] = [None] * max_slots
+        self.decoder = StaticDecoder("thinker", model.model, self.cache, model.lm_head, text.vocab_size,
+                                     model.get_input_embeddings(), cuda_graphs=cuda_graphs)  # fmt: skip
         self.sampler = Sampler(self.device, seed)
         self.eos_ids = {config.im_end_token_id, 151643}  # <|im_end|>, <|endoftext|>
         self.accept_layer = config.talker_config.accept_hidden_layer
@@ -98,24 +105,29 @@ class ThinkerRunner:
 
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> list[StepResult]:
-        return [self._prefill_one(seq) for seq in seqs]
+        # text-only prompts of one step share a forward (right-padded); a multimodal one runs alone
+        text = [s for s in seqs if s.payload.is_text_only]
+        results = self._prefill_text(text) if len(text) > 1 else []
+        batched = {id(r.seq) for r in results}
+        return results + [self._prefill_one(s) for s in seqs if id(s) not in batched]
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        self.decoder.capture_all()
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> list[StepResult]:
-        rows = max(s.slot for s in seqs) + 1
-        states = self.slots[:rows]
-        ids = torch.tensor([s.last_token if s else 0 for s in states], device=self.device)
-        positions = torch.tensor([s.length if s else 0 for s in states], device=self.device)
-        deltas = torch.tensor([s.rope_delta if s else 0 for s in states], device=self.device)
-        embeds = self.model.get_input_embeddings()(ids)[:, None]
-        hidden = decode_step(self.model.model, self.cache, embeds, positions, deltas)
+        # every occupied slot up to the highest takes part (a just-prefilled one too), see StaticDecoder.step
+        states = self.slots[: 1 + max(i for i, s in enumerate(self.slots) if s is not None)]
+        self.decoder.step([s.length if s else 0 for s in states], [s.rope_delta if s else 0 for s in states],
+                          [s.last_token if s else 0 for s in states])  # fmt: skip
         slots = torch.tensor([s.slot for s in seqs], device=self.device)
-        logits = self.model.lm_head(hidden[slots])
-        tokens = self._sample(logits, seqs)
+        tokens = self._sample(self.decoder.logits_out[slots], seqs)
+        rows = self._text_rows(tokens, seqs)
         results = []
-        for seq, token in zip(seqs, tokens.tolist()):
+        for i, (seq, token) in enumerate(zip(seqs, tokens.tolist())):
             self.slots[seq.slot].length += 1
-            results.append(self._accept(seq, token, None))
+            results.append(self._accept(seq, token, None, None if rows is None else rows[i : i + 1]))
         return results
 
     # ---- internals ----------------------------------------------------------------------------------------
@@ -138,9 +150,44 @@ class ThinkerRunner:
         length = self.cache.load_prefill(seq.slot, past)
         deltas = self.model.rope_deltas
         self.slots[seq.slot] = _SlotState(length, int(deltas.reshape(-1)[0]) if deltas is not None else 0, 0)
-        token = int(self._sample(out.logits[:, -1], [seq])[0])
-        talker, tail = (self._talker_conditioning(ids[0], out.hidden_states) if p.export_talker else (None, None))
-        return self._accept(seq, token, ThinkerOutput(talker=talker, prompt_tokens=length, text_rows=tail))
+        token = self._sample(out.logits[:, -1], [seq])
+        talker, tail = self._talker_conditioning(ids[0], out.hidden_states) if p.export_talker else (None, None)
+        output = ThinkerOutput(talker=talker, prompt_tokens=length, text_rows=tail)
+        return self._accept(seq, int(token[0]), output, self._text_rows(token, [seq]))
+
+    def _prefill_text(self, seqs: list[Sequence]) -> list[StepResult]:
+        """Several text-only prompts in one forward of the text model. Right padding: each row's first
+        `length` positions are exactly its own prompt's (causal attention never looks right), positions
+        count from 0 on all three MRoPE sections (text-only), so the rope delta is 0."""
+        lengths = [int(s.payload.input_ids.numel()) for s in seqs]
+        ids = torch.zeros(len(seqs), max(lengths), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, (seq, n) in enumerate(zip(seqs, lengths)):
+            ids[i, :n], mask[i, :n] = seq.payload.input_ids, 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        export = any(s.payload.export_talker for s in seqs)
+        past = DynamicCache(config=self.text_config)
+        out = self.model.model(input_ids=ids, attention_mask=mask, past_key_values=past, use_cache=True,
+                               output_hidden_states=export)  # fmt: skip
+        last = out.last_hidden_state[torch.arange(len(seqs)), torch.tensor(lengths) - 1]  # [B, D]
+        tokens = self._sample(self.model.lm_head(last), seqs)
+        rows = self._text_rows(tokens, seqs)
+        results = []
+        for i, (seq, n, token) in enumerate(zip(seqs, lengths, tokens.tolist())):
+            self.cache.load_prefill(seq.slot, past, row=i, length=n)
+            self.slots[seq.slot] = _SlotState(n, 0, 0)
+            talker = tail = None
+            if seq.payload.export_talker:
+                talker, tail = self._talker_conditioning(ids[i, :n], [h[i : i + 1, :n] for h in out.hidden_states])
+            output = ThinkerOutput(talker=talker, prompt_tokens=n, text_rows=tail)
+            results.append(self._accept(seq, token, output, None if rows is None else rows[i : i + 1]))
+        return results
+
+    def _text_rows(self, tokens: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor | None:
+        """Input embeddings of the sampled tokens, [n, D] fp32, when any request feeds a talker."""
+        if not any(s.payload.export_talker for s in seqs):
+            return None
+        return self.model.get_input_embeddings()(tokens).float()
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         banned = [
@@ -153,7 +200,7 @@ class ThinkerRunner:
             logits, [s.request_id for s in seqs], [s.params for s in seqs], [s.generated for s in seqs], banned
         )
 
-    def _accept(self, seq: Sequence, token: int, output: ThinkerOutput | None) -> StepResult:
+    def _accept(self, seq: Sequence, token: int, output: ThinkerOutput | None, row: torch.Tensor | None) -> StepResult:
         output = output or ThinkerOutput()
         seq.num_generated += 1
         self.slots[seq.slot].last_token = token
@@ -163,7 +210,6 @@ class ThinkerRunner:
         seq.generated.append(token)
         output.token_ids.append(token)
         if seq.payload.export_talker:
-            row = self.model.get_input_embeddings()(torch.tensor([token], device=self.device)).float()
             output.text_rows = row if output.text_rows is None else torch.cat([output.text_rows, row])
         return StepResult(seq, output, "length" if seq.num_generated >= seq.params.max_tokens else None)
 
@@ -172,7 +218,7 @@ class ThinkerRunner:
         accept-layer hidden state on audio/image/video rows), the assistant header rows, the tts rows,
         and any prompt rows after the assistant header (spoken before the reply)."""
         c = self.config
-        embeds, hidden = hidden_states[0][0], hidden_states[self.accept_layer][0]  # [L, D]
+        embeds, hidden = (hidden_states[0][0], hidden_states[self.accept_layer][0])  # [L, D]
         pos = torch.arange(ids.numel(), device=ids.device)
         starts = torch.where(ids == c.im_start_token_id, pos, torch.full_like(pos, -1))
         role = ids[(torch.cummax(starts, 0).values.clamp_min(0) + 1).clamp_max(ids.numel() - 1)]

@@ -58,7 +58,10 @@ class StageModel:
                            experts_implementation=self.params.get("experts_implementation") or None)
         self.max_slots = int(self.params.get("max_batch_size", 8))
         self.max_seq_len = int(self.params.get("max_seq_len", 1024))
+        self.cuda_graphs = self.params.get("cuda_graphs", "0").lower() in ("1", "true", "on")
         runner = self.build_runner(model)
+        if hasattr(runner, "capture_graphs"):  # before serving: capture needs the device to itself
+            runner.capture_graphs()
         self.responder = Responder(self.STAGE, self.encode, self._cancel)
         scheduler = Scheduler(self.max_slots, int(self.params.get("max_prefills_per_step", 4)),
                               int(self.params.get("max_queue", 1024)))  # fmt: skip

@@ -1,0 +1,74 @@
+# One batched decode step of a transformers decoder stack over rows [0, rows) of a SlotKVCache, driven
+# from static buffers so that it can be replayed as a CUDA graph per (rows bucket, kv bucket). Shared by
+# the thinker (token ids in, LM logits out) and the talker (input embeddings in, codec logits out).
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .cuda_graphs import GraphBank, batch_buckets, bucket_for, length_buckets
+from .decoder_step import decode_step
+from .kv_cache import SlotKVCache
+
+
+class StaticDecoder:
+    def __init__(
+        self,
+        name: str,
+        text_model,  # .layers, .norm, .rotary_emb
+        cache: SlotKVCache,
+        head: Callable[[torch.Tensor], torch.Tensor],  # [rows, D] -> [rows, V]
+        head_dim: int,  # V
+        embed: Callable[[torch.Tensor], torch.Tensor] | None,  # ids [rows] -> [rows, D]; None: embeddings in
+        *,
+        cuda_graphs: bool,
+    ):
+        self.text_model, self.cache, self.head, self.embed = (text_model, cache, head, embed)
+        rows, device = cache.slots, cache.k[0].device
+        hidden = text_model.norm.weight.shape[0]
+        dtype = cache.k[0].dtype
+        self.bank = GraphBank(name, device, cuda_graphs)
+        # padding rows only pay off when a graph replays; eager steps run at the exact size
+        self.row_buckets = batch_buckets(rows) if self.bank.enabled else None
+        self.kv_buckets = length_buckets(cache.max_len) if self.bank.enabled else None
+        self.index = torch.zeros(2, rows, dtype=torch.long, device=device)  # positions, rope deltas
+        self.ids = torch.zeros(rows, dtype=torch.long, device=device)
+        self.embeds = torch.zeros(rows, 1, hidden, dtype=dtype, device=device)
+        self.hidden_out = torch.zeros(rows, hidden, dtype=dtype, device=device)
+        self.logits_out = torch.zeros(rows, head_dim, dtype=dtype, device=device)
+
+    def shape_for(self, rows: int, kv_len: int) -> tuple[int, int]:
+        if self.row_buckets is None:
+            return rows, kv_len
+        return bucket_for(rows, self.row_buckets), bucket_for(kv_len, self.kv_buckets)
+
+    def step(self, positions: list[int], deltas: list[int], ids: list[int] | None = None) -> tuple[int, int]:
+        """Loads rows [0, len(positions)) (ids, or self.embeds filled by the caller) and runs one step;
+        returns the (rows, kv_len) shape it ran at. Results: hidden_out[:rows], logits_out[:rows].
+        positions/deltas cover every occupied slot up to the highest one (a row that is not stepping writes
+        at its next free position, which its next real step overwrites); padding rows up to the bucket
+        are free slots and write at position 0."""
+        rows, kv_len = self.shape_for(len(positions), max(positions) + 1)
+        pad = rows - len(positions)
+        host = torch.tensor([positions + [0] * pad, deltas + [0] * pad], dtype=torch.long)
+        self.index[:, :rows].copy_(host, non_blocking=True)
+        if ids is not None:
+            self.ids[:rows].copy_(torch.tensor(ids + [0] * pad), non_blocking=True)
+        self.bank.run((rows, kv_len), lambda: self._run(rows, kv_len))
+        return rows, kv_len
+
+    def capture_all(self) -> None:
+        """Captures every (rows, kv) bucket while no slot is in use (padding rows write position 0)."""
+        if not self.bank.enabled:
+            return
+        self.index.zero_()
+        keys = [(r, k) for r in self.row_buckets for k in self.kv_buckets]
+        self.bank.capture_all(keys, lambda key: lambda: self._run(*key))
+
+    def _run(self, rows: int, kv_len: int) -> None:
+        embeds = self.embed(self.ids[:rows])[:, None] if self.embed is not None else self.embeds[:rows]
+        positions, deltas = self.index[0, :rows], self.index[1, :rows]
+        hidden = decode_step(self.text_model, self.cache, embeds, positions, deltas, kv_len)
+        self.hidden_out[:rows].copy_(hidden)
+        self.logits_out[:rows].copy_(self.head(hidden))

@@ -1,0 +1,93 @@
+# The graph-capturable decode path (static buffers, batches padded to buckets, context read up to a
+# bucket, residual codebooks picked in-graph) gives what generate() gives. CUDA graphs themselves only
+# exist on a GPU (perf/graph_check.py compares graph and eager there); here the same functions run eagerly.
+import torch
+
+from omnistage.core.sampling import SamplingParams
+from omnistage.models.processor import prepare_inputs
+from omnistage.stages.code_predictor import StaticCodePredictor, _sample_top_k_top_p
+from omnistage.stages.cuda_graphs import batch_buckets, bucket_for, length_buckets
+from omnistage.stages.talker import TalkerPrompt, TalkerRunner
+from omnistage.stages.thinker import ThinkerPrompt, ThinkerRunner
+
+from .. import oracle
+from .test_stage_oracle import FRAMES, REPLY, run_talker, run_thinker, running
+
+
+def test_buckets():
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert batch_buckets(6) == [1, 2, 4, 6] and batch_buckets(1) == [1]
+    assert length_buckets(3584) == [256, 512, 1024, 2048, 3584]
+    assert bucket_for(17, batch_buckets(64)) == 24 and bucket_for(257, length_buckets(4096)) == 512
+
+
+def pad_to_buckets(decoder, rows: list[int], kv: list[int]) -> None:
+    decoder.row_buckets, decoder.kv_buckets = rows, kv
+
+
+def test_padded_static_path_matches_generate(hf_model, processor):
+    inputs = prepare_inputs(processor, oracle.messages("text"))
+    want_text, want_codes, _ = oracle.generate(hf_model, inputs, REPLY, FRAMES)
+    kw = dict(max_slots=8, max_seq_len=512, device="cpu", dtype=torch.float32)
+
+    thinker = ThinkerRunner(hf_model.thinker, hf_model.config, **kw)
+    pad_to_buckets(thinker.decoder, [4, 8], [256, 512])  # slot 2 runs as 4 rows reading 256 positions
+    prompt = ThinkerPrompt(inputs["input_ids"][0], export_talker=True)
+    out, _ = run_thinker(thinker, running("t", SamplingParams(max_tokens=REPLY), prompt, slot=2))
+    assert out.token_ids == want_text
+
+    talker = TalkerRunner(hf_model.talker, hf_model.config, **kw)
+    pad_to_buckets(talker.decoder, [8], [512])
+    hidden = hf_model.config.talker_config.text_config.hidden_size
+    talker.static_predictor = StaticCodePredictor(talker.predictor, 8, hidden, cuda_graphs=False)
+    talker.static_predictor.buckets = [4, 8]
+    tp = TalkerPrompt(out.talker, 2302, list(out.text_rows.unbind(0)), True)
+    codes, _ = run_talker(talker, running("a", SamplingParams(max_tokens=FRAMES, repetition_penalty=1.05), tp, 5))
+    assert torch.equal(codes, want_codes)
+
+
+def test_in_graph_sampling_keeps_top_k_and_top_p():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 300)
+    draws = torch.stack([_sample_top_k_top_p(logits, 50, 0.8) for _ in range(400)])  # [400, 4]
+    for row in range(4):
+        kept = logits[row].topk(50).indices
+        probs = logits[row, kept].softmax(-1)
+        order = probs.argsort(descending=True)
+        nucleus = kept[order[: int((probs[order].cumsum(0) < 0.8).sum()) + 1]]
+        assert set(draws[:, row].tolist()) <= set(nucleus.tolist())
+        assert len(set(draws[:, row].tolist())) > 1  # it samples, not argmax
+
+
+def test_text_prompts_prefilled_together_match_generate(hf_model, processor):
+    """Two text prompts of different lengths share one right-padded prefill, then decode side by side;
+    each gets generate()'s tokens and codes, and the same talker conditioning as a lone prefill."""
+    texts = ["Say hello!", "Tell me a long story about the sea, please, in three short sentences."]
+    inputs = [prepare_inputs(processor, oracle.messages("text", t)) for t in texts]
+    assert inputs[0]["input_ids"].shape[1] != inputs[1]["input_ids"].shape[1]
+    kw = dict(max_slots=4, max_seq_len=512, device="cpu", dtype=torch.float32)
+    thinker = ThinkerRunner(hf_model.thinker, hf_model.config, **kw)
+    seqs = [running(f"t{i}", SamplingParams(max_tokens=REPLY), ThinkerPrompt(x["input_ids"][0], export_talker=True), i)
+            for i, x in enumerate(inputs)]  # fmt: skip
+    results = thinker.prefill(seqs)
+    outs = {r.seq.request_id: r.output for r in results}
+    while all(r.finish_reason is None for r in results):
+        results = thinker.decode(seqs)
+        for r in results:
+            outs[r.seq.request_id] = outs[r.seq.request_id].merge(r.output)
+    alone = ThinkerRunner(hf_model.thinker, hf_model.config, **kw)
+    for i, x in enumerate(inputs):
+        want_text, want_codes, _ = oracle.generate(hf_model, x, REPLY, FRAMES)
+        out = outs[f"t{i}"]
+        assert out.token_ids == want_text
+        lone, _ = run_thinker(
+            alone,
+            running("x", SamplingParams(max_tokens=REPLY), ThinkerPrompt(x["input_ids"][0], export_talker=True), 3),
+        )
+        assert torch.allclose(out.text_rows, lone.text_rows)
+        assert torch.allclose(out.talker.user_rows, lone.talker.user_rows, atol=1e-5)
+        assert torch.allclose(out.talker.special_rows, lone.talker.special_rows, atol=1e-5)
+        talker = TalkerRunner(hf_model.talker, hf_model.config, **kw)
+        tp = TalkerPrompt(out.talker, 2302, list(out.text_rows.unbind(0)), True)
+        codes, _ = run_talker(talker, running("a", SamplingParams(max_tokens=FRAMES, repetition_penalty=1.05), tp, 0))
+        assert torch.equal(codes, want_codes)
