@@ -1,7 +1,9 @@
 # Renders a Triton model repository: config.pbtxt generated from the tensor contracts in
-# omnistage.core.protocol plus a per-model deployment spec, next to a copy of each model's version dir.
+# omnistage.core.protocol plus a per-model deployment spec (from a deploy profile, deploy/*.yaml), next
+# to a copy of each model's version dir.
 #
 #   python -m omnistage.launch.render --model checkpoints/tiny --device cpu --out .run/model_repository
+#   python -m omnistage.launch.render --profile deploy/overlays/reference_3gpu.yaml --model <ckpt> --out <repo>
 from __future__ import annotations
 
 import argparse
@@ -11,6 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from omnistage.core.protocol import CONTRACTS, ModelContract, TensorSpec
+from omnistage.launch.profile import (
+    BASE_PROFILE, ENGINE_STAGES, PLATFORMS, Profile, ProfileError, load_profile, visible_gpu_count,
+)
 from omnistage.launch.triton_env import REPO_ROOT
 
 KINDS = ("KIND_CPU", "KIND_GPU")
@@ -37,27 +42,64 @@ class ModelSpec:
 
 
 def default_spec(model_path: str, device: str) -> dict[str, ModelSpec]:
-    """The four stages for one checkpoint (a dir, or `dummy:<config.json>`) on cpu or cuda."""
-    if device not in ("cpu", "cuda"):
+    """The four stages for one checkpoint (a dir, or `dummy:<config.json>`) on cpu or cuda: the base profile."""
+    if device not in PLATFORMS:
         raise ValueError(f"device must be cpu or cuda, not {device!r}")
-    cuda = device == "cuda"
-    common = {"model_path": absolute_model_path(model_path), "device": device, "dtype": "bfloat16" if cuda else "float32"}
-    engine = {"max_batch_size": "64" if cuda else "8", "max_seq_len": "4096" if cuda else "1024"}
-    if cuda:  # transformers' grouped-GEMM experts instead of its per-expert Python loop (host-bound on GPU)
-        engine["experts_implementation"] = "grouped_mm"
-        engine["cuda_graphs"] = "1"  # decode steps replayed as CUDA graphs per batch / context bucket
-    gpu = {"kind": "KIND_GPU", "gpus": (0,)} if cuda else {}
-    return {
-        "thinker": ModelSpec(parameters={**common, **engine}, **gpu),
-        "talker": ModelSpec(parameters={**common, **engine}, **gpu),
-        # windows from many talker streams are batched by code2wav's own engine thread (execute()
-        # only enqueues), not by Triton: see ModelSpec.max_batch_size
-        "code2wav": ModelSpec(parameters={**common, "max_batch_windows": "64"}, **gpu),
-        # the orchestrator only moves tensors between stages (BLS); it holds no weights
-        "omni_ensemble": ModelSpec(
-            parameters={**common, "first_chunk_frames": "4", "chunk_frames": "25", "max_inflight": "128"}
-        ),
-    }
+    return profile_spec(load_profile(BASE_PROFILE, device), model_path)
+
+
+def profile_spec(profile: Profile, model_path: str | None = None) -> dict[str, ModelSpec]:
+    """Model name -> ModelSpec for a deploy profile. Thinker and talker replicas are separate models
+    (`talker`, `talker_1`, ...), one instance each, because their requests are stateful sessions (start,
+    append, abort) and a BLS call cannot pick an instance; omni_ensemble pins each session to one of them
+    (their names go to it as parameters). Code2Wav keeps its stream state in the tensors, so its replicas
+    are instances of one model, and Triton hands each chunk to a free one."""
+    model_path = model_path or profile.model
+    if not model_path:
+        raise ValueError("no model: pass one, or set `model:` in the profile")
+    cuda = profile.platform == "cuda"
+    common = {"model_path": absolute_model_path(model_path), "device": profile.platform, "dtype": profile.dtype}
+    spec: dict[str, ModelSpec] = {}
+    for stage in (*ENGINE_STAGES, "code2wav"):
+        plan = profile.stages[stage]
+        params = {**common, **_stage_parameters(plan.settings)}
+        if stage == "code2wav":  # max_batch_size is the engine's, not Triton's (see ModelSpec)
+            params["max_batch_windows"] = params.pop("max_batch_size")
+            if profile.chunks["left_context_frames"] is not None:
+                params["left_context_frames"] = str(profile.chunks["left_context_frames"])
+            per_gpu = plan.replicas // len(plan.devices)
+            place = {"kind": "KIND_GPU", "gpus": plan.devices, "instances": per_gpu} if cuda else {"instances": plan.replicas}
+            spec[stage] = ModelSpec(parameters=params, **place)
+            continue
+        for name, gpu in zip(plan.replica_names(), plan.replica_devices()):
+            place = {"kind": "KIND_GPU", "gpus": (gpu,)} if cuda else {}
+            spec[name] = ModelSpec(parameters=dict(params), source=stage, contract=CONTRACTS[stage], **place)
+    omni = profile.stages["omni_ensemble"]
+    spec["omni_ensemble"] = ModelSpec(
+        instances=omni.replicas,
+        parameters={
+            **common,
+            "first_chunk_frames": str(profile.chunks["first_chunk_frames"]),
+            "chunk_frames": str(profile.chunks["chunk_frames"]),
+            "max_inflight": str(omni.settings.get("max_inflight", 128)),
+            **{f"{s}_models": ",".join(profile.stages[s].replica_names()) for s in ENGINE_STAGES},
+        },
+    )
+    return spec
+
+
+def _stage_parameters(settings: dict) -> dict[str, str]:
+    out = {}
+    for key, value in settings.items():
+        if value is None or value == {}:
+            continue  # unset: the model's own default
+        if key == "sampling":
+            out["sampling_defaults"] = json.dumps(value, sort_keys=True)
+        elif isinstance(value, bool):
+            out[key] = "true" if value else "false"
+        else:
+            out[key] = str(value)
+    return out
 
 
 def absolute_model_path(model_path: str) -> str:
@@ -131,15 +173,34 @@ def render_repository(src_dir: Path, out_dir: Path, spec: dict[str, ModelSpec], 
     return out_dir
 
 
+def add_profile_args(ap: argparse.ArgumentParser) -> None:
+    """--profile / --device / --gpus, shared by render and serve."""
+    ap.add_argument("--profile", type=Path, default=BASE_PROFILE, help="deploy profile YAML (default: the base)")
+    ap.add_argument("--device", choices=PLATFORMS, default=None,
+                    help="platform block of the profile to apply (default: the profile's `platform:`)")
+    ap.add_argument("--gpus", type=int, default=None,
+                    help="GPUs the server will see, for checking the profile (default: detected)")
+
+
+def spec_from_args(args: argparse.Namespace) -> tuple[Profile, dict[str, ModelSpec]]:
+    """Loads the profile the flags name; a ProfileError ends the program with its message."""
+    try:
+        profile = load_profile(args.profile, args.device, args.gpus if args.gpus is not None else visible_gpu_count())
+        return profile, profile_spec(profile, args.model)
+    except (ProfileError, ValueError) as e:
+        raise SystemExit(f"{args.profile}: {e}") from None
+
+
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__ or "render the omnistage model repository")
-    ap.add_argument("--model", required=True, help="checkpoint dir or dummy:<config.json>")
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap = argparse.ArgumentParser(description="render the omnistage model repository from a deploy profile")
+    ap.add_argument("--model", default=None, help="checkpoint dir or dummy:<config.json> (default: the profile's)")
+    add_profile_args(ap)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--src", type=Path, default=REPO_ROOT / "model_repository", help="dir of <model>/1/model.py")
     ap.add_argument("--link", action="store_true", help="symlink the version dirs' files instead of copying")
     args = ap.parse_args(argv)
-    out = render_repository(args.src, args.out, default_spec(args.model, args.device), link=args.link)
+    _, spec = spec_from_args(args)
+    out = render_repository(args.src, args.out, spec, link=args.link)
     print(out)
 
 

@@ -2,6 +2,7 @@
 # OpenAI frontend against it, and stop both (frontend first) on Ctrl-C / SIGTERM or when either dies.
 #
 #   python -m omnistage.launch.serve --model checkpoints/tiny --device cpu
+#   python -m omnistage.launch.serve --profile deploy/overlays/reference_3gpu.yaml --model <ckpt>
 from __future__ import annotations
 
 import argparse
@@ -11,7 +12,7 @@ import time
 from pathlib import Path
 
 from omnistage.launch.process import ManagedProcess, ProcessFailed, port_in_use
-from omnistage.launch.render import default_spec, render_repository
+from omnistage.launch.render import add_profile_args, render_repository, spec_from_args
 from omnistage.launch.triton_env import REPO_ROOT
 from omnistage.launch.tritonserver import TritonServer
 
@@ -26,8 +27,8 @@ def _say(message: str) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m omnistage.launch.serve", description="serve Qwen3-Omni on Triton")
-    ap.add_argument("--model", required=True, help="checkpoint dir, or dummy:<config.json>")
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--model", default=None, help="checkpoint dir, or dummy:<config.json> (default: the profile's)")
+    add_profile_args(ap)
     ap.add_argument("--host", default="127.0.0.1", help="address of the OpenAI API")
     ap.add_argument("--api-port", type=int, default=8091)
     ap.add_argument("--triton-host", default="127.0.0.1", help="address tritonserver binds (HTTP, gRPC, metrics)")
@@ -48,14 +49,14 @@ def _check_model(model: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    _check_model(args.model)
+    profile, spec = spec_from_args(args)
+    _check_model(args.model or profile.model)
     if port_in_use(args.api_port, args.host):
         raise SystemExit(f"port {args.api_port} on {args.host} is already in use")
 
-    spec = default_spec(args.model, args.device)
     repo = render_repository(args.src, args.run_dir / "model_repository", spec)
-    _say(f"[serve] rendered {', '.join(spec)} into {repo}")
-    gpus = sorted({g for s in spec.values() for g in s.gpus}) if args.device == "cuda" else []
+    _say(f"[serve] rendered {', '.join(spec)} ({profile.platform}, {profile.sources[-1].name}) into {repo}")
+    gpus = sorted({g for s in spec.values() for g in s.gpus}) if profile.platform == "cuda" else []
     triton = TritonServer(
         repo, args.run_dir, host=args.triton_host, http_port=args.http_port, grpc_port=args.grpc_port,
         metrics_port=args.metrics_port, gpus=gpus,

@@ -27,7 +27,12 @@ class Code2WavModel:
     def initialize(self, args) -> None:
         params, self.device, dtype = init_instance(args)
         module = load_stage(params["model_path"], "code2wav", dtype, self.device)
-        self.runner = Code2WavRunner(module, self.device, dtype)
+        context = int(params["left_context_frames"]) if params.get("left_context_frames") else None
+        self.runner = Code2WavRunner(module, self.device, dtype, context_frames=context)
+        if context is not None and context < self.runner.conv_reach:
+            # the chunks would no longer join into the full decode: refuse rather than serve worse audio
+            raise ValueError(f"left_context_frames {context} is below this checkpoint's conv reach "
+                             f"({self.runner.conv_reach} frames); use null or >= {self.runner.conv_reach}")
         self.max_batch = int(params.get("max_batch_windows", 64))
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._worker = threading.Thread(target=self._loop, name="code2wav-worker", daemon=True)

@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+from dataclasses import replace
 
 import torch
 
 from ..core.engine import StageEngine
 from ..core.errors import BadRequestError, OmniError
+from ..core.sampling import SamplingParams
 from ..core.scheduler import Scheduler, Sequence
 from ..models.checkpoint import load_config, load_stage
 from .logs import setup_logging
@@ -44,6 +46,8 @@ def init_instance(args) -> tuple[dict[str, str], torch.device, torch.dtype]:
     device = instance_device(args, params)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        if params.get("memory_fraction"):  # a deploy profile's share of this GPU for this instance
+            torch.cuda.set_per_process_memory_fraction(float(params["memory_fraction"]), device)
     return params, device, stage_dtype(params, device)
 
 
@@ -59,6 +63,8 @@ class StageModel:
         self.max_slots = int(self.params.get("max_batch_size", 8))
         self.max_seq_len = int(self.params.get("max_seq_len", 1024))
         self.cuda_graphs = self.params.get("cuda_graphs", "0").lower() in ("1", "true", "on")
+        # a deploy profile's sampling defaults, over the stage's built-in ones (validated when rendered)
+        self.sampling_overrides = json.loads(self.params.get("sampling_defaults") or "{}")
         runner = self.build_runner(model)
         if hasattr(runner, "capture_graphs"):  # before serving: capture needs the device to itself
             runner.capture_graphs()
@@ -75,6 +81,12 @@ class StageModel:
 
     def build_runner(self, model):
         raise NotImplementedError
+
+    def sampling_defaults(self, builtin: SamplingParams) -> SamplingParams:
+        overrides = dict(self.sampling_overrides)
+        if "stop_token_ids" in overrides:
+            overrides["stop_token_ids"] = tuple(overrides["stop_token_ids"])
+        return replace(builtin, **overrides)
 
     def sequence_from(self, request, params: dict, request_id: str) -> Sequence:
         raise NotImplementedError

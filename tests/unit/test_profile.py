@@ -1,0 +1,157 @@
+# Deploy profiles: merging (base, platform block, overlays), validation errors that name the key, and the
+# model repository rendered from a profile (replica models, instance groups, GPUs, parameters).
+import json
+import textwrap
+
+import pytest
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
+
+from omnistage.core.protocol import CONTRACTS
+from omnistage.launch import render
+from omnistage.launch.profile import BASE_PROFILE, ProfileError, load_profile, replica_names
+from omnistage.launch.triton_env import REPO_ROOT
+
+REFERENCE = REPO_ROOT / "deploy" / "overlays" / "reference_3gpu.yaml"
+SINGLE_GPU = REPO_ROOT / "deploy" / "overlays" / "single_gpu.yaml"
+MODEL = "dummy:/x/config.json"
+
+
+def overlay(tmp_path, text: str, name="overlay.yaml"):
+    path = tmp_path / name
+    path.write_text(f"base: {BASE_PROFILE}\n" + textwrap.dedent(text))
+    return path
+
+
+def parsed(name, spec):
+    return text_format.Parse(render.render_config(name, spec), model_config_pb2.ModelConfig())
+
+
+@pytest.mark.parametrize("platform", ["cpu", "cuda"])
+def test_base_profile_is_the_default_layout(platform):
+    spec = render.default_spec(MODEL, platform)
+    assert list(spec) == ["thinker", "talker", "code2wav", "omni_ensemble"]
+    cuda = platform == "cuda"
+    for name in ("thinker", "talker"):
+        p = spec[name].parameters
+        assert p["max_batch_size"] == ("64" if cuda else "8") and p["max_seq_len"] == ("4096" if cuda else "1024")
+        assert p["dtype"] == ("bfloat16" if cuda else "float32") and p["cuda_graphs"] == ("true" if cuda else "false")
+        assert ("experts_implementation" in p) == cuda
+    assert spec["code2wav"].parameters["max_batch_windows"] == "64"
+    omni = spec["omni_ensemble"].parameters
+    assert (omni["first_chunk_frames"], omni["chunk_frames"], omni["max_inflight"]) == ("4", "25", "128")
+    assert (omni["thinker_models"], omni["talker_models"]) == ("thinker", "talker")
+    for name, s in spec.items():
+        assert (s.kind, s.gpus) == (("KIND_GPU", (0,)) if cuda and name != "omni_ensemble" else ("KIND_CPU", ()))
+
+
+def test_reference_layout_renders_replica_models_on_their_gpus():
+    profile = load_profile(REFERENCE, gpu_count=3)
+    assert profile.platform == "cuda"
+    spec = render.profile_spec(profile, MODEL)
+    assert sorted(spec) == ["code2wav", "omni_ensemble", "talker", "talker_1", "thinker"]
+    configs = {name: parsed(name, s) for name, s in spec.items()}
+    placement = {n: [(g.count, g.kind, list(g.gpus)) for g in c.instance_group] for n, c in configs.items()}
+    gpu = model_config_pb2.ModelInstanceGroup.KIND_GPU
+    assert placement["thinker"] == [(1, gpu, [0])]
+    assert placement["talker"] == [(1, gpu, [1])] and placement["talker_1"] == [(1, gpu, [2])]
+    assert placement["code2wav"] == [(1, gpu, [1, 2])]  # Triton: `count` instances on each listed GPU
+    for name, config in configs.items():  # a replica carries its stage's contract under its own name
+        contract = CONTRACTS[name.split("_1")[0]]
+        assert config.name == name and [i.name for i in config.input] == [t.name for t in contract.inputs]
+    assert configs["omni_ensemble"].parameters["talker_models"].string_value == "talker,talker_1"
+
+
+def test_cpu_platform_keeps_replicas_and_drops_gpus(tmp_path):
+    path = overlay(tmp_path, "stages: {thinker: {replicas: 2}, talker: {replicas: 3}, code2wav: {replicas: 2}}\n")
+    spec = render.profile_spec(load_profile(path, "cpu"), MODEL)
+    assert sorted(spec) == ["code2wav", "omni_ensemble", "talker", "talker_1", "talker_2", "thinker", "thinker_1"]
+    assert all(s.kind == "KIND_CPU" and s.instances == 1 for n, s in spec.items() if n != "code2wav")
+    assert spec["code2wav"].instances == 2
+    assert spec["talker_2"].source == "talker"
+    assert spec["omni_ensemble"].parameters["thinker_models"] == "thinker,thinker_1"
+
+
+def test_overlay_wins_over_the_base_platform_block(tmp_path):
+    path = overlay(tmp_path, """\
+        stages: {thinker: {max_batch_size: 32, cuda_graphs: true, memory_fraction: 0.5,
+                           sampling: {temperature: 0.7, stop_token_ids: [1, 2]}}}
+        chunks: {first_chunk_frames: 2, left_context_frames: 12}
+        platforms: {cpu: {stages: {talker: {max_queue: 7}}}}
+    """)
+    cuda = render.profile_spec(load_profile(path, "cuda"), MODEL)
+    thinker = cuda["thinker"].parameters
+    assert thinker["max_batch_size"] == "32" and thinker["max_seq_len"] == "4096"  # overlay, then cuda block
+    assert thinker["cuda_graphs"] == "true" and thinker["memory_fraction"] == "0.5"
+    assert json.loads(thinker["sampling_defaults"]) == {"temperature": 0.7, "stop_token_ids": [1, 2]}
+    assert cuda["talker"].parameters["max_queue"] == "1024"
+    assert cuda["omni_ensemble"].parameters["first_chunk_frames"] == "2"
+    assert cuda["code2wav"].parameters["left_context_frames"] == "12"
+    assert render.profile_spec(load_profile(path, "cpu"), MODEL)["talker"].parameters["max_queue"] == "7"
+
+
+@pytest.mark.parametrize(
+    "text, error",
+    [
+        ("stages: {vocoder: {replicas: 1}}", "unknown stage(s) vocoder"),
+        ("stages: {talker: {replica: 2}}", "stages.talker: unknown key(s) replica"),
+        ("stages: {talker: {devices: [0, 3]}}", "stages.talker.devices: GPU 3 is out of range, 2 GPU(s) visible (0-1)"),
+        ("stages: {talker: {devices: [0, 1], replicas: 3}}", "3 replicas cannot be spread evenly over GPUs [0, 1]"),
+        ("stages: {code2wav: {devices: [1, 1]}}", "lists a GPU twice"),
+        ("stages: {thinker: {replicas: 0}}", "stages.thinker.replicas must be an integer >= 1, got 0"),
+        ("stages: {thinker: {max_batch_size: 2, max_prefills_per_step: 4}}", "max_prefills_per_step exceeds"),
+        ("stages: {thinker: {cuda_graphs: 'yes'}}", "cuda_graphs must be true or false"),
+        ("stages: {talker: {sampling: {temprature: 0.5}}}", "stages.talker.sampling: got an unexpected keyword argument 'temprature'"),
+        ("stages: {talker: {sampling: {top_p: 0}}}", "stages.talker.sampling: top_p must be in (0, 1]"),
+        ("chunks: {chunk_frames: 0}", "chunks.chunk_frames must be an integer >= 1, got 0"),
+        ("chunks: {chunk_frames: 5000}", "chunks.chunk_frames (5000) is longer than any talker stream can be"),
+        ("chunks: {left_context_frames: 0}", "chunks.left_context_frames must be an integer >= 1"),
+        ("chunks: {left_context: 3}", "chunks: unknown key(s) left_context"),
+        ("stages: {thinker: {memory_fraction: 0.8}, talker: {memory_fraction: 0.3}}",
+         "GPU 0: memory_fraction of its stage instances adds up to 1.1 (thinker 0.8, talker 0.3)"),
+        ("platforms: {tpu: {}}", "unknown platform(s) tpu"),
+        ("dtype: int8", "dtype must be one of"),
+        ("stage: {}", "unknown key(s) stage"),
+    ],
+)
+def test_mistakes_are_reported_by_key(tmp_path, text, error):
+    with pytest.raises(ProfileError) as e:
+        load_profile(overlay(tmp_path, text + "\n"), "cuda", gpu_count=2)
+    assert error in str(e.value)
+
+
+def test_gpu_range_is_checked_against_the_visible_count_and_only_on_cuda():
+    with pytest.raises(ProfileError, match="GPU 2 is out of range, 2 GPU"):
+        load_profile(REFERENCE, gpu_count=2)
+    load_profile(REFERENCE, gpu_count=None)  # unknown count (no GPU here): placement is checked where it runs
+    assert load_profile(REFERENCE, "cpu", gpu_count=0).stages["talker"].replicas == 2
+
+
+def test_single_gpu_overlay_fits_one_gpu():
+    profile = load_profile(SINGLE_GPU, gpu_count=1)
+    spec = render.profile_spec(profile, MODEL)
+    assert {s.gpus for n, s in spec.items() if n != "omni_ensemble"} == {(0,)}
+    assert spec["thinker"].parameters["memory_fraction"] == "0.7"
+
+
+def test_overlay_cycle_and_missing_files(tmp_path):
+    (tmp_path / "a.yaml").write_text("base: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\n")
+    with pytest.raises(ProfileError, match="cycle"):
+        load_profile(tmp_path / "a.yaml")
+    with pytest.raises(ProfileError, match="does not exist"):
+        load_profile(tmp_path / "nope.yaml")
+
+
+def test_replica_names():
+    assert replica_names("talker", 1) == ["talker"]
+    assert replica_names("talker", 3) == ["talker", "talker_1", "talker_2"]
+
+
+def test_render_cli_writes_the_profile_and_rejects_a_bad_one(tmp_path, capsys):
+    out = tmp_path / "repo"
+    render.main(["--profile", str(REFERENCE), "--device", "cpu", "--model", MODEL, "--out", str(out)])
+    assert sorted(p.name for p in out.iterdir()) == ["code2wav", "omni_ensemble", "talker", "talker_1", "thinker"]
+    assert (out / "talker_1" / "1" / "model.py").read_text() == (REPO_ROOT / "model_repository/talker/1/model.py").read_text()
+    with pytest.raises(SystemExit, match="GPU 2 is out of range"):
+        render.main(["--profile", str(REFERENCE), "--gpus", "2", "--model", MODEL, "--out", str(out)])
