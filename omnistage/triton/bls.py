@@ -11,6 +11,7 @@ import triton_python_backend_utils as pb_utils
 
 from ..core.errors import BadRequestError, EngineError, OmniError, OverloadedError
 from ..core.protocol import CODE2WAV, TALKER, THINKER
+from ..pipeline.replicas import ReplicaRouter
 from .tensors import from_torch, to_torch
 
 _CODE = re.compile(r"^\[(\d{3})\] ")
@@ -44,12 +45,14 @@ def _read(response) -> dict:
 
 
 class BlsStageClient:
-    def __init__(self, names: dict[str, str] | None = None):
-        self.names = {"thinker": "thinker", "talker": "talker", "code2wav": "code2wav", **(names or {})}
+    """replicas: stage -> model names of its replicas (thinker, talker; see pipeline/replicas.py)."""
 
-    def _stream(self, stage: str, outputs, inputs: dict, parameters: dict) -> Iterator[dict]:
+    def __init__(self, replicas: dict[str, list[str]] | None = None):
+        self.routers = {s: ReplicaRouter((replicas or {}).get(s) or [s]) for s in ("thinker", "talker")}
+
+    def _stream(self, model: str, outputs, inputs: dict, parameters: dict) -> Iterator[dict]:
         request = pb_utils.InferenceRequest(
-            model_name=self.names[stage],
+            model_name=model,
             inputs=[from_torch(k, v) for k, v in inputs.items() if v is not None],
             requested_output_names=[t.name for t in outputs],
             parameters=_parameters(parameters),
@@ -60,21 +63,37 @@ class BlsStageClient:
                 yield out
 
     def thinker(self, session: str, inputs: dict, parameters: dict) -> Iterator[dict]:
-        return self._stream("thinker", THINKER.outputs, inputs, dict(parameters, session=session))
+        model = self.routers["thinker"].pin(session)
+        return self._stream(model, THINKER.outputs, inputs, dict(parameters, session=session))
 
     def talker(self, session: str, inputs: dict, parameters: dict) -> Iterator[dict]:
-        return self._stream("talker", TALKER.outputs, inputs, dict(parameters, session=session, action="start"))
+        model = self.routers["talker"].pin(session)
+        return self._stream(model, TALKER.outputs, inputs, dict(parameters, session=session, action="start"))
 
     def talker_append(self, session: str, rows: torch.Tensor | None, end: bool) -> None:
         inputs = {"text_rows": rows} if rows is not None and rows.shape[0] else {}
-        for _ in self._stream("talker", (), inputs, {"session": session, "action": "append", "text_end": end}):
+        model = self.routers["talker"].pin(session)  # pinned by talker() already
+        for _ in self._stream(model, (), inputs, {"session": session, "action": "append", "text_end": end}):
             pass
 
     def abort(self, stage: str, session: str) -> None:
-        for _ in self._stream(stage, (), {}, {"session": session, "action": "abort"}):
-            pass
+        router = self.routers[stage]
+        pinned = router.get(session)
+        for model in [pinned] if pinned else router.replicas:  # not pinned (yet): whichever may hold it
+            for _ in self._stream(model, (), {}, {"session": session, "action": "abort"}):
+                pass
 
     def code2wav(self, codes: torch.Tensor, state: dict | None) -> tuple[torch.Tensor, dict]:
+        # one model whatever the replicas: the state travels with the chunk, so any instance can decode it
         for out in self._stream("code2wav", CODE2WAV.outputs, {"codes": codes, **(state or {})}, {}):
             return out.pop("audio"), out
         raise EngineError("code2wav returned no audio")
+
+    def placement(self, session: str) -> dict[str, str]:
+        """The replica of each stage that serves the session (reported in usage)."""
+        return {stage: model for stage, router in self.routers.items() if (model := router.get(session))}
+
+    def release(self, session: str) -> None:
+        """The session is over: it no longer counts towards its replicas' load."""
+        for router in self.routers.values():
+            router.release(session)

@@ -33,7 +33,9 @@ class OmniModel:
         self.processor = load_processor(source)
         self.speakers = {k.lower() for k in self.config.talker_config.speaker_id}
         self.schedule = ChunkSchedule(int(params.get("first_chunk_frames", 4)), int(params.get("chunk_frames", 25)))
-        self.stages = BlsStageClient()
+        # a session's stage calls all go to one replica; new sessions to the least loaded (pipeline/replicas.py)
+        self.stages = BlsStageClient({s: params[f"{s}_models"].split(",") for s in ("thinker", "talker")
+                                      if params.get(f"{s}_models")})  # fmt: skip
         # Requests beyond this wait here before opening any BLS stream: each served request holds up to
         # ~3 of the server's Python-backend BLS threads (--backend-config=python,thread-pool-size), and
         # running out of them deadlocks every request at once instead of queueing the newest.
@@ -73,9 +75,14 @@ class OmniModel:
             if request.cancelled.is_set():  # gone while queued
                 emit(None, "abort", None)
                 return
-            request.run()
+            try:
+                request.run()
+            finally:
+                self.stages.release(session)
 
     def _emit(self, session: str, output, reason, error) -> None:
+        if output is not None and output.usage is not None:
+            output.usage["replicas"] = self.stages.placement(session)
         if reason is not None or error is not None:
             self.requests.pop(session, None)
         self.responder.emit(session, output, reason, error)

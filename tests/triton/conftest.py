@@ -21,6 +21,7 @@ class RepoSpec:
     models: dict[str, ModelSpec]
     src: Path = FIXTURES  # dir of <model>/1/model.py
     env: dict[str, str] | None = None  # tritonserver's environment before launch additions
+    ready_timeout_s: float = READY_TIMEOUT_S  # more model instances (replicas) load for longer
 
 
 @dataclass
@@ -82,7 +83,7 @@ class Launcher:
         repo = render_repository(spec.src, workdir / "model_repository", spec.models)
         server = TritonServer.on_free_ports(repo, workdir / "run", env=spec.env, exit_timeout_s=3)
         self.started.append(RunningTriton(server))  # before starting: its log is reported on failure
-        server.start_and_wait(timeout=READY_TIMEOUT_S)
+        server.start_and_wait(timeout=spec.ready_timeout_s)
         return self.started[-1]
 
     def close(self) -> None:

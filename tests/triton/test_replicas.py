@@ -1,0 +1,77 @@
+# Stage replicas from a deploy profile on a real tritonserver (CPU, tiny checkpoint): two thinkers, two
+# talkers (separate models, sessions pinned by omni_ensemble) and two code2wav instances. Requests spread
+# over the replicas, every talker call of a request lands on its replica, outputs equal generate(), and
+# a cancelled request frees its slots on the replica that held them.
+import re
+import time
+
+import pytest
+import torch
+
+from omnistage.launch.profile import BASE_PROFILE, load_profile
+from omnistage.launch.render import profile_spec
+from omnistage.launch.triton_env import REPO_ROOT
+from omnistage.models.processor import prepare_inputs
+
+from .. import oracle
+from .conftest import RepoSpec
+from .omni_client import OmniStream
+from .test_omni_pipeline import FRAMES, GREEDY, REPLY, gauge, infer_count, wait_for
+
+REPLICAS = {"thinker": ["thinker", "thinker_1"], "talker": ["talker", "talker_1"]}
+
+
+@pytest.fixture(scope="module")
+def repo_spec(tiny_checkpoint, tmp_path_factory):
+    path = tmp_path_factory.mktemp("profile") / "replicas.yaml"
+    path.write_text(f"base: {BASE_PROFILE}\nstages: {{thinker: {{replicas: 2}}, talker: {{replicas: 2}}, "
+                    "code2wav: {replicas: 2}}\n")  # fmt: skip
+    spec = profile_spec(load_profile(path, "cpu"), str(tiny_checkpoint))
+    assert spec["code2wav"].instances == 2
+    # seven Python model processes load one after another on a 2-core machine
+    return RepoSpec(models=spec, src=REPO_ROOT / "model_repository", ready_timeout_s=420)
+
+
+def test_requests_spread_over_replicas_and_keep_their_talker(triton_server, hf_model, processor):
+    msgs = oracle.messages("text")
+    want_text, want_codes, want_wav = oracle.generate(hf_model, prepare_inputs(processor, msgs), REPLY, FRAMES)
+    client = triton_server.grpc_client()
+    models = [m for names in REPLICAS.values() for m in names]
+    before = {m: infer_count(client, m) for m in models}
+    params = dict(GREEDY, max_tokens=REPLY, talker_max_tokens=FRAMES)
+    streams = [OmniStream(triton_server.grpc_url, msgs, params) for _ in range(4)]
+    results = [s.run(timeout=240) for s in streams]
+    for r in results:  # same as the single-instance oracle, whichever replicas served it
+        assert r.error is None, r.error
+        assert r.token_ids == want_text
+        assert r.waveform.shape[0] == want_codes.shape[0] * 1920 - 555
+        assert oracle.rel_error(torch.from_numpy(r.waveform), want_wav) < 1e-4
+    placements = [r.usage["replicas"] for r in results]
+    for stage, names in REPLICAS.items():
+        assert sorted(p[stage] for p in placements) == sorted(names * 2), placements
+    # Triton's own per-model counts: a thinker replica served one stream per request routed to it, and a
+    # talker replica the start plus every append of each request routed to it, so no call went astray
+    after = {m: infer_count(client, m) for m in models}
+    for m in REPLICAS["thinker"]:
+        assert after[m] - before[m] == sum(p["thinker"] == m for p in placements)
+    for m in REPLICAS["talker"]:
+        calls = [1 + r.usage["hops"].get("talker_append", {}).get("count", 0) for r in results]
+        assert after[m] - before[m] == sum(c for c, p in zip(calls, placements) if p["talker"] == m)
+    metrics = triton_server.metrics()
+    for m in models:
+        assert float(re.search(rf'^nv_inference_count{{model="{m}",version="1"}} (\S+)$', metrics, re.M)[1]) > 0
+
+
+def test_cancel_frees_the_slots_of_the_replicas_that_held_them(triton_server):
+    params = dict(GREEDY, max_tokens=400, ignore_eos=True, talker_max_tokens=400, talker_ignore_eos=True)
+    streams = [OmniStream(triton_server.grpc_url, oracle.messages("text"), params) for _ in range(2)]
+    for s in streams:  # both are talking: their talker sessions are pinned, one per replica
+        while "audio" not in [kind for _, kind in s.result.events]:
+            assert s.next(timeout=120)
+    slots = lambda stage: gauge(triton_server.metrics(), f"omni_{stage}_slots_in_use")  # noqa: E731
+    assert slots("talker") == 2 and slots("thinker") == 2
+    for s in streams:
+        s.cancel()
+    wait_for(lambda: slots("talker") == 0 and slots("thinker") == 0, timeout=30, what="slots freed on every replica")
+    time.sleep(0.5)  # and nothing is re-admitted afterwards
+    assert slots("talker") == 0 and slots("thinker") == 0
