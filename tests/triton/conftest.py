@@ -79,12 +79,21 @@ class Launcher:
         self.workdir, self.started = workdir, []
 
     def __call__(self, spec: RepoSpec) -> RunningTriton:
-        workdir = self.workdir / f"server{len(self.started)}"
-        repo = render_repository(spec.src, workdir / "model_repository", spec.models)
-        server = TritonServer.on_free_ports(repo, workdir / "run", env=spec.env, exit_timeout_s=3)
-        self.started.append(RunningTriton(server))  # before starting: its log is reported on failure
-        server.start_and_wait(timeout=spec.ready_timeout_s)
-        return self.started[-1]
+        return self.start_all([spec])[0]
+
+    def start_all(self, specs: list[RepoSpec]) -> list[RunningTriton]:
+        """Starts one server per spec, all at once (they load in parallel), then waits for each."""
+        running = []
+        for spec in specs:
+            workdir = self.workdir / f"server{len(self.started)}"
+            repo = render_repository(spec.src, workdir / "model_repository", spec.models)
+            server = TritonServer.on_free_ports(repo, workdir / "run", env=spec.env, exit_timeout_s=3)
+            self.started.append(RunningTriton(server))  # before starting: its log is reported on failure
+            running.append(self.started[-1])
+            server.start()
+        for spec, r in zip(specs, running):
+            r.server.wait_ready(timeout=spec.ready_timeout_s)
+        return running
 
     def close(self) -> None:
         for running in self.started:
