@@ -3,15 +3,18 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 import uvicorn
 
 from omnistage.core.protocol import OMNI
 
 from openai_frontend.app import create_app
-from openai_frontend.schemas import VOICES
+from openai_frontend.settings import DEFAULT_VOICES, MiB, RESPONSE_STYLES, FrontendSettings
 from openai_frontend.triton_client import TritonOmniClient
 from openai_frontend.triton_pool import client_for
+
+API_KEY_ENV = "OMNISTAGE_API_KEY"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -23,17 +26,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8091)
     p.add_argument("--model-name", default="qwen3-omni", help="model id clients send and see")
-    p.add_argument("--default-voice", default="ethan", choices=VOICES)
+    p.add_argument("--voices", default=",".join(DEFAULT_VOICES),
+                   help="comma-separated voices of the served checkpoint (its talker speaker table)")
+    p.add_argument("--default-voice", default="ethan", help="voice when a request names none")
+    p.add_argument("--response-style", default="openai", choices=RESPONSE_STYLES,
+                   help="response shape when a request does not set `response_style`")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}; unset = open)")
+    p.add_argument("--max-body-mb", type=float, default=64, help="larger request bodies get 413")
+    p.add_argument("--allow-remote-media", action="store_true",
+                   help="fetch http(s) image_url / audio_url URLs (off: only data: URLs are accepted)")
+    p.add_argument("--remote-media-timeout", type=float, default=10.0, help="seconds per remote media fetch")
+    p.add_argument("--remote-media-max-mb", type=float, default=20, help="size cap of one fetched media file")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return p.parse_args(argv)
 
 
+def settings_from_args(args: argparse.Namespace) -> FrontendSettings:
+    try:
+        return FrontendSettings(
+            model_name=args.model_name,
+            voices=tuple(args.voices.split(",")),
+            default_voice=args.default_voice,
+            response_style=args.response_style,
+            api_key=args.api_key or None,
+            max_body_bytes=int(args.max_body_mb * MiB),
+            fetch_remote_media=args.allow_remote_media,
+            fetch_timeout_s=args.remote_media_timeout,
+            fetch_max_bytes=int(args.remote_media_max_mb * MiB),
+        )
+    except ValueError as exc:
+        raise SystemExit(f"python -m openai_frontend: {exc}") from None
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    settings = settings_from_args(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     urls = args.triton_url or ["127.0.0.1:8001"]
     client = client_for(urls, lambda url: TritonOmniClient(url, model_name=args.triton_model), args.probe_interval)
-    app = create_app(client, default_voice=args.default_voice, model_name=args.model_name)
+    app = create_app(client, settings)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
 
 

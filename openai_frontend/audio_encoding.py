@@ -1,7 +1,9 @@
-# Waveform encodings for responses: float32 [-1, 1] samples -> 16-bit PCM -> WAV.
-# Only wav and pcm exist for now; mp3 / flac / opus would slot in as more `encode_audio` cases.
+# Waveform encodings for responses: float32 [-1, 1] samples -> 16-bit PCM -> a file in the requested
+# format. wav and pcm are a header and raw bytes; flac, mp3 and opus (in Ogg) go through libsndfile
+# (the `soundfile` wheel bundles libsndfile 1.2 with FLAC, MPEG and Opus support).
 from __future__ import annotations
 
+import io
 import struct
 
 import numpy as np
@@ -10,7 +12,10 @@ from omnistage.core.protocol import SAMPLE_RATE
 
 CHANNELS = 1
 SAMPLE_WIDTH = 2  # bytes, s16le
-FORMATS = ("wav", "pcm")
+FORMATS = ("wav", "pcm", "flac", "mp3", "opus")
+MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac", "mp3": "audio/mpeg", "opus": "audio/ogg"}
+# format -> (libsndfile container, subtype)
+_SNDFILE = {"flac": ("FLAC", "PCM_16"), "mp3": ("MP3", "MPEG_LAYER_III"), "opus": ("OGG", "OPUS")}
 
 
 def to_pcm16(samples: np.ndarray | None) -> bytes:
@@ -41,10 +46,20 @@ def to_wav(pcm16: bytes, sample_rate: int = SAMPLE_RATE) -> bytes:
     return wav_header(len(pcm16), sample_rate) + pcm16
 
 
-def encode_audio(pcm16: bytes, audio_format: str) -> bytes:
-    """A whole response's audio in the requested format."""
+def encode_audio(pcm16: bytes, audio_format: str, sample_rate: int = SAMPLE_RATE) -> bytes:
+    """pcm16 (s16le mono) as one self-contained file in `audio_format`."""
     if audio_format == "wav":
-        return to_wav(pcm16)
+        return to_wav(pcm16, sample_rate)
     if audio_format == "pcm":
         return pcm16
-    raise ValueError(f"unsupported audio format {audio_format!r}")
+    if audio_format not in _SNDFILE:
+        raise ValueError(f"unsupported audio format {audio_format!r}")
+    import soundfile  # imported on use: wav/pcm-only deployments never load libsndfile
+
+    container, subtype = _SNDFILE[audio_format]
+    out = io.BytesIO()
+    samples = np.frombuffer(pcm16, dtype="<i2")
+    if samples.size == 0:  # libsndfile writes no valid stream for zero frames; one silent sample does
+        samples = np.zeros(1, dtype="<i2")
+    soundfile.write(out, samples, sample_rate, format=container, subtype=subtype)
+    return out.getvalue()

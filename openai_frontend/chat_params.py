@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from openai_frontend.errors import FrontendError
 from openai_frontend.schemas import ChatCompletionRequest, Sampling
 from openai_frontend.settings import FrontendSettings
 
@@ -18,15 +19,17 @@ class ChatPlan:
     parameters: dict[str, Any]
     text_out: bool  # reply text in message.content / delta.content
     audio_out: bool
-    audio_format: str  # "wav" | "pcm"
+    audio_format: str  # audio_encoding.FORMATS
     stream: bool
     include_usage: bool
+    response_style: str = "openai"  # settings.RESPONSE_STYLES
+    stop: tuple[str, ...] = ()  # stop strings, matched on the reply text
 
 
 def plan_chat(req: ChatCompletionRequest, settings: FrontendSettings) -> ChatPlan:
     modalities = req.modalities or ["text", "audio"]  # vLLM-Omni's default: text and speech
     text_out, audio_out = "text" in modalities, "audio" in modalities
-    voice = (req.audio.voice if req.audio else None) or req.speaker or req.voice or settings.default_voice
+    voice = _voice(req, settings)
 
     parameters: dict[str, Any] = {"modalities": ",".join(m for m in ("text", "audio") if m in modalities)}
     if audio_out:
@@ -47,7 +50,21 @@ def plan_chat(req: ChatCompletionRequest, settings: FrontendSettings) -> ChatPla
         audio_format=req.audio.format if req.audio else "wav",
         stream=req.stream,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        response_style=req.response_style or settings.response_style,
+        stop=(req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ()),
     )
+
+
+def _voice(req: ChatCompletionRequest, settings: FrontendSettings) -> str:
+    # OpenAI's audio.voice first, then vLLM-Omni's top-level speaker / voice; names are already lower case.
+    # Every one given must exist, used or not: a typo should not pass silently.
+    given = [(param, voice) for param, voice in (("audio.voice", req.audio.voice if req.audio else None),
+                                                 ("speaker", req.speaker), ("voice", req.voice)) if voice is not None]
+    for param, voice in given:
+        if voice not in settings.voices:
+            raise FrontendError(400, f"unknown voice {voice!r}; valid voices: {', '.join(settings.voices)}",
+                                param=param, code="invalid_voice")  # fmt: skip
+    return given[0][1] if given else settings.default_voice
 
 
 def _sampling(values: Sampling, prefix: str) -> dict[str, Any]:

@@ -1,5 +1,6 @@
-# OpenAI chat-completion objects as plain dicts (chat.completion, chat.completion.chunk, usage).
-# Pure functions of what the stream produced; chat_service.py decides when each is sent.
+# Chat-completion objects as plain dicts (chat.completion, chat.completion.chunk, usage) and the OpenAI
+# response style; chat_render_vllm.py has the vLLM-Omni one. Pure functions of what the stream produced;
+# chat_service.py decides when each is sent.
 from __future__ import annotations
 
 import base64
@@ -39,37 +40,14 @@ def usage(reported: dict[str, Any] | None, *, tokens_seen: int, audio_out: bool)
     return out
 
 
-def completion(
-    ids: ResponseIds,
-    *,
-    text: str,
-    audio: bytes | None,
-    text_out: bool,
-    finish_reason: str,
-    usage: dict[str, Any],
-) -> dict[str, Any]:
-    """`audio`: the encoded file (wav or pcm) when audio was requested, else None."""
-    message: dict[str, Any] = {"role": "assistant", "content": text if text_out else None}
-    if audio is not None:
-        # Nothing is stored server-side, so the id cannot be referenced later: expires at once.
-        message["audio"] = {"id": ids.audio_id, "data": b64(audio), "expires_at": ids.created, "transcript": text}
-    return {
-        "id": ids.id,
-        "object": "chat.completion",
-        "created": ids.created,
-        "model": ids.model,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}],
-        "usage": usage,
-    }
-
-
-def chunk(ids: ResponseIds, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+def chunk(ids: ResponseIds, delta: dict[str, Any], finish_reason: str | None = None, **extra: Any) -> dict[str, Any]:
     return {
         "id": ids.id,
         "object": "chat.completion.chunk",
         "created": ids.created,
         "model": ids.model,
         "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}],
+        **extra,
     }
 
 
@@ -84,20 +62,60 @@ def usage_chunk(ids: ResponseIds, usage: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def delta(ids: ResponseIds, *, text: str, pcm16: bytes, text_out: bool) -> dict[str, Any] | None:
-    """The delta for one backend response, or None when it carries nothing to send.
+def completion(ids: ResponseIds, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": ids.id,
+        "object": "chat.completion",
+        "created": ids.created,
+        "model": ids.model,
+        "choices": choices,
+        "usage": usage,
+    }
 
-    Streamed audio is raw s16le 24 kHz mono, base64, whatever the requested file format (as OpenAI
-    streams): WAV headers per chunk would make the concatenation of chunks not a valid file.
-    Text goes to `content` when text was requested, else to the audio transcript.
-    """
-    out: dict[str, Any] = {}
-    if text and text_out:
-        out["content"] = text
-    transcript = "" if text_out else text
-    if pcm16 or transcript:
-        audio: dict[str, Any] = {"id": ids.audio_id, "transcript": transcript}
-        if pcm16:
-            audio["data"] = b64(pcm16)
-        out["audio"] = audio
-    return out or None
+
+def choice(index: int, message: dict[str, Any], finish_reason: str) -> dict[str, Any]:
+    return {"index": index, "message": message, "finish_reason": finish_reason, "logprobs": None}
+
+
+def audio_object(ids: ResponseIds, data: bytes, transcript: str) -> dict[str, Any]:
+    # Nothing is stored server-side, so the id cannot be referenced later: expires at once.
+    return {"id": ids.audio_id, "data": b64(data), "expires_at": ids.created, "transcript": transcript}
+
+
+class OpenAIStyle:
+    """OpenAI's shape: audio in choices[0].message.audio (a whole file) or delta.audio (raw pcm16 chunks)."""
+
+    def __init__(self, ids: ResponseIds, *, text_out: bool, audio_out: bool, audio_format: str):
+        self.ids, self.text_out, self.audio_out, self.audio_format = ids, text_out, audio_out, audio_format
+
+    def completion(self, text: str, audio: bytes | None, finish_reason: str, usage: dict[str, Any]) -> dict[str, Any]:
+        """`audio`: the encoded file when audio was requested, else None."""
+        message: dict[str, Any] = {"role": "assistant", "content": text if self.text_out else None}
+        if audio is not None:
+            message["audio"] = audio_object(self.ids, audio, text)
+        return completion(self.ids, [choice(0, message, finish_reason)], usage)
+
+    def opening(self) -> list[dict[str, Any]]:
+        return [chunk(self.ids, {"role": "assistant", "content": ""})]
+
+    def piece(self, text: str, pcm16: bytes) -> list[dict[str, Any]]:
+        """Streamed audio is raw s16le 24 kHz mono, base64, whatever the requested file format (as OpenAI
+        streams): WAV headers per chunk would make the concatenation of chunks not a valid file.
+        Text goes to `content` when text was requested, else to the audio transcript."""
+        out: dict[str, Any] = {}
+        if text and self.text_out:
+            out["content"] = text
+        transcript = "" if self.text_out else text
+        if pcm16 or transcript:
+            audio: dict[str, Any] = {"id": self.ids.audio_id, "transcript": transcript}
+            if pcm16:
+                audio["data"] = b64(pcm16)
+            out["audio"] = audio
+        return [chunk(self.ids, out)] if out else []
+
+    def closing(self, finish_reason: str) -> list[dict[str, Any]]:
+        out = []
+        if self.audio_out:  # OpenAI ends streamed audio with an update holding only its expiry
+            out.append(chunk(self.ids, {"audio": {"id": self.ids.audio_id, "expires_at": self.ids.created}}))
+        out.append(chunk(self.ids, {}, finish_reason=finish_reason))
+        return out

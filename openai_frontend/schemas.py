@@ -6,10 +6,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-VOICES = ("chelsie", "ethan", "aiden")  # Qwen3-Omni's speakers
-AUDIO_FORMAT_ALIASES = {"wav": "wav", "pcm": "pcm", "pcm16": "pcm"}  # pcm16: OpenAI's name for s16le
+from openai_frontend.settings import RESPONSE_STYLES
+
+AUDIO_FORMAT_ALIASES = {"wav": "wav", "pcm": "pcm", "pcm16": "pcm", "flac": "flac", "mp3": "mp3", "opus": "opus"}
 MODALITIES = ("text", "audio")  # a request may ask for either or both
 ROLES = ("system", "developer", "user", "assistant")
+MAX_STOP = 4  # OpenAI's limit on stop strings
 INT32_MAX = 2**31 - 1
 INT64 = (-(2**63), 2**63 - 1)
 
@@ -63,16 +65,14 @@ class ChatMessage(_Open):
 
 # ---- audio output ---------------------------------------------------------------------------------------
 def check_voice(value: Any) -> str | None:
+    # Only the shape here; whether the voice exists depends on the served checkpoint (chat_params.py).
     if value is None:
         return None
     if isinstance(value, dict) and set(value) == {"id"}:  # OpenAI's custom-voice form {"id": ...}
         value = value["id"]
     if not isinstance(value, str):
         raise ValueError("voice must be a string")
-    voice = value.strip().lower()
-    if voice not in VOICES:
-        raise ValueError(f"unknown voice {value!r}; valid voices: {', '.join(VOICES)}")
-    return voice
+    return value.strip().lower()
 
 
 class AudioOptions(_Strict):
@@ -92,6 +92,7 @@ class AudioOptions(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's; accepted, usage still comes once at the end
 
 
 # ---- sampling -------------------------------------------------------------------------------------------
@@ -134,9 +135,12 @@ class ChatCompletionRequest(Sampling):
     stream: bool = False
     stream_options: StreamOptions | None = None
     sampling_params_list: Annotated[list[StageSampling | None], Field(max_length=3)] | None = None
+    # "openai" (choices[0].message.audio / delta.audio) or "vllm-omni" (`modality` chunks, WAV per chunk);
+    # None: the server's --response-style
+    response_style: Literal[RESPONSE_STYLES] | None = None  # type: ignore[valid-type]
+    stop: str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP)] | None = None
     # OpenAI fields whose silent omission would change the answer: accepted only at their no-op value
     n: int | None = None
-    stop: str | list[str] | None = None
     tools: list[Any] | None = None
     logprobs: bool | None = None
 
@@ -154,9 +158,9 @@ class ChatCompletionRequest(Sampling):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         if self.n not in (None, 1):
-            raise ValueError("n > 1 is not supported")
-        if self.stop:
-            raise ValueError("stop strings are not supported; use stop_token_ids")
+            raise ValueError("n > 1 is not supported: send n requests (each streams its own audio)")
+        if self.stop == "":
+            raise ValueError("stop must be a non-empty string or a list of them")
         if self.tools:
             raise ValueError("tools are not supported")
         if self.logprobs:

@@ -15,6 +15,7 @@ from omnistage.launch.process import ManagedProcess, ProcessFailed, port_in_use
 from omnistage.launch.render import add_profile_args, render_repository, spec_from_args
 from omnistage.launch.triton_env import REPO_ROOT
 from omnistage.launch.tritonserver import TritonServer
+from omnistage.models.checkpoint import speaker_names
 
 
 class _Stop(Exception):
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     frontend = ManagedProcess(
         "openai_frontend",
         [sys.executable, "-m", "openai_frontend", "--triton-url", triton.grpc_url, "--host", args.host,
-         "--port", str(args.api_port)],
+         "--port", str(args.api_port), "--voices", ",".join(speaker_names(args.model))],
         env=None,
         log_path=args.run_dir / "openai_frontend.log",
         cwd=REPO_ROOT,  # `-m openai_frontend` resolves from the checkout even when not pip-installed

@@ -45,6 +45,11 @@ def load_config(source):
     return Qwen3OmniMoeConfig.from_pretrained(source, local_files_only=True)
 
 
+def speaker_names(source) -> list[str]:
+    """The talker's voices, lower case, in the checkpoint's order (what the frontend offers)."""
+    return [name.lower() for name in load_config(source).talker_config.speaker_id]
+
+
 def _resolve_dtype(dtype) -> torch.dtype:
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.removeprefix("torch."), None)

@@ -1,3 +1,5 @@
+import io
+
 import numpy as np
 import pytest
 
@@ -38,4 +40,32 @@ def test_encode_audio_formats():
     assert encode_audio(pcm, "pcm") == pcm
     assert encode_audio(pcm, "wav") == wav_header(len(pcm)) + pcm
     with pytest.raises(ValueError):
-        encode_audio(pcm, "mp3")
+        encode_audio(pcm, "aac")
+
+
+@pytest.mark.parametrize("fmt, magic, exact", [("flac", b"fLaC", True), ("mp3", None, False), ("opus", b"OggS", False)])
+def test_encode_compressed_formats(fmt, magic, exact):
+    import soundfile
+
+    x = tone(24000, amp=0.5)  # 1 s
+    data = encode_audio(to_pcm16(x), fmt)
+    if magic:
+        assert data.startswith(magic)
+    else:  # an MPEG frame sync or an ID3 tag
+        assert data[:3] == b"ID3" or (data[0] == 0xFF and data[1] & 0xE0 == 0xE0)
+    decoded, rate = soundfile.read(io.BytesIO(data), dtype="float32")
+    assert rate == 24000 and decoded.ndim == 1
+    assert abs(len(decoded) - 24000) <= (0 if exact else 2400)  # lossy codecs may pad by a frame
+    if exact:  # FLAC is lossless: the very pcm16 samples
+        np.testing.assert_array_equal(np.rint(decoded * 32768).astype(np.int16), np.frombuffer(to_pcm16(x), "<i2"))
+    else:  # lossy, but the same tone: strong correlation at the best alignment
+        ref = x[:20000]
+        best = max(np.dot(ref, decoded[s:s + 20000]) for s in range(0, len(decoded) - 20000, 8))
+        assert best / np.dot(ref, ref) > 0.7
+
+
+def test_encode_empty_audio_is_a_valid_file():
+    import soundfile
+
+    for fmt in ("flac", "mp3", "opus"):
+        assert soundfile.info(io.BytesIO(encode_audio(b"", fmt))).samplerate == 24000

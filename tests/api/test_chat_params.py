@@ -4,6 +4,7 @@ from pydantic import ValidationError
 
 from omnistage.core.protocol import OMNI
 from openai_frontend.chat_params import plan_chat
+from openai_frontend.errors import FrontendError
 from openai_frontend.schemas import ChatCompletionRequest
 from openai_frontend.settings import FrontendSettings
 
@@ -86,10 +87,27 @@ def test_stream_options():
         plan(stream_options={"include_usage": True})
 
 
+@pytest.mark.parametrize("body, param", [
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio.voice"),
+    ({"speaker": "nobody"}, "speaker"),
+    ({"speaker": "ethan", "voice": "x"}, "voice"),  # a bad one is an error even when another one is used
+])
+def test_unknown_voice_lists_the_served_ones(body, param):
+    settings = FrontendSettings(voices=("Ethan", "chelsie"))
+    with pytest.raises(FrontendError) as info:
+        plan_chat(ChatCompletionRequest.model_validate({"messages": USER, **body}), settings)
+    assert (info.value.status, info.value.param) == (400, param)
+    assert info.value.message.endswith("valid voices: ethan, chelsie")
+
+
+def test_voices_come_from_the_settings():
+    settings = FrontendSettings(voices=("vivian", "ethan"), default_voice="Vivian")
+    p = plan_chat(ChatCompletionRequest.model_validate({"messages": USER, "voice": "VIVIAN"}), settings)
+    assert p.parameters["speaker"] == "vivian"
+
+
 @pytest.mark.parametrize("body", [
-    {"audio": {"voice": "alloy", "format": "wav"}},
-    {"audio": {"voice": "ethan", "format": "mp3"}},
-    {"speaker": "nobody"},
+    {"audio": {"voice": "ethan", "format": "aac"}},
     {"modalities": []},
     {"modalities": ["text", "text"]},
     {"modalities": ["image"]},
@@ -99,7 +117,9 @@ def test_stream_options():
     {"max_tokens": 1.5},
     {"seed": 2**64},
     {"n": 2},
-    {"stop": ["\n"]},
+    {"stop": ""},
+    {"stop": ["a", "b", "c", "d", "e"]},
+    {"response_style": "anthropic"},
     {"sampling_params_list": [{"max_token": 3}]},
     {"sampling_params_list": [{}, {}, {}, {}]},
 ])

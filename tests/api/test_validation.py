@@ -25,7 +25,9 @@ BAD_BODIES = {
     "modalities empty": ({"messages": USER, "modalities": []}, "modalities"),
     "voice unknown": ({"messages": USER, "audio": {"voice": "alloy", "format": "wav"}}, "audio.voice"),
     "speaker unknown": ({"messages": USER, "speaker": "bob"}, "speaker"),
-    "format unsupported": ({"messages": USER, "audio": {"voice": "ethan", "format": "mp3"}}, "audio.format"),
+    "format unsupported": ({"messages": USER, "audio": {"voice": "ethan", "format": "aac"}}, "audio.format"),
+    "stop empty": ({"messages": USER, "stop": ""}, None),
+    "response_style unknown": ({"messages": USER, "response_style": "x"}, "response_style"),
     "audio unknown key": ({"messages": USER, "audio": {"voice": "ethan", "speed": 2}}, "audio.speed"),
     "stream_options without stream": ({"messages": USER, "stream_options": {"include_usage": True}}, None),
     "n > 1": ({"messages": USER, "n": 2}, None),
@@ -52,8 +54,8 @@ def test_messages_of_interest(http):
         return http.post("/v1/chat/completions", json={"messages": USER, **body}).json()["error"]["message"]
 
     assert "valid voices: chelsie, ethan, aiden" in message({"audio": {"voice": "alloy", "format": "wav"}})
-    assert "supported: wav, pcm, pcm16" in message({"audio": {"voice": "ethan", "format": "opus"}})
-    assert "stop_token_ids" in message({"stop": ["\n"]})
+    assert "supported: wav, pcm, pcm16, flac, mp3, opus" in message({"audio": {"voice": "ethan", "format": "aac"}})
+    assert "n > 1 is not supported" in message({"n": 3})
     malformed = http.post("/v1/chat/completions", content=b"{", headers=JSON).json()["error"]["message"]
     assert malformed.startswith("request body is not valid JSON")
 
@@ -64,7 +66,7 @@ def test_json_needs_its_content_type(http):
     assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("method, path, status", [("GET", "/v1/chat/completions", 405), ("POST", "/v1/completions", 404),
+@pytest.mark.parametrize("method, path, status", [("GET", "/v1/chat/completions", 405), ("POST", "/v1/nope", 404),
                                                   ("GET", "/nope", 404)])
 def test_routing_errors_use_the_openai_envelope(http, method, path, status):
     r = http.request(method, path, json={})

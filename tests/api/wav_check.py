@@ -28,3 +28,18 @@ def pcm16_samples(b64: str) -> np.ndarray:
 
 def expected_pcm16(samples: np.ndarray) -> np.ndarray:
     return np.rint(np.clip(samples, -1, 1) * 32767).astype("<i2")
+
+
+def decode_any(data: bytes, fmt: str) -> tuple[np.ndarray, int]:
+    """(int16-scaled samples, rate) of a response file in any supported format; WAV checked field by field."""
+    if fmt == "wav":
+        return parse_wav(data).astype(np.float32), 24000
+    if fmt == "pcm":
+        return np.frombuffer(data, dtype="<i2").astype(np.float32), 24000
+    import soundfile
+
+    magic = {"flac": b"fLaC", "opus": b"OggS"}.get(fmt)
+    assert magic is None or data.startswith(magic), data[:8]
+    samples, rate = soundfile.read(io.BytesIO(data), dtype="float32")
+    assert samples.ndim == 1  # mono
+    return samples * 32768.0, rate

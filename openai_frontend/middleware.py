@@ -1,0 +1,86 @@
+# Pure ASGI middleware (not BaseHTTPMiddleware, which would buffer streamed responses and hide
+# disconnects): request accounting for /metrics, the optional API key, and the request body limit.
+from __future__ import annotations
+
+import secrets
+import time
+
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from openai_frontend.errors import error_body, error_response
+from openai_frontend.metrics import FrontendMetrics
+
+OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers need no key
+
+
+class RequestAccounting:
+    """Stamps the arrival time (`request.state.arrival`) and counts responses by route and status."""
+
+    def __init__(self, app: ASGIApp, metrics: FrontendMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        scope.setdefault("state", {})["arrival"] = time.perf_counter()
+        status = [0]
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            route = getattr(scope.get("route"), "path", None) or "unmatched"  # templates: bounded label values
+            self.metrics.requests.labels(route, str(status[0] or 499)).inc()
+
+
+class ApiKeyGuard:
+    """With a key configured, every path but OPEN_PATHS needs `Authorization: Bearer <key>` (else 401)."""
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):  # constant time: no key-guessing by timing
+                body = error_body(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                                  code="invalid_api_key")  # fmt: skip
+                response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class BodyLimit:
+    """413 for request bodies over `max_bytes`: at once from Content-Length, else while the body is read."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            return await error_response(self._too_large())(scope, receive, send)
+        seen = 0
+
+        async def limited_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise self._too_large()  # FastAPI re-raises HTTPExceptions from body reading
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    def _too_large(self) -> HTTPException:
+        return HTTPException(413, f"request body larger than {self.max_bytes} bytes")
+
