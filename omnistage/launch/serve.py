@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     frontend = ManagedProcess(
         "openai_frontend",
         [sys.executable, "-m", "openai_frontend", "--triton-url", triton.grpc_url, "--host", args.host,
-         "--port", str(args.api_port), "--voices", ",".join(speaker_names(args.model))],
+         "--port", str(args.api_port), "--voices", ",".join(speaker_names(args.model or profile.model))],
         env=None,
         log_path=args.run_dir / "openai_frontend.log",
         cwd=REPO_ROOT,  # `-m openai_frontend` resolves from the checkout even when not pip-installed
