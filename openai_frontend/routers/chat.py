@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -12,6 +13,7 @@ from openai_frontend import chat_service
 from openai_frontend.chat_params import plan_chat
 from openai_frontend.chat_render import ResponseIds
 from openai_frontend.errors import FrontendError, error_response
+from openai_frontend.media_inputs import prepare_messages
 from openai_frontend.metrics import RequestMeter
 from openai_frontend.schemas import ChatCompletionRequest
 from openai_frontend.sse import ClientDisconnected, SSEResponse, cancel_on_disconnect
@@ -29,6 +31,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             param="model", code="model_not_found",
         )
     plan = plan_chat(body, settings)
+    plan = replace(plan, messages=await prepare_messages(plan.messages, settings))
     ids = ResponseIds(model=settings.model_name)
     arrival = getattr(request.state, "arrival", None) or time.perf_counter()
     meter = RequestMeter(request.app.state.metrics, arrival, SAMPLE_RATE)
