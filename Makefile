@@ -2,6 +2,7 @@
 # MODEL=/path make serve     a real checkpoint dir (or dummy:<config.json>)
 # DEVICE=cuda make serve     models on GPU 0
 # make test                  the whole test suite
+# make browser               Debian's chromium for the browser tests (make test runs it)
 PYTHON ?= python3
 VENV ?= .venv
 DEVICE ?= cpu
@@ -16,7 +17,7 @@ TINY := checkpoints/tiny
 RUNTIME_STAMP := $(VENV)/.runtime-installed
 TEST_STAMP := $(VENV)/.test-installed
 
-.PHONY: serve test venv tiny clean-run
+.PHONY: serve test venv tiny browser clean-run
 
 venv: $(RUNTIME_STAMP)
 
@@ -46,7 +47,13 @@ serve: $(RUNTIME_STAMP)
 	$(PY) -m omnistage.launch.serve --model $(MODEL) --device $(DEVICE) $(SERVE_ARGS)
 endif
 
-test: $(TEST_STAMP)
+# tests/browser drive Debian's chromium with playwright (no browser download); installed only when missing
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends chromium chromium-driver; }
+
+test: $(TEST_STAMP) browser
 	$(PY) -m pytest $(PYTEST_ARGS) tests
 
 clean-run:

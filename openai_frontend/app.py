@@ -3,8 +3,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI
+from fastapi.responses import RedirectResponse
+from fastapi.staticfiles import StaticFiles
 
 from openai_frontend.errors import install_error_handlers
 from openai_frontend.metrics import FrontendMetrics
@@ -12,6 +15,8 @@ from openai_frontend.middleware import ApiKeyGuard, BodyLimit, RequestAccounting
 from openai_frontend.omni_client import OmniClient
 from openai_frontend.routers import chat, metrics, system, unsupported
 from openai_frontend.settings import FrontendSettings
+
+DEMO_DIR = Path(__file__).parent / "static"  # the browser demo; it calls only the public API
 
 
 def create_app(
@@ -38,9 +43,16 @@ def create_app(
     install_error_handlers(app)
     for router in (system.router, metrics.router, chat.router, unsupported.router):
         app.include_router(router)
+    app.add_api_route("/", _to_demo, include_in_schema=False)
+    app.add_api_route("/demo", _to_demo, include_in_schema=False)
+    app.mount("/demo/", StaticFiles(directory=DEMO_DIR, html=True), name="demo")
     # added last = outermost: accounting sees every answer, including 401 and 413
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     if settings.api_key:
         app.add_middleware(ApiKeyGuard, api_key=settings.api_key)
     app.add_middleware(RequestAccounting, metrics=app.state.metrics)
     return app
+
+
+def _to_demo() -> RedirectResponse:
+    return RedirectResponse("/demo/")  # with the slash: the page's links are relative to it

@@ -13,6 +13,9 @@ from openai_frontend.errors import error_body, error_response
 from openai_frontend.metrics import FrontendMetrics
 
 OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers need no key
+# The browser demo's static files (app.py) are public too: a browser cannot attach the key to a page
+# load, and the page holds no secret; it sends the key the user types on its own API calls.
+DEMO_PATHS, DEMO_PREFIX = ("/", "/demo"), "/demo/"
 
 
 class RequestAccounting:
@@ -46,7 +49,8 @@ class ApiKeyGuard:
         self.app, self.expected = app, f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and path not in OPEN_PATHS + DEMO_PATHS and not path.startswith(DEMO_PREFIX):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):  # constant time: no key-guessing by timing
                 body = error_body(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",

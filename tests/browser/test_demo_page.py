@@ -1,0 +1,177 @@
+# The demo page in headless Chromium against the frontend over a scripted backend: what the page sends
+# (voice, modalities, history, microphone / file audio as 16 kHz WAV, images) is read back from the
+# fake, and what it receives (text, PCM chunks) must show up in its state and be scheduled back to back.
+import base64
+
+import numpy as np
+import pytest
+
+from omnistage.core.errors import BadRequestError
+from openai_frontend.app import create_app
+from openai_frontend.settings import FrontendSettings
+
+from ..api.fake_omni import FakeOmniClient, Script, Step, tone
+from ..api.servers import ThreadedUvicorn
+from ..oracle import png_data_url
+from .conftest import MIC_TONE_HZ, dominant_hz, read_wav, save_screenshot, tone_wav
+
+DONE = "() => ['done', 'error', 'stopped'].includes(demoState.status)"
+
+
+@pytest.fixture(scope="module")
+def fake():
+    return FakeOmniClient()
+
+
+@pytest.fixture(scope="module")
+def server(fake):
+    with ThreadedUvicorn(create_app(fake, default_voice="ethan", model_name="qwen3-omni")) as srv:
+        yield srv
+
+
+@pytest.fixture
+def demo(page, server, fake):
+    fake.reset()
+    page.goto(server.url)  # / redirects to /demo/
+    page.wait_for_function("() => demoState.model === 'qwen3-omni'")
+    return page
+
+
+def state(page) -> dict:
+    return page.evaluate("() => ({...demoState})")
+
+
+def send(page, text: str) -> dict:
+    page.fill("#prompt", text)
+    page.click("#send")
+    page.wait_for_function(DONE)
+    return state(page)
+
+
+def sent_parts(fake) -> dict:
+    """The last user message's content parts by type, as the backend received them."""
+    return {p["type"]: p for p in fake.calls[-1]["messages"][-1]["content"]}
+
+
+def uploaded_wav(part) -> tuple[np.ndarray, int, int]:
+    assert part["input_audio"]["format"] == "wav"
+    return read_wav(base64.b64decode(part["input_audio"]["data"]))
+
+
+def test_text_and_speech_stream_into_the_page(demo, fake, tmp_path):
+    chunks = [4800, 9600, 2400]  # samples at 24 kHz; each arrives well before the previous one ends
+    offsets = np.cumsum([0, *chunks[:-1]])
+    fake.script = Script(
+        steps=[Step(t, tone(n, offset=o), delay_s=0.05) for t, n, o in zip(["Hello", " there", "!"], chunks, offsets)]
+    )
+    demo.select_option("#voice", "chelsie")
+    s = send(demo, "Say hello")
+    assert s["status"] == "done" and s["error"] is None
+    assert s["textReceived"] == "Hello there!"
+    assert demo.locator(".message.assistant .text").inner_text() == "Hello there!"
+    assert s["audioChunks"] == 3 and s["audioSamples"] == sum(chunks)
+    assert s["playbackStarted"]
+    # back to back on the AudioContext clock: no gap, no overlap
+    assert s["scheduledSeconds"] == pytest.approx(sum(chunks) / 24000, abs=1e-3) and s["playbackGaps"] == 0
+    assert 0 < s["ttfaMs"] < 5000 and s["rtf"] > 0
+    # the context clock runs through every chunk (headless Chromium renders to a fake sink)
+    demo.wait_for_function("() => demoState.chunksPlayed === 3", timeout=10_000)
+    assert "RTF" in demo.locator(".metrics").inner_text()
+
+    call = fake.calls[-1]
+    assert call["parameters"]["modalities"] == "text,audio" and call["parameters"]["speaker"] == "chelsie"
+    assert call["messages"] == [{"role": "user", "content": "Say hello"}]
+    save_screenshot(demo, tmp_path, "demo_fake.png")
+
+    # a text-only second turn carries the first one as history
+    demo.select_option("#modality", "text")
+    fake.script = Script(steps=[Step("Fine.")])
+    s = send(demo, "How are you?")
+    assert s["textReceived"] == "Fine." and s["audioChunks"] == 0 and not s["playbackStarted"]
+    call = fake.calls[-1]
+    assert call["parameters"]["modalities"] == "text" and "speaker" not in call["parameters"]
+    assert call["messages"] == [
+        {"role": "user", "content": "Say hello"},
+        {"role": "assistant", "content": "Hello there!"},
+        {"role": "user", "content": "How are you?"},
+    ]
+
+
+def test_microphone_recording_is_sent_as_wav(demo, fake):
+    demo.click("#mic")
+    demo.wait_for_function("() => demoState.status === 'recording'")
+    demo.wait_for_timeout(1500)
+    demo.click("#mic")  # stops and sends
+    demo.wait_for_function(DONE)
+    s = state(demo)
+    assert s["status"] == "done" and s["lastRequest"]["parts"] == ["input_audio"]
+    samples, rate, channels = uploaded_wav(sent_parts(fake)["input_audio"])
+    assert (rate, channels) == (16000, 1)
+    assert 1.0 < len(samples) / rate < 3.0
+    assert dominant_hz(samples, rate) == pytest.approx(MIC_TONE_HZ, abs=10)  # what the fake microphone played
+
+
+def test_attached_audio_file_and_image(demo, fake, tmp_path):
+    wav = tmp_path / "question.wav"
+    wav.write_bytes(tone_wav(0.5, 440.0, rate=44100, channels=2))
+    png_url = png_data_url(seed=3)
+    png = tmp_path / "picture.png"
+    png.write_bytes(base64.b64decode(png_url.split(",", 1)[1]))
+    demo.set_input_files("#audio-input", str(wav))
+    demo.set_input_files("#image-input", str(png))
+    demo.wait_for_selector("#attachments .chip[data-kind=audio]")
+    demo.wait_for_selector("#attachments .chip[data-kind=image]")
+    s = send(demo, "What do you hear and see?")
+    assert s["status"] == "done"
+    parts = sent_parts(fake)
+    assert list(parts) == ["image_url", "input_audio", "text"]
+    assert parts["image_url"]["image_url"]["url"] == png_url  # the file as it was, as a data: URI
+    assert parts["text"]["text"] == "What do you hear and see?"
+    samples, rate, channels = uploaded_wav(parts["input_audio"])
+    assert (rate, channels) == (16000, 1)  # resampled from 44.1 kHz and mixed down from stereo
+    assert len(samples) == pytest.approx(8000, abs=2)
+    assert dominant_hz(samples, rate) == pytest.approx(440, abs=5)
+    assert demo.locator("#attachments .chip").count() == 0  # sent attachments are cleared
+
+
+def test_server_error_is_shown(demo, fake):
+    fake.script = Script(steps=[], error=BadRequestError("messages[0]: cannot decode image"))
+    s = send(demo, "hi")
+    assert s["status"] == "error" and s["error"] == "400: messages[0]: cannot decode image"
+    assert "cannot decode image" in demo.locator("#status").inner_text()
+    assert "cannot decode image" in demo.locator(".message.assistant.error").inner_text()
+
+
+def test_stop_cancels_the_request(demo, fake):
+    fake.script = Script(steps=[Step("Thinking", tone(2400))], hang=True)
+    demo.fill("#prompt", "Talk forever")
+    demo.click("#send")
+    demo.wait_for_function("() => demoState.textReceived === 'Thinking'")
+    demo.click("#stop")
+    demo.wait_for_function(DONE)
+    assert state(demo)["status"] == "stopped"
+    assert fake.cancelled.wait(5)  # the frontend saw the disconnect and closed the backend stream
+
+
+def test_api_key(page, fake):
+    """With --api-key the page itself stays public; its API calls carry the key the user types."""
+    fake.reset()
+    with ThreadedUvicorn(create_app(fake, FrontendSettings(api_key="s3cret"))) as guarded:
+        page.goto(guarded.url)
+        page.wait_for_function("() => demoState.status === 'error'")
+        assert state(page)["error"].startswith("models: 401")
+        assert "enter the API key" in page.locator("#status").inner_text()
+
+        page.fill("#api-key", "wrong")
+        page.press("#api-key", "Tab")  # change event: the page retries /v1/models
+        page.wait_for_timeout(300)
+        assert state(page)["model"] is None
+        s = send(page, "hi")
+        assert s["status"] == "error" and s["error"].startswith("401: invalid or missing API key")
+        assert fake.calls == []
+
+        page.fill("#api-key", "s3cret")
+        page.press("#api-key", "Tab")
+        page.wait_for_function("() => demoState.model === 'qwen3-omni' && demoState.status === 'idle'")
+        s = send(page, "hi")
+        assert s["status"] == "done" and s["textReceived"] == "Hello world" and len(fake.calls) == 1
