@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
 from openai_frontend.settings import RESPONSE_STYLES
 
@@ -43,7 +43,7 @@ def check_content(content: Any) -> Any:
         raise ValueError("content must be a string or a non-empty list of content parts")
     for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in CONTENT_PARTS:
+        if not isinstance(kind, str) or kind not in CONTENT_PARTS:  # a dict `type` is unhashable: no `in`
             raise ValueError(f"content[{i}].type must be one of {', '.join(CONTENT_PARTS)}, got {kind!r}")
         payload, fields = part.get(kind), CONTENT_PARTS[kind]
         if fields is None:
@@ -56,9 +56,22 @@ def check_content(content: Any) -> Any:
     return content
 
 
+def _part_schema(kind: str, fields: tuple[str, ...] | None) -> dict[str, Any]:
+    payload = {"type": "string"} if fields is None else {
+        "type": "object", "required": list(fields), "properties": {f: {"type": "string"} for f in fields}}
+    return {"type": "object", "required": ["type", kind], "properties": {"type": {"const": kind}, kind: payload}}
+
+
+# What check_content accepts, for the OpenAPI schema (docs, and schema-based fuzzing of valid requests)
+CONTENT_SCHEMA = {"anyOf": [
+    {"type": "string"},
+    {"type": "array", "minItems": 1, "items": {"anyOf": [_part_schema(k, f) for k, f in CONTENT_PARTS.items()]}},
+]}  # fmt: skip
+
+
 class ChatMessage(_Open):
     role: Literal[ROLES]  # type: ignore[valid-type]
-    content: Any
+    content: Annotated[Any, WithJsonSchema(CONTENT_SCHEMA)]
 
     _content = field_validator("content", mode="before")(check_content)
 
@@ -127,7 +140,7 @@ class ChatCompletionRequest(Sampling):
 
     model: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    modalities: list[Literal[MODALITIES]] | None = None  # type: ignore[valid-type]
+    modalities: Annotated[list[Literal[MODALITIES]], Field(min_length=1, max_length=2, json_schema_extra={"uniqueItems": True})] | None = None  # type: ignore[valid-type]  # noqa: E501
     audio: AudioOptions | None = None
     speaker: Any = None  # vLLM-Omni's top-level voice fields
     voice: Any = None

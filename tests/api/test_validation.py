@@ -15,6 +15,7 @@ BAD_BODIES = {
     "content wrong type": ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     "content part unknown": ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "x"}}]}]},
                              "messages[0].content"),
+    "part type not a string": ({"messages": [{"role": "user", "content": [{"type": {"a": 1}}]}]}, "messages[0].content"),
     "image_url without url": ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
                               "messages[0].content"),
     "temperature string": ({"messages": USER, "temperature": "hot"}, "temperature"),
