@@ -92,3 +92,51 @@ def test_text_only(frontend, direct):
     )
     assert completion.choices[0].message.content == direct.text
     assert completion.choices[0].message.audio is None
+
+
+# ---- response styles, formats, metrics and bad input over the real pipeline ------------------------------
+def test_vllm_omni_style_stream(frontend, direct):
+    from ..api.test_response_styles import vllm_omni_stream
+
+    body = {"model": "qwen3-omni", "messages": oracle.messages("text"), "response_style": "vllm-omni",
+            "speaker": "Ethan", "max_tokens": REPLY, "temperature": 0, "sampling_params_list": STAGES}  # fmt: skip
+    text, audio, events = vllm_omni_stream(frontend.url, body)
+    assert text == direct.text and len(audio) == len(direct.audio)
+    # each chunk a WAV of its own; together the very samples omni_ensemble streamed
+    np.testing.assert_array_equal(np.concatenate([parse_wav(a) for a in audio]), expected_pcm16(direct.waveform))
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("fmt", ["flac", "mp3"])
+def test_compressed_formats(frontend, direct, fmt):
+    from ..api.wav_check import decode_any
+
+    completion = client(frontend).chat.completions.create(
+        model="qwen3-omni", messages=oracle.messages("text"), audio={"voice": "ethan", "format": fmt},
+        max_tokens=REPLY, temperature=0, extra_body={"sampling_params_list": STAGES},
+    )  # fmt: skip
+    samples, rate = decode_any(base64.b64decode(completion.choices[0].message.audio.data), fmt)
+    frames = completion.usage.completion_tokens_details.audio_tokens
+    assert rate == 24000 and frames == direct.usage["audio_frames"]
+    if fmt == "flac":  # lossless: the very samples
+        np.testing.assert_array_equal(samples.astype(np.int16), expected_pcm16(direct.waveform))
+    else:
+        assert abs(len(samples) - (frames * 1920 - 555)) <= 2400
+
+
+def test_metrics_and_bad_input(frontend):
+    http = httpx.Client(base_url=frontend.url, timeout=10)
+    assert http.post("/v1/chat/completions", json={"messages": oracle.messages("text"), "voice": "alloy"}).status_code == 400
+    assert http.post("/v1/chat/completions", content=b"{", headers={"content-type": "application/json"}).status_code == 400
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": base64.b64encode(b"RIFF....").decode(), "format": "wav"}}]}]})
+    assert r.status_code == 400 and "WAV" in r.json()["error"]["message"]  # rejected by omni_ensemble itself
+    assert http.get("/health").status_code == 200
+    short = {"messages": oracle.messages("text"), "max_tokens": 2, "sampling_params_list": [{}, {"max_tokens": 4}]}
+    assert http.post("/v1/chat/completions", json=short).status_code == 200
+    metrics = {line.split()[0]: float(line.split()[1]) for line in http.get("/metrics").text.splitlines()
+               if line and not line.startswith("#")}  # fmt: skip
+    assert metrics['omni_frontend_requests_total{route="/v1/chat/completions",status="400"}'] == 3
+    for name in ("audio_ttfp_seconds", "rtf", "time_to_first_token_seconds", "queue_seconds"):
+        assert metrics[f"omni_frontend_{name}_count"] >= 1, name
+    assert metrics["omni_frontend_audio_seconds_total"] > 0 and metrics["omni_frontend_requests_in_flight"] == 0
