@@ -8,6 +8,7 @@
 # so what is sent per chunk stays bounded however long the utterance.
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -71,17 +72,21 @@ class OmniOutput:
 
 
 class HopTimer:
-    """Count and mean duration of one kind of stage round trip (reported in usage["hops"])."""
+    """Count and mean duration of one kind of stage round trip (reported in usage["hops"]); each duration
+    also goes to `on_done` (the orchestrator's latency histogram)."""
 
-    def __init__(self):
-        self.count, self.seconds = 0, 0.0
+    def __init__(self, on_done: Callable[[float], None] | None = None):
+        self.count, self.seconds, self.on_done = 0, 0.0, on_done
 
     def __enter__(self):
         self._t0 = time.perf_counter()
 
     def __exit__(self, *exc):
+        seconds = time.perf_counter() - self._t0
         self.count += 1
-        self.seconds += time.perf_counter() - self._t0
+        self.seconds += seconds
+        if self.on_done is not None:
+            self.on_done(seconds)
 
     def summary(self) -> dict:
         return {"count": self.count, "mean_ms": round(self.seconds / self.count * 1e3, 3)}
@@ -93,7 +98,7 @@ Emit = Callable[[OmniOutput | None, "str | None", "OmniError | None"], None]
 
 class OmniRequest:
     def __init__(self, session: str, inputs: dict, options: OmniOptions, stages: StageClient, tokenizer,
-                 schedule: ChunkSchedule, emit: Emit):  # fmt: skip
+                 schedule: ChunkSchedule, emit: Emit, on_hop: Callable[[str, float], None] | None = None):  # fmt: skip
         self.session, self.inputs, self.options, self.stages = session, inputs, options, stages
         self.schedule, self.emit = schedule, emit
         self.detok = IncrementalDetokenizer(tokenizer)
@@ -111,7 +116,9 @@ class OmniRequest:
         self._frames: list[torch.Tensor] = []  # [16] long each, frames not yet sent to code2wav
         self._frames_sent = 0  # frames before self._frames[0]
         self._code2wav_state: dict | None = None
-        self.hops = {"talker_append": HopTimer(), "code2wav": HopTimer()}  # handoff round trips, for usage
+        # handoff round trips, for usage and, through on_hop(name, seconds), for metrics
+        self.hops = {name: HopTimer(functools.partial(on_hop, name) if on_hop else None)
+                     for name in ("talker_append", "code2wav")}  # fmt: skip
 
     # ---- public -------------------------------------------------------------------------------------------
     def run(self) -> None:

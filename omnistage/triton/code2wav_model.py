@@ -16,6 +16,7 @@ from ..core.protocol import CODE2WAV
 from ..models.checkpoint import load_stage
 from ..core.protocol import PAST_FRAMES
 from ..stages.code2wav import Code2WavRunner, state_from_tensors, state_to_tensors
+from .metrics import MetricsPublisher
 from .responder import error_response, send_final
 from .stage_model import init_instance
 from .tensors import input_tensors, output_tensors
@@ -35,6 +36,13 @@ class Code2WavModel:
                              f"({self.runner.conv_reach} frames); use null or >= {self.runner.conv_reach}")
         self.max_batch = int(params.get("max_batch_windows", 64))
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.last_batch, self.chunks, self.batches = 0, 0, 0  # written by the worker, read by the metrics thread
+        self.metrics = (MetricsPublisher("code2wav", args.get("model_instance_name", "code2wav"), self._sample)
+                        .gauge("omni_code2wav_queue_depth", "chunks waiting for a decode")
+                        .gauge("omni_code2wav_batch_size", "chunks in the last decode")
+                        .counter("omni_code2wav_chunks_total", "chunks decoded")
+                        .counter("omni_code2wav_batches_total", "decodes run"))  # fmt: skip
+        self.metrics.start()
         self._worker = threading.Thread(target=self._loop, name="code2wav-worker", daemon=True)
         self._worker.start()
 
@@ -63,6 +71,7 @@ class Code2WavModel:
                     break
             if any(item is None for item in batch):
                 return
+            self.last_batch, self.chunks, self.batches = len(batch), self.chunks + len(batch), self.batches + 1
             try:
                 decoded = self.runner.decode([chunk for chunk, _ in batch])
                 responses = [output_tensors({"audio": wav.float(), **state_to_tensors(state)}) for wav, state in decoded]
@@ -73,5 +82,10 @@ class Code2WavModel:
                 for _, sender in batch:
                     send_final(sender, error_response(e if isinstance(e, OmniError) else OmniError(str(e))))
 
+    def _sample(self):
+        return [("omni_code2wav_queue_depth", {}, self._queue.qsize()), ("omni_code2wav_batch_size", {}, self.last_batch),
+                ("omni_code2wav_chunks_total", {}, self.chunks), ("omni_code2wav_batches_total", {}, self.batches)]  # fmt: skip
+
     def finalize(self) -> None:
+        self.metrics.stop()
         self._queue.put(None)

@@ -1,11 +1,15 @@
-# Custom Prometheus metrics of a stage instance, published on Triton's metrics port next to Triton's
-# own per-model metrics. Sampled from the engine's stats a few times per second by one small thread: the
-# engine loop never touches the metrics API, and no two threads update metrics at once (concurrent
-# updates from several stub threads crash tritonserver 2.51: boost interprocess lock_exception).
+# Custom Prometheus metrics of a model instance, published on Triton's metrics port next to Triton's own
+# per-model metrics. One small thread per instance is the only caller of the metrics API: it samples
+# gauges and counters from a stats callable a few times per second and replays histogram observations
+# that other threads queued. Concurrent metric updates from several stub threads crash tritonserver 2.51
+# (boost interprocess lock_exception), so the engine loop, the request threads and execute() never touch
+# pb_utils metrics themselves. docs/operations.md says how to read them.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
+from collections.abc import Callable
 
 import triton_python_backend_utils as pb_utils
 
@@ -13,7 +17,83 @@ log = logging.getLogger(__name__)
 
 PERIOD_SECONDS = 0.25
 
-_GAUGES = {
+Labels = tuple[tuple[str, str], ...]
+# what a stats callable returns: (metric name, extra labels, value) for gauges and counter totals
+Sample = list[tuple[str, dict[str, str], float]]
+
+
+class MetricsPublisher:
+    def __init__(self, owner: str, instance: str, sample: Callable[[], Sample] | None = None):
+        self.owner, self.labels, self.sample = owner, {"instance": instance}, sample
+        self._kinds: dict[str, tuple[str, str, list[float] | None]] = {}  # name -> (kind, help, buckets)
+        self._families: dict[str, object] = {}  # a garbage-collected MetricFamily invalidates its metrics
+        self._metrics: dict[tuple[str, Labels], object] = {}
+        self._totals: dict[tuple[str, Labels], float] = {}  # counters: what was already added
+        self._observations: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"{owner}-metrics", daemon=True)
+
+    def gauge(self, name: str, text: str) -> MetricsPublisher:
+        self._kinds[name] = ("GAUGE", text, None)
+        return self
+
+    def counter(self, name: str, text: str) -> MetricsPublisher:
+        self._kinds[name] = ("COUNTER", text, None)
+        return self
+
+    def histogram(self, name: str, text: str, buckets: list[float]) -> MetricsPublisher:
+        self._kinds[name] = ("HISTOGRAM", text, list(buckets))
+        return self
+
+    def observe(self, name: str, value: float, **labels: str) -> None:
+        """Any thread: the observation is queued and published by the metrics thread."""
+        self._observations.put((name, labels, float(value)))
+
+    def start(self) -> None:
+        try:
+            for name, (kind, text, _) in self._kinds.items():
+                self._families[name] = pb_utils.MetricFamily(name, text, getattr(pb_utils.MetricFamily, kind))
+        except Exception as e:  # metrics disabled on the server (--allow-metrics=false)
+            log.warning("[%s] custom metrics unavailable: %s", self.owner, e)
+            return
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _metric(self, name: str, labels: dict[str, str]):
+        key = (name, tuple(sorted(labels.items())))
+        metric = self._metrics.get(key)
+        if metric is None:
+            buckets = self._kinds[name][2]
+            kw = {"buckets": buckets} if buckets is not None else {}
+            metric = self._metrics[key] = self._families[name].Metric(labels={**self.labels, **labels}, **kw)
+        return metric, key
+
+    def _loop(self) -> None:
+        while not self._stop.wait(PERIOD_SECONDS):
+            try:
+                self._publish()
+            except Exception:  # a bad value must not end the thread and with it every metric
+                log.exception("[%s] publishing metrics failed", self.owner)
+
+    def _publish(self) -> None:
+        for name, labels, value in self.sample() if self.sample else ():
+            metric, key = self._metric(name, labels)
+            if self._kinds[name][0] == "GAUGE":
+                metric.set(value)
+            elif value > self._totals.get(key, 0):
+                metric.increment(value - self._totals.get(key, 0))
+                self._totals[key] = value
+        while True:
+            try:
+                name, labels, value = self._observations.get_nowait()
+            except queue.Empty:
+                return
+            self._metric(name, labels)[0].observe(value)
+
+
+_STAGE_GAUGES = {
     "slots_in_use": "KV-cache slots held by running requests",
     "requests_running": "requests holding a slot",
     "requests_waiting": "requests queued for a slot",
@@ -21,52 +101,30 @@ _GAUGES = {
     "step_ms": "duration of the last engine step in milliseconds",
     "responses_pending": "requests with an open response stream",
 }
-_COUNTERS = {"steps_total": "engine steps run", "responses_total": "responses sent"}
+_STAGE_COUNTERS = {"steps_total": "engine steps run", "responses_total": "responses sent"}
 
 
-class StageMetrics:
+class StageMetrics(MetricsPublisher):
+    """omni_<stage>_* of a thinker or talker instance, sampled from its engine and responder."""
+
     def __init__(self, stage: str, instance: str, engine, responder):
-        self.engine, self.responder = engine, responder
-        labels = {"instance": instance}
-        self._gauges, self._counters = {}, {}
-        self._families = []  # a garbage-collected MetricFamily invalidates its metrics, so keep them
-        self._last = {"steps_total": 0, "responses_total": 0}
-        try:
-            for name, text in _GAUGES.items():
-                family = pb_utils.MetricFamily(f"omni_{stage}_{name}", text, pb_utils.MetricFamily.GAUGE)
-                self._families.append(family)
-                self._gauges[name] = family.Metric(labels=labels)
-            for name, text in _COUNTERS.items():
-                family = pb_utils.MetricFamily(f"omni_{stage}_{name}", text, pb_utils.MetricFamily.COUNTER)
-                self._families.append(family)
-                self._counters[name] = family.Metric(labels=labels)
-        except Exception as e:  # metrics disabled on the server (--allow-metrics=false)
-            log.warning("[%s] custom metrics unavailable: %s", stage, e)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name=f"{stage}-metrics", daemon=True)
+        super().__init__(stage, instance, self._sample_stage)
+        self.stage, self.engine, self.responder = stage, engine, responder
+        for name, text in _STAGE_GAUGES.items():
+            self.gauge(f"omni_{stage}_{name}", text)
+        for name, text in _STAGE_COUNTERS.items():
+            self.counter(f"omni_{stage}_{name}", text)
 
-    def start(self) -> None:
-        if self._gauges:
-            self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _loop(self) -> None:
-        while not self._stop.wait(PERIOD_SECONDS):
-            s = self.engine.stats()
-            values = {
-                "slots_in_use": s["slots_in_use"],
-                "requests_running": s["running"],
-                "requests_waiting": s["waiting"],
-                "batch_size": s["last_batch_size"],
-                "step_ms": s["last_step_ms"],
-                "responses_pending": self.responder.active,
-            }
-            for name, value in values.items():
-                self._gauges[name].set(value)
-            totals = {"steps_total": s["steps"], "responses_total": self.responder.responses_sent}
-            for name, total in totals.items():
-                if total > self._last[name]:
-                    self._counters[name].increment(total - self._last[name])
-                    self._last[name] = total
+    def _sample_stage(self) -> Sample:
+        s = self.engine.stats()
+        values = {
+            "slots_in_use": s["slots_in_use"],
+            "requests_running": s["running"],
+            "requests_waiting": s["waiting"],
+            "batch_size": s["last_batch_size"],
+            "step_ms": s["last_step_ms"],
+            "responses_pending": self.responder.active,
+            "steps_total": s["steps"],
+            "responses_total": self.responder.responses_sent,
+        }
+        return [(f"omni_{self.stage}_{name}", {}, value) for name, value in values.items()]

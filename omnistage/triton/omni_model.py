@@ -6,23 +6,38 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 import uuid
+from dataclasses import dataclass
 
 import torch
 
 from ..core.chunking import ChunkSchedule
 from ..core.errors import BadRequestError, OmniError
+from ..core.protocol import SAMPLE_RATE
 from ..models.checkpoint import load_config
 from ..models.processor import load_processor, prepare_inputs
 from ..pipeline.options import OmniOptions
 from ..pipeline.request import OmniOutput, OmniRequest, thinker_inputs
 from .bls import BlsStageClient
 from .logs import setup_logging
+from .metrics import MetricsPublisher
 from .responder import Responder, error_response, send_final
 from .stage_model import model_parameters
 from .tensors import output_tensors, read_string, request_parameters
 
 log = logging.getLogger(__name__)
+
+HANDOFF_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
+TTFP_BUCKETS = [0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0]
+RTF_BUCKETS = [0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0]
+
+
+@dataclass
+class AudioClock:  # one request's audio timing, for the TTFP and RTF histograms
+    start: float
+    audio_samples: int = 0
+    last_audio: float = 0.0
 
 class OmniModel:
     def initialize(self, args) -> None:
@@ -41,8 +56,20 @@ class OmniModel:
         # running out of them deadlocks every request at once instead of queueing the newest.
         self.slots = threading.BoundedSemaphore(int(params.get("max_inflight", 128)))
         self.requests: dict[str, OmniRequest] = {}
+        self.clocks: dict[str, AudioClock] = {}
         self.responder = Responder("omni_ensemble", self.encode, self._cancel)
         self.responder.start()
+        self.metrics = (
+            MetricsPublisher("omni_ensemble", args.get("model_instance_name", "omni_ensemble"), self._sample)
+            .gauge("omni_requests_in_flight", "requests accepted and not yet finished (queued ones included)")
+            .gauge("omni_replica_sessions", "sessions pinned to each thinker / talker replica")
+            .histogram("omni_handoff_latency_seconds", "round trip of one stage handoff: a talker append "
+                       "(thinker rows in) or a Code2Wav chunk (codes in, audio out)", HANDOFF_BUCKETS)
+            .histogram("omni_audio_ttfp_seconds", "request arrival to its first audio chunk", TTFP_BUCKETS)
+            .histogram("omni_audio_rtf", "real-time factor: arrival to last audio chunk over the audio's "
+                       "duration (< 1: faster than it plays)", RTF_BUCKETS)
+        )  # fmt: skip
+        self.metrics.start()
 
     def execute(self, requests):
         for request in requests:
@@ -54,6 +81,7 @@ class OmniModel:
                 send_final(sender, error_response(e if isinstance(e, OmniError) else BadRequestError(str(e))))
                 continue
             session = uuid.uuid4().hex
+            self.clocks[session] = AudioClock(time.perf_counter())
             self.responder.register(session, sender)
             threading.Thread(target=self._serve, args=(session, messages, options), daemon=True,
                              name=f"omni-{session[:8]}").start()  # fmt: skip
@@ -69,7 +97,9 @@ class OmniModel:
         except Exception as e:
             emit(None, None, BadRequestError(f"could not process the messages: {e}"))
             return
-        request = OmniRequest(session, inputs, options, self.stages, self.processor.tokenizer, self.schedule, emit)
+        on_hop = lambda hop, seconds: self.metrics.observe("omni_handoff_latency_seconds", seconds, hop=hop)  # noqa: E731
+        request = OmniRequest(session, inputs, options, self.stages, self.processor.tokenizer, self.schedule, emit,
+                              on_hop)  # fmt: skip
         self.requests[session] = request
         with self.slots:
             if request.cancelled.is_set():  # gone while queued
@@ -81,10 +111,19 @@ class OmniModel:
                 self.stages.release(session)
 
     def _emit(self, session: str, output, reason, error) -> None:
+        clock = self.clocks.get(session)
         if output is not None and output.usage is not None:
             output.usage["replicas"] = self.stages.placement(session)
+        if clock is not None and output is not None and output.audio is not None and output.audio.numel():
+            if clock.audio_samples == 0:
+                self.metrics.observe("omni_audio_ttfp_seconds", time.perf_counter() - clock.start)
+            clock.audio_samples += output.audio.numel()
+            clock.last_audio = time.perf_counter()
         if reason is not None or error is not None:
             self.requests.pop(session, None)
+            self.clocks.pop(session, None)
+            if clock is not None and clock.audio_samples and error is None and reason != "abort":
+                self.metrics.observe("omni_audio_rtf", (clock.last_audio - clock.start) / (clock.audio_samples / SAMPLE_RATE))
         self.responder.emit(session, output, reason, error)
 
     @staticmethod
@@ -120,7 +159,13 @@ class OmniModel:
             log.info("[omni_ensemble] request %s cancelled by the client", session)
             request.cancel()
 
+    def _sample(self):
+        sessions = [("omni_replica_sessions", {"stage": stage, "replica": replica}, n)
+                    for stage, router in self.stages.routers.items() for replica, n in router.load().items()]  # fmt: skip
+        return [("omni_requests_in_flight", {}, len(self.clocks))] + sessions
+
     def finalize(self) -> None:
+        self.metrics.stop()
         for request in list(self.requests.values()):
             request.cancel()
         self.responder.stop()

@@ -75,3 +75,43 @@ def test_cancel_frees_the_slots_of_the_replicas_that_held_them(triton_server):
     wait_for(lambda: slots("talker") == 0 and slots("thinker") == 0, timeout=30, what="slots freed on every replica")
     time.sleep(0.5)  # and nothing is re-admitted afterwards
     assert slots("talker") == 0 and slots("thinker") == 0
+
+
+def series(metrics: str, name: str, **labels) -> list[float]:
+    want = "".join(f'(?=[^}}]*{k}="{v}")' for k, v in labels.items())
+    return [float(v) for v in re.findall(rf"^{name}{{{want}[^}}]*}} (\S+)$", metrics, re.M)]
+
+
+def quiet(triton_server) -> bool:
+    metrics = triton_server.metrics()
+    return series(metrics, "omni_requests_in_flight") == [0] and sum(series(metrics, "omni_replica_sessions")) == 0
+
+
+def test_orchestrator_publishes_handoff_ttfp_and_rtf(triton_server):
+    wait_for(lambda: quiet(triton_server), timeout=60, what="earlier requests to finish")
+    time.sleep(1.0)  # and their last observations to be published (every 0.25 s)
+    before = triton_server.metrics()
+    started = time.perf_counter()
+    params = dict(GREEDY, max_tokens=REPLY, talker_max_tokens=FRAMES, talker_ignore_eos=True)
+    r = OmniStream(triton_server.grpc_url, oracle.messages("text"), params).run()
+    elapsed = time.perf_counter() - started
+    assert r.error is None, r.error
+    chunks = len(r.audio)  # 40 frames: 4, then 25, then 11
+
+    def grew(name, by, **labels):
+        return sum(series(triton_server.metrics(), name, **labels)) - sum(series(before, name, **labels)) >= by
+
+    wait_for(lambda: grew("omni_audio_rtf_count", 1) and quiet(triton_server), what="the RTF observation")
+    after = triton_server.metrics()
+    delta = lambda name, **labels: sum(series(after, name, **labels)) - sum(series(before, name, **labels))  # noqa: E731
+    assert delta("omni_audio_ttfp_seconds_count") == 1
+    first_audio = next(t for t, kind in r.events if kind == "audio")
+    assert 0 < delta("omni_audio_ttfp_seconds_sum") <= first_audio + 0.5
+    audio_seconds = len(r.waveform) / 24000
+    assert 0 < delta("omni_audio_rtf_sum") <= elapsed / audio_seconds + 0.1
+    assert delta("omni_handoff_latency_seconds_count", hop="code2wav") == chunks == 3
+    assert delta("omni_handoff_latency_seconds_count", hop="talker_append") == r.usage["hops"]["talker_append"]["count"]
+    assert delta("omni_code2wav_chunks_total") == chunks  # summed over the code2wav instances
+    sessions = series(after, "omni_replica_sessions")
+    assert len(sessions) == 4 and sum(sessions) == 0  # 2 stages x 2 replicas, all sessions released
+    assert series(after, "omni_requests_in_flight") == [0]
