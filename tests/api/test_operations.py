@@ -114,3 +114,16 @@ def test_body_limit(guarded):
     assert backend.calls == []
     ok = httpx.post(f"{srv.url}/v1/chat/completions", json={"messages": USER, "modalities": ["text"]}, headers=auth)
     assert ok.status_code == 200
+
+
+def test_flags_become_settings(monkeypatch):
+    from openai_frontend.__main__ import parse_args, settings_from_args
+
+    monkeypatch.setenv("OMNISTAGE_API_KEY", "from-env")
+    s = settings_from_args(parse_args(["--voices", "Vivian,Ethan", "--default-voice", "VIVIAN", "--response-style",
+                                       "vllm-omni", "--max-body-mb", "1", "--allow-remote-media"]))  # fmt: skip
+    assert (s.voices, s.default_voice, s.response_style, s.api_key) == (("vivian", "ethan"), "vivian", "vllm-omni", "from-env")
+    assert (s.max_body_bytes, s.fetch_remote_media, s.fetch_timeout_s) == (1 << 20, True, 10.0)
+    assert settings_from_args(parse_args(["--api-key", "flag"])).api_key == "flag"
+    with pytest.raises(SystemExit, match="default_voice"):
+        settings_from_args(parse_args(["--voices", "chelsie", "--default-voice", "ethan"]))
