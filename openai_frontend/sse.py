@@ -58,10 +58,16 @@ class SSEResponse(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[str], on_error: Callable[[BaseException], Response]):
+    def __init__(
+        self,
+        events: AsyncIterator[str | bytes],
+        on_error: Callable[[BaseException], Response],
+        media_type: str | None = None,  # another streamed body (e.g. audio bytes) with the same guard
+    ):
         # not Response.__init__: that would render an empty body and announce Content-Length: 0
         self.status_code = 200
         self.background = None
+        self.media_type = media_type or self.media_type
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.events = events
         self.on_error = on_error
@@ -90,6 +96,7 @@ class SSEResponse(Response):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-async def _body(send: Send, event: str) -> None:
-    message: dict[str, Any] = {"type": "http.response.body", "body": event.encode("utf-8"), "more_body": True}
+async def _body(send: Send, event: str | bytes) -> None:
+    body = event if isinstance(event, bytes) else event.encode("utf-8")
+    message: dict[str, Any] = {"type": "http.response.body", "body": body, "more_body": True}
     await send(message)

@@ -10,7 +10,6 @@ router = APIRouter()
 
 _INSTEAD = {
     "/v1/completions": "Qwen3-Omni is a chat model: use POST /v1/chat/completions with messages",
-    "/v1/audio/speech": "use POST /v1/chat/completions with modalities [\"audio\"] and audio.voice / audio.format",
 }
 
 

@@ -59,7 +59,7 @@ def test_in_flight_counts_open_streams(http, fake):
     assert value(scrape(http), "omni_frontend_requests_in_flight") == 0
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/audio/speech"])
+@pytest.mark.parametrize("path", ["/v1/completions"])
 def test_unsupported_endpoints_say_what_to_use(http, fake, path):
     r = http.post(path, json={"model": "qwen3-omni", "prompt": "hi", "input": "hi"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_endpoint"

@@ -140,3 +140,13 @@ def test_metrics_and_bad_input(frontend):
     for name in ("audio_ttfp_seconds", "rtf", "time_to_first_token_seconds", "queue_seconds"):
         assert metrics[f"omni_frontend_{name}_count"] >= 1, name
     assert metrics["omni_frontend_audio_seconds_total"] > 0 and metrics["omni_frontend_requests_in_flight"] == 0
+
+
+def test_speech_endpoint(frontend):
+    frames = 8
+    body = {"input": "Hello there.", "voice": "chelsie", "response_format": "wav",
+            "sampling_params_list": [{"max_tokens": 3}, {"max_tokens": frames, "min_tokens": frames, "ignore_eos": True}]}  # fmt: skip
+    r = httpx.post(f"{frontend.url}/v1/audio/speech", json=body, timeout=60)
+    assert r.status_code == 200 and r.headers["content-type"] == "audio/wav"
+    samples = parse_wav(r.content)
+    assert len(samples) == frames * 1920 - 555 and np.abs(samples).max() > 1000

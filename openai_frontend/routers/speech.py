@@ -1,0 +1,32 @@
+# POST /v1/audio/speech
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from omnistage.core.protocol import SAMPLE_RATE
+
+from openai_frontend import speech
+from openai_frontend.chat_params import plan_chat
+from openai_frontend.errors import FrontendError, error_response
+from openai_frontend.metrics import RequestMeter
+from openai_frontend.sse import SSEResponse
+
+router = APIRouter()
+
+
+@router.post("/v1/audio/speech", response_class=Response)
+async def create_speech(body: speech.SpeechRequest, request: Request) -> Response:
+    settings = request.app.state.settings
+    if body.model is not None and body.model != settings.model_name:
+        raise FrontendError(404, f"model {body.model!r} not found; this server serves {settings.model_name!r}",
+                            param="model", code="model_not_found")  # fmt: skip
+    plan = plan_chat(speech.chat_request(body), settings)
+    meter = RequestMeter(request.app.state.metrics, getattr(request.state, "arrival", None) or time.perf_counter(),
+                         SAMPLE_RATE)  # fmt: skip
+    chunks = speech.audio_bytes(request.app.state.client, plan, f"speech-{uuid.uuid4().hex}", meter)
+    # the disconnect guard of the SSE responses: a client that leaves cancels the Triton request
+    return SSEResponse(chunks, on_error=error_response, media_type=speech.media_type(plan.audio_format))
