@@ -1,12 +1,15 @@
 # The demo page against the real pipeline (tiny checkpoint, real tritonserver, `python -m openai_frontend`)
-# in headless Chromium: a typed question and a spoken one (fake microphone) each get streamed text and
-# speech that starts playing; the screenshot is the README's.
+# in headless Chromium: a typed question and a spoken one about an image (fake microphone) each get
+# streamed text and speech that starts playing; the screenshot is the README's.
+import base64
+
 import pytest
 
 from omnistage.launch.render import default_spec
 from omnistage.launch.triton_env import REPO_ROOT
 
 from ..api.servers import FrontendProcess
+from ..oracle import png_data_url
 from ..triton.conftest import RepoSpec, triton_server  # noqa: F401  (fixture)
 from .conftest import save_screenshot
 
@@ -59,13 +62,19 @@ def test_talk_to_the_tiny_model(page, frontend, tmp_path):
     assert first["lastRequest"] == {"modalities": ["text", "audio"], "voice": "aiden", "parts": ["text"], "inputAudioSeconds": None}
     page.wait_for_function("n => demoState.chunksPlayed === n", arg=first["audioChunks"], timeout=30_000)
 
+    image = tmp_path / "picture.png"
+    image.write_bytes(base64.b64decode(png_data_url(seed=1, size=96).split(",", 1)[1]))
+    page.set_input_files("#image-input", str(image))
+    page.wait_for_selector("#attachments .chip[data-kind=image]")
     page.click("#mic")
     page.wait_for_function("() => demoState.status === 'recording'")
     page.wait_for_timeout(1500)
-    page.click("#mic")  # stops recording and sends the clip as input_audio
+    page.click("#mic")  # stops recording and sends the clip as input_audio, with the image
     second = finished(page)
     assert_spoken_reply(second)
-    assert second["lastRequest"]["parts"] == ["input_audio"] and second["lastRequest"]["inputAudioSeconds"] > 1
+    assert second["lastRequest"]["parts"] == ["image_url", "input_audio"]
+    assert second["lastRequest"]["inputAudioSeconds"] > 1
+    assert second["usage"]["prompt_tokens"] > first["usage"]["prompt_tokens"] + 25  # history, image and audio tokens
     assert second["replies"] == 2
     page.wait_for_timeout(500)  # let the metrics line catch up with playback
     print(f"screenshot: {save_screenshot(page, tmp_path, 'demo.png')}")
