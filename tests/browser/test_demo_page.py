@@ -59,7 +59,7 @@ def uploaded_wav(part) -> tuple[np.ndarray, int, int]:
 
 
 def test_text_and_speech_stream_into_the_page(demo, fake, tmp_path):
-    chunks = [4800, 9600, 2400]  # samples at 24 kHz; each arrives well before the previous one ends
+    chunks = [24000, 9600, 2400]  # samples at 24 kHz; each arrives well before the previous one ends
     offsets = np.cumsum([0, *chunks[:-1]])
     fake.script = Script(
         steps=[Step(t, tone(n, offset=o), delay_s=0.05) for t, n, o in zip(["Hello", " there", "!"], chunks, offsets)]
