@@ -64,6 +64,7 @@ function publish(message) {
   if (bubble) bubble.metrics.textContent = metricsLine();
   const busy = ["sending", "streaming"].includes(state.status);
   $("send").hidden = busy;
+  $("send").disabled = state.status === "recording"; // the clip is sent by the mic button
   $("stop").hidden = !busy;
   $("mic").disabled = busy;
   $("mic").classList.toggle("recording", state.status === "recording");

@@ -47,7 +47,9 @@ def dominant_hz(samples: np.ndarray, rate: int) -> float:
     return float(np.fft.rfftfreq(len(samples), 1 / rate)[int(np.argmax(spectrum))])
 
 
-@pytest.fixture(scope="session")
+# Module scope, not session: while sync_playwright() is open its event loop counts as running in this
+# thread, and later tests calling asyncio.run() would fail.
+@pytest.fixture(scope="module")
 def chromium(tmp_path_factory):
     if not Path(CHROMIUM).exists():
         pytest.fail(f"{CHROMIUM} is missing: `make browser` installs Debian's chromium (make test does it)")
