@@ -37,8 +37,6 @@ class VllmOmniStyle:
         return out
 
     def closing(self, finish_reason: str) -> list[dict[str, Any]]:
-        return [chunk(self.ids, {}, finish_reason=finish_reason, modality=self._main)]
-
-    @property
-    def _main(self) -> str:
-        return "text" if self.text_out else "audio"
+        # a text chunk even for ["audio"]: an empty text delta is harmless to every client, while a
+        # `modality: audio` chunk without a file would break those that decode each one
+        return [chunk(self.ids, {"content": ""}, finish_reason=finish_reason, modality="text")]
