@@ -64,7 +64,8 @@ def profile_spec(profile: Profile, model_path: str | None = None) -> dict[str, M
         plan = profile.stages[stage]
         params = {**common, **_stage_parameters(plan.settings)}
         if stage == "code2wav":  # max_batch_size is the engine's, not Triton's (see ModelSpec)
-            params["max_batch_windows"] = params.pop("max_batch_size")
+            if "max_batch_size" in params:
+                params["max_batch_windows"] = params.pop("max_batch_size")
             if profile.chunks["left_context_frames"] is not None:
                 params["left_context_frames"] = str(profile.chunks["left_context_frames"])
             per_gpu = plan.replicas // len(plan.devices)

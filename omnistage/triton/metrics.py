@@ -26,6 +26,7 @@ class MetricsPublisher:
     def __init__(self, owner: str, instance: str, sample: Callable[[], Sample] | None = None):
         self.owner, self.labels, self.sample = owner, {"instance": instance}, sample
         self._kinds: dict[str, tuple[str, str, list[float] | None]] = {}  # name -> (kind, help, buckets)
+        self._label_sets: dict[str, list[dict[str, str]]] = {}
         self._families: dict[str, object] = {}  # a garbage-collected MetricFamily invalidates its metrics
         self._metrics: dict[tuple[str, Labels], object] = {}
         self._totals: dict[tuple[str, Labels], float] = {}  # counters: what was already added
@@ -33,16 +34,21 @@ class MetricsPublisher:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"{owner}-metrics", daemon=True)
 
-    def gauge(self, name: str, text: str) -> MetricsPublisher:
-        self._kinds[name] = ("GAUGE", text, None)
-        return self
+    # Every label set is declared up front: families and metrics are all created by start(), on the
+    # thread that runs initialize() (as Triton's own examples do), never later from the metrics thread.
+    def gauge(self, name: str, text: str, label_sets: list[dict[str, str]] | None = None) -> MetricsPublisher:
+        return self._declare(name, "GAUGE", text, None, label_sets)
 
-    def counter(self, name: str, text: str) -> MetricsPublisher:
-        self._kinds[name] = ("COUNTER", text, None)
-        return self
+    def counter(self, name: str, text: str, label_sets: list[dict[str, str]] | None = None) -> MetricsPublisher:
+        return self._declare(name, "COUNTER", text, None, label_sets)
 
-    def histogram(self, name: str, text: str, buckets: list[float]) -> MetricsPublisher:
-        self._kinds[name] = ("HISTOGRAM", text, list(buckets))
+    def histogram(self, name: str, text: str, buckets: list[float],
+                  label_sets: list[dict[str, str]] | None = None) -> MetricsPublisher:  # fmt: skip
+        return self._declare(name, "HISTOGRAM", text, list(buckets), label_sets)
+
+    def _declare(self, name, kind, text, buckets, label_sets) -> MetricsPublisher:
+        self._kinds[name] = (kind, text, buckets)
+        self._label_sets[name] = label_sets or [{}]
         return self
 
     def observe(self, name: str, value: float, **labels: str) -> None:
@@ -51,8 +57,12 @@ class MetricsPublisher:
 
     def start(self) -> None:
         try:
-            for name, (kind, text, _) in self._kinds.items():
+            for name, (kind, text, buckets) in self._kinds.items():
                 self._families[name] = pb_utils.MetricFamily(name, text, getattr(pb_utils.MetricFamily, kind))
+                for labels in self._label_sets[name]:
+                    kw = {"buckets": buckets} if buckets is not None else {}
+                    key = (name, tuple(sorted(labels.items())))
+                    self._metrics[key] = self._families[name].Metric(labels={**self.labels, **labels}, **kw)
         except Exception as e:  # metrics disabled on the server (--allow-metrics=false)
             log.warning("[%s] custom metrics unavailable: %s", self.owner, e)
             return
@@ -63,12 +73,7 @@ class MetricsPublisher:
 
     def _metric(self, name: str, labels: dict[str, str]):
         key = (name, tuple(sorted(labels.items())))
-        metric = self._metrics.get(key)
-        if metric is None:
-            buckets = self._kinds[name][2]
-            kw = {"buckets": buckets} if buckets is not None else {}
-            metric = self._metrics[key] = self._families[name].Metric(labels={**self.labels, **labels}, **kw)
-        return metric, key
+        return self._metrics[key], key  # KeyError: a label set that was not declared
 
     def _loop(self) -> None:
         while not self._stop.wait(PERIOD_SECONDS):

@@ -62,9 +62,11 @@ class OmniModel:
         self.metrics = (
             MetricsPublisher("omni_ensemble", args.get("model_instance_name", "omni_ensemble"), self._sample)
             .gauge("omni_requests_in_flight", "requests accepted and not yet finished (queued ones included)")
-            .gauge("omni_replica_sessions", "sessions pinned to each thinker / talker replica")
+            .gauge("omni_replica_sessions", "sessions pinned to each thinker / talker replica",
+                   [{"stage": s, "replica": r} for s, router in self.stages.routers.items() for r in router.replicas])
             .histogram("omni_handoff_latency_seconds", "round trip of one stage handoff: a talker append "
-                       "(thinker rows in) or a Code2Wav chunk (codes in, audio out)", HANDOFF_BUCKETS)
+                       "(thinker rows in) or a Code2Wav chunk (codes in, audio out)", HANDOFF_BUCKETS,
+                       [{"hop": "talker_append"}, {"hop": "code2wav"}])
             .histogram("omni_audio_ttfp_seconds", "request arrival to its first audio chunk", TTFP_BUCKETS)
             .histogram("omni_audio_rtf", "real-time factor: arrival to last audio chunk over the audio's "
                        "duration (< 1: faster than it plays)", RTF_BUCKETS)

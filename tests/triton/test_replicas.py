@@ -1,7 +1,8 @@
 # Stage replicas from a deploy profile on a real tritonserver (CPU, tiny checkpoint): two thinkers, two
 # talkers (separate models, sessions pinned by omni_ensemble) and two code2wav instances. Requests spread
-# over the replicas, every talker call of a request lands on its replica, outputs equal generate(), and
-# a cancelled request frees its slots on the replica that held them.
+# over the replicas, every talker call of a request lands on its replica, outputs equal generate() (with
+# the talker greedy by the profile's sampling default), a cancelled request frees its slots on the replica
+# that held them, and omni_ensemble publishes its handoff / TTFP / RTF histograms.
 import re
 import time
 
@@ -24,8 +25,9 @@ REPLICAS = {"thinker": ["thinker", "thinker_1"], "talker": ["talker", "talker_1"
 @pytest.fixture(scope="module")
 def repo_spec(tiny_checkpoint, tmp_path_factory):
     path = tmp_path_factory.mktemp("profile") / "replicas.yaml"
-    path.write_text(f"base: {BASE_PROFILE}\nstages: {{thinker: {{replicas: 2}}, talker: {{replicas: 2}}, "
-                    "code2wav: {replicas: 2}}\n")  # fmt: skip
+    # the talker's sampling default from the profile (greedy) replaces its built-in temperature 0.9
+    path.write_text(f"base: {BASE_PROFILE}\nstages: {{thinker: {{replicas: 2}}, code2wav: {{replicas: 2}}, "
+                    "talker: {replicas: 2, sampling: {temperature: 0}}}\n")  # fmt: skip
     spec = profile_spec(load_profile(path, "cpu"), str(tiny_checkpoint))
     assert spec["code2wav"].instances == 2
     # seven Python model processes load one after another on a 2-core machine
@@ -38,7 +40,9 @@ def test_requests_spread_over_replicas_and_keep_their_talker(triton_server, hf_m
     client = triton_server.grpc_client()
     models = [m for names in REPLICAS.values() for m in names]
     before = {m: infer_count(client, m) for m in models}
-    params = dict(GREEDY, max_tokens=REPLY, talker_max_tokens=FRAMES)
+    # no talker_temperature: greedy only through the profile's sampling default, which the oracle checks
+    params = {k: v for k, v in GREEDY.items() if k != "talker_temperature"}
+    params.update(max_tokens=REPLY, talker_max_tokens=FRAMES)
     streams = [OmniStream(triton_server.grpc_url, msgs, params) for _ in range(4)]
     results = [s.run(timeout=240) for s in streams]
     for r in results:  # same as the single-instance oracle, whichever replicas served it
