@@ -11,6 +11,7 @@ from omnistage.core.protocol import OMNI
 
 from openai_frontend.app import create_app
 from openai_frontend.settings import DEFAULT_VOICES, MiB, RESPONSE_STYLES, FrontendSettings
+from openai_frontend.stage_watchdog import StageWatchdog
 from openai_frontend.triton_client import TritonOmniClient
 from openai_frontend.triton_pool import client_for
 
@@ -39,6 +40,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--remote-media-timeout", type=float, default=10.0, help="seconds per remote media fetch")
     p.add_argument("--remote-media-max-mb", type=float, default=20, help="size cap of one fetched media file")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--no-stage-probes", action="store_true",
+                   help="readiness from Triton's model readiness only: no probe requests to every model, no "
+                        "reload of a model whose stub process died (see docs/reliability.md)")
+    p.add_argument("--probe-timeout", type=float, default=10.0, help="a probe not answered in this time fails")
+    p.add_argument("--no-reload", action="store_true",
+                   help="probe, but do not reload a model whose stub died (reloading needs Triton's "
+                        "--model-control-mode=explicit)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT, seconds in-flight requests get to finish before they are cancelled")
     return p.parse_args(argv)
 
 
@@ -64,9 +74,18 @@ def main(argv: list[str] | None = None) -> None:
     settings = settings_from_args(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     urls = args.triton_url or ["127.0.0.1:8001"]
-    client = client_for(urls, lambda url: TritonOmniClient(url, model_name=args.triton_model), args.probe_interval)
+
+    def make(url: str) -> TritonOmniClient:
+        watchdog = None if args.no_stage_probes else StageWatchdog(
+            url, interval_s=args.probe_interval, timeout_s=args.probe_timeout, reload=not args.no_reload)
+        return TritonOmniClient(url, model_name=args.triton_model, watchdog=watchdog)
+
+    client = client_for(urls, make, args.probe_interval)
     app = create_app(client, settings)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    # uvicorn's graceful shutdown: stop accepting, let in-flight requests (streams included) finish for up
+    # to the timeout, then cancel them (which cancels their Triton requests)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=args.shutdown_timeout)  # fmt: skip
 
 
 if __name__ == "__main__":

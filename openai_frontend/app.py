@@ -33,6 +33,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await client.start()  # background work (stage probes, server probes) runs from the start
         yield
         await client.close()
 

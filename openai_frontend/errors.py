@@ -38,8 +38,8 @@ def describe(exc: BaseException) -> tuple[int, dict[str, Any]]:
         return exc.status, error_body(exc.status, exc.message, param=exc.param, code=exc.code)
     if isinstance(exc, OmniError):
         status = int(getattr(exc, "code", 500))
-        if status >= 500:
-            log.warning("backend error (%d): %s", status, exc)
+        if status >= 500:  # refusals under overload (503) are expected in bulk: not worth a warning each
+            log.log(logging.INFO if status == 503 else logging.WARNING, "backend error (%d): %s", status, exc)
         return status, error_body(status, str(exc) or type(exc).__name__)
     if isinstance(exc, RequestValidationError):
         message, param = _validation_message(exc.errors())
@@ -52,7 +52,9 @@ def describe(exc: BaseException) -> tuple[int, dict[str, Any]]:
 
 def error_response(exc: BaseException) -> JSONResponse:
     status, body = describe(exc)
-    return JSONResponse(body, status_code=status)
+    # 429/503 say when to come back: an overloaded stage (OverloadedError) soon, a restarting one later
+    retry = getattr(exc, "retry_after_s", None) or (1 if status in (429, 503) else None)
+    return JSONResponse(body, status_code=status, headers={"Retry-After": str(retry)} if retry else None)
 
 
 def install_error_handlers(app: FastAPI) -> None:

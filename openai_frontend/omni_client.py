@@ -47,5 +47,12 @@ class OmniClient(abc.ABC):
     async def ready(self) -> bool:
         """True when a request sent now would be served."""
 
+    async def start(self) -> None:
+        """Start background work (health probes); called once at application startup."""
+
+    def health_report(self) -> dict | None:
+        """Details for /health (e.g. per-model state), or None."""
+        return None
+
     async def close(self) -> None:
         """Release connections; called once at application shutdown."""

@@ -22,6 +22,7 @@ from omnistage.core.errors import EngineError, OmniError
 from omnistage.core.protocol import OMNI
 
 from openai_frontend.omni_client import OmniChunk, OmniClient
+from openai_frontend.stage_watchdog import StageWatchdog
 from openai_frontend.triton_codec import (
     ResponseDecoder,
     TritonUnavailableError,
@@ -37,10 +38,14 @@ _UNAVAILABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
 class TritonOmniClient(OmniClient):
-    def __init__(self, url: str, *, model_name: str = OMNI.name, ready_timeout_s: float = 2.0):
+    def __init__(self, url: str, *, model_name: str = OMNI.name, ready_timeout_s: float = 2.0,
+                 watchdog: StageWatchdog | None = None):  # fmt: skip
         self.url = url
         self.model_name = model_name
         self.ready_timeout_s = ready_timeout_s
+        # with a watchdog, ready means every model of the server answers probes (stage_watchdog.py), and
+        # a model whose stub died is reloaded; without, Triton's model readiness (blind to dead stubs)
+        self.watchdog = watchdog
         self._client: grpcclient.InferenceServerClient | None = None
 
     def _grpc(self) -> grpcclient.InferenceServerClient:
@@ -50,7 +55,16 @@ class TritonOmniClient(OmniClient):
             self._client = grpcclient.InferenceServerClient(self.url)
         return self._client
 
+    async def start(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.start()
+
+    def health_report(self) -> dict | None:
+        return None if self.watchdog is None else self.watchdog.report()
+
     async def ready(self) -> bool:
+        if self.watchdog is not None:
+            return self.watchdog.healthy
         try:
             return bool(
                 await self._grpc().is_model_ready(self.model_name, client_timeout=self.ready_timeout_s)
@@ -60,6 +74,8 @@ class TritonOmniClient(OmniClient):
             return False
 
     async def close(self) -> None:
+        if self.watchdog is not None:
+            await self.watchdog.stop()
         if self._client is not None:
             await self._client.close()
             self._client = None

@@ -11,7 +11,14 @@ from typing import Any
 import numpy as np
 from tritonclient.grpc import InferInput
 
-from omnistage.core.errors import BadRequestError, EngineError, OmniError, OverloadedError
+from omnistage.core.errors import (
+    STUB_DEAD_MARK,
+    BadRequestError,
+    EngineError,
+    OmniError,
+    OverloadedError,
+    StageUnavailableError,
+)
 from omnistage.core.protocol import OMNI
 
 from openai_frontend.omni_client import OmniChunk
@@ -35,6 +42,7 @@ class TritonUnavailableError(OmniError):
     """Triton could not be reached (connection refused, server shutting down)."""
 
     code = 503
+    retry_after_s = 5
 
 
 def encode_parameters(parameters: dict[str, Any]) -> dict[str, Any]:
@@ -72,12 +80,14 @@ def error_from_message(message: str) -> OmniError:
     """A Triton error message as a typed error; "[<http status>] text" is our models' convention."""
     match = _STATUS_PREFIX.match(message)
     if match is None:
+        if STUB_DEAD_MARK in message:  # omni_ensemble's own stub died (a stage's comes as a 503 from it)
+            return StageUnavailableError(f"stage unavailable (being restarted): {message}")
         return EngineError(message)
     status, text = int(match.group(1)), match.group(2)
     if status == 400:
         return BadRequestError(text)
     if status == 503:
-        return OverloadedError(text)
+        return (StageUnavailableError if STUB_DEAD_MARK in text else OverloadedError)(text)
     error = EngineError(text)
     error.code = status  # keep what the model said (e.g. 413, 504)
     return error

@@ -70,6 +70,15 @@ class TritonPool(OmniClient):
             finally:
                 backend.in_flight -= 1
 
+    async def start(self) -> None:
+        for b in self.backends:
+            await b.client.start()
+        self._start_probe()
+
+    def health_report(self) -> dict | None:
+        reports = {b.url: b.client.health_report() for b in self.backends}
+        return reports if any(r is not None for r in reports.values()) else None
+
     async def ready(self) -> bool:
         self._start_probe()
         await self.probe()

@@ -39,6 +39,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--run-dir", type=Path, default=REPO_ROOT / ".run", help="rendered repository and logs")
     ap.add_argument("--src", type=Path, default=REPO_ROOT / "model_repository", help="dir of <model>/1/model.py")
     ap.add_argument("--ready-timeout", type=float, default=900.0, help="seconds for all models to load")
+    ap.add_argument("--drain-timeout", type=float, default=30.0,
+                    help="on SIGTERM/Ctrl-C, seconds in-flight requests get to finish before they are cancelled")
+    ap.add_argument("--probe-interval", type=float, default=1.0,
+                    help="seconds between the frontend's probes of every model (0: off; see docs/reliability.md)")
     return ap.parse_args(argv)
 
 
@@ -65,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     frontend = ManagedProcess(
         "openai_frontend",
         [sys.executable, "-m", "openai_frontend", "--triton-url", triton.grpc_url, "--host", args.host,
-         "--port", str(args.api_port), "--voices", ",".join(speaker_names(args.model or profile.model))],
+         "--port", str(args.api_port), "--voices", ",".join(speaker_names(args.model or profile.model)),
+         "--shutdown-timeout", str(args.drain_timeout), "--probe-interval", str(args.probe_interval)],
         env=None,
         log_path=args.run_dir / "openai_frontend.log",
         cwd=REPO_ROOT,  # `-m openai_frontend` resolves from the checkout even when not pip-installed
@@ -103,7 +108,11 @@ def main(argv: list[str] | None = None) -> int:
         # a second Ctrl-C must not abort the shutdown half-way and leave tritonserver running
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        frontend.stop(grace=10)
+        # frontend first: it stops accepting and drains (finishes or, after --drain-timeout, cancels) its
+        # requests, so that Triton then stops with nothing in flight
+        if frontend.alive():
+            _say(f"[serve] draining in-flight requests (up to {args.drain_timeout:.0f}s)")
+        frontend.stop(grace=args.drain_timeout + 10)
         triton.stop()
         _say("[serve] stopped")
 

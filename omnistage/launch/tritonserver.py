@@ -38,8 +38,10 @@ class TritonServer:
         gpus: Sequence[int] = (),  # non-empty when models run on cuda: each gets a larger CUDA pool
         cuda_pool_bytes: int = 1 << 30,
         exit_timeout_s: int = 10,
-        model_control_mode: str = "none",
-        load_models: Sequence[str] = (),  # explicit mode only; "*" loads all
+        # explicit: the frontend's watchdog can reload a model whose Python stub died (load_model), which
+        # Triton 2.51 never does by itself; "*" loads every model at startup, as mode "none" would
+        model_control_mode: str = "explicit",
+        load_models: Sequence[str] = ("*",),  # explicit mode only
         extra_args: Sequence[str] = (),
         env: dict[str, str] | None = None,
         # the stub puts its working directory first on sys.path: the repo root makes `import

@@ -19,7 +19,7 @@ from ..stages.code2wav import Code2WavRunner, state_from_tensors, state_to_tenso
 from .metrics import MetricsPublisher
 from .responder import error_response, send_final
 from .stage_model import init_instance
-from .tensors import input_tensors, output_tensors
+from .tensors import input_tensors, is_probe, output_tensors
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,9 @@ class Code2WavModel:
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
+            if is_probe(request):
+                send_final(sender)
+                continue
             try:
                 inputs = input_tensors(request, CODE2WAV)
                 if "codes" not in inputs:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.admission import Admission
 from ..core.chunking import ChunkSchedule
 from ..core.errors import BadRequestError, OmniError
 from ..core.protocol import SAMPLE_RATE
@@ -24,7 +25,7 @@ from .logs import setup_logging
 from .metrics import MetricsPublisher
 from .responder import Responder, error_response, send_final
 from .stage_model import model_parameters
-from .tensors import output_tensors, read_string, request_parameters
+from .tensors import is_probe, output_tensors, read_string, request_parameters
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +52,11 @@ class OmniModel:
         # a session's stage calls all go to one replica; new sessions to the least loaded (pipeline/replicas.py)
         self.stages = BlsStageClient({s: params[f"{s}_models"].split(",") for s in ("thinker", "talker")
                                       if params.get(f"{s}_models")})  # fmt: skip
-        # Requests beyond this wait here before opening any BLS stream: each served request holds up to
-        # ~3 of the server's Python-backend BLS threads (--backend-config=python,thread-pool-size), and
-        # running out of them deadlocks every request at once instead of queueing the newest.
-        self.slots = threading.BoundedSemaphore(int(params.get("max_inflight", 128)))
+        # At most max_inflight requests run: each holds up to ~3 of the server's Python-backend BLS threads
+        # (--backend-config=python,thread-pool-size), and running out of them deadlocks every request at
+        # once. Up to max_queue more wait for a turn; beyond that a request is refused at once (503).
+        self.admission = Admission("omni_ensemble", int(params.get("max_inflight", 128)),
+                                   int(params.get("max_queue", 256)))  # fmt: skip
         self.requests: dict[str, OmniRequest] = {}
         self.clocks: dict[str, AudioClock] = {}
         self.responder = Responder("omni_ensemble", self.encode, self._cancel)
@@ -62,6 +64,8 @@ class OmniModel:
         self.metrics = (
             MetricsPublisher("omni_ensemble", args.get("model_instance_name", "omni_ensemble"), self._sample)
             .gauge("omni_requests_in_flight", "requests accepted and not yet finished (queued ones included)")
+            .gauge("omni_requests_queued", "accepted requests waiting for a turn (admission: max_queue)")
+            .counter("omni_requests_refused_total", "requests refused as overloaded (503)")
             .gauge("omni_replica_sessions", "sessions pinned to each thinker / talker replica",
                    [{"stage": s, "replica": r} for s, router in self.stages.routers.items() for r in router.replicas])
             .histogram("omni_handoff_latency_seconds", "round trip of one stage handoff: a talker append "
@@ -76,9 +80,13 @@ class OmniModel:
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
+            if is_probe(request):
+                send_final(sender)
+                continue
             try:
                 messages = self._messages(request)
                 options = OmniOptions.from_parameters(request_parameters(request), self.speakers)
+                self.admission.admit()
             except Exception as e:
                 send_final(sender, error_response(e if isinstance(e, OmniError) else BadRequestError(str(e))))
                 continue
@@ -91,20 +99,21 @@ class OmniModel:
 
     def _serve(self, session: str, messages: list, options: OmniOptions) -> None:
         emit = lambda output, reason, error: self._emit(session, output, reason, error)  # noqa: E731
-        try:
-            inputs = thinker_inputs(prepare_inputs(self.processor, messages))
-        except OmniError as e:
-            emit(None, None, e)
-            return
-        except Exception as e:
-            emit(None, None, BadRequestError(f"could not process the messages: {e}"))
-            return
-        on_hop = lambda hop, seconds: self.metrics.observe("omni_handoff_latency_seconds", seconds, hop=hop)  # noqa: E731
-        request = OmniRequest(session, inputs, options, self.stages, self.processor.tokenizer, self.schedule, emit,
-                              on_hop)  # fmt: skip
-        self.requests[session] = request
-        with self.slots:
-            if request.cancelled.is_set():  # gone while queued
+        # preprocessing (audio features, image patches) runs inside the turn too: that bounds its memory
+        with self.admission.turn():
+            try:
+                inputs = thinker_inputs(prepare_inputs(self.processor, messages))
+            except OmniError as e:
+                emit(None, None, e)
+                return
+            except Exception as e:
+                emit(None, None, BadRequestError(f"could not process the messages: {e}"))
+                return
+            on_hop = lambda hop, seconds: self.metrics.observe("omni_handoff_latency_seconds", seconds, hop=hop)  # noqa: E731
+            request = OmniRequest(session, inputs, options, self.stages, self.processor.tokenizer, self.schedule, emit,
+                                  on_hop)  # fmt: skip
+            self.requests[session] = request  # from here on _cancel() reaches it
+            if self.responder.is_cancelled(session):  # the client left while it was queued
                 emit(None, "abort", None)
                 return
             try:
@@ -164,7 +173,8 @@ class OmniModel:
     def _sample(self):
         sessions = [("omni_replica_sessions", {"stage": stage, "replica": replica}, n)
                     for stage, router in self.stages.routers.items() for replica, n in router.load().items()]  # fmt: skip
-        return [("omni_requests_in_flight", {}, len(self.clocks))] + sessions
+        admission = [("omni_requests_queued", {}, self.admission.waiting), ("omni_requests_refused_total", {}, self.admission.rejected)]
+        return [("omni_requests_in_flight", {}, len(self.clocks))] + admission + sessions
 
     def finalize(self) -> None:
         self.metrics.stop()

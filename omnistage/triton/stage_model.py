@@ -11,7 +11,7 @@ from dataclasses import replace
 import torch
 
 from ..core.engine import StageEngine
-from ..core.errors import BadRequestError, OmniError
+from ..core.errors import PROBE_ACTION, BadRequestError, OmniError
 from ..core.sampling import SamplingParams
 from ..core.scheduler import Scheduler, Sequence
 from ..models.checkpoint import load_config, load_stage
@@ -106,7 +106,9 @@ class StageModel:
             action = params.get("action", "start")
             # Triton's own request ids are chosen by clients and may collide; sessions come from our orchestrator
             request_id = str(params.get("session") or uuid.uuid4().hex)
-            if action == "abort":
+            if action == PROBE_ACTION:
+                send_final(sender)
+            elif action == "abort":
                 self.engine.abort(request_id)
                 send_final(sender)
             elif action == "start":

@@ -9,6 +9,8 @@ import torch
 import triton_python_backend_utils as pb_utils
 from torch.utils import dlpack
 
+from ..core.errors import PROBE_ACTION
+
 
 def to_torch(tensor, device: torch.device | None = None) -> torch.Tensor:
     if tensor.is_cpu():
@@ -60,3 +62,8 @@ def read_string(request, name: str) -> str | None:
 def request_parameters(request) -> dict:
     raw = request.parameters()
     return json.loads(raw) if raw else {}
+
+
+def is_probe(request) -> bool:
+    """A health probe (parameter action=probe, see omnistage.core.errors.PROBE_ACTION): answered at once."""
+    return request_parameters(request).get("action") == PROBE_ACTION

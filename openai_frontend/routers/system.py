@@ -11,11 +11,17 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
+    # `python -m openai_frontend` probes every Triton model (stage_watchdog.py): ready only while every
+    # model is READY and answered its latest probe; the per-model state is in the body.
+    client = request.app.state.client
     try:
-        ready = await request.app.state.client.ready()
+        ready = await client.ready()
     except Exception:  # noqa: BLE001 - any failure to answer means not ready
         ready = False
-    return JSONResponse({"status": "ok" if ready else "unavailable"}, status_code=200 if ready else 503)
+    body = {"status": "ok" if ready else "unavailable"}
+    if (report := client.health_report()) is not None:
+        body["models"] = report
+    return JSONResponse(body, status_code=200 if ready else 503, headers=None if ready else {"Retry-After": "5"})
 
 
 def _model_card(settings) -> dict:

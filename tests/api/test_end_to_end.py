@@ -32,7 +32,8 @@ async def triton():
 
 @pytest.fixture(scope="module")
 def frontend(triton):
-    proc = FrontendProcess("--triton-url", triton.url, "--model-name", "qwen3-omni", "--default-voice", "aiden")
+    proc = FrontendProcess("--triton-url", triton.url, "--model-name", "qwen3-omni", "--default-voice", "aiden",
+                           "--no-stage-probes")  # the fake Triton has no repository index to probe
     with proc:
         yield proc
     print(proc.output)  # shown by pytest when a test of this module failed
@@ -110,7 +111,7 @@ async def test_disconnect_cancels_the_triton_stream(client, triton):
 
 
 async def test_triton_down():
-    with FrontendProcess("--triton-url", f"127.0.0.1:{closed_port()}") as proc:
+    with FrontendProcess("--triton-url", f"127.0.0.1:{closed_port()}", "--no-stage-probes") as proc:
         async with httpx.AsyncClient(base_url=proc.url, timeout=10) as http:
             assert (await http.get("/health")).status_code == 503
             r = await http.post("/v1/chat/completions", json={"messages": USER})

@@ -1,0 +1,149 @@
+# Watches every model of the Triton server and repairs dead ones. Triton 2.51 neither restarts a Python
+# stub process that died nor reports its model unready (is_model_ready stays true), so readiness alone
+# proves nothing: every `interval_s` each model gets a probe request (parameter action=probe, answered
+# at once by the model's execute(), so it passes only if the stub runs). A model whose probe answers
+# "Stub process ... is not healthy" is dead: it is reloaded through Triton's model-control API (the
+# server must run with --model-control-mode=explicit), which starts a fresh stub in seconds. Requests in
+# flight on the dead stub already ended with that error (the backend fails them), so nothing hangs.
+# `/health` is ready only while every model is READY and its latest probe passed.
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from tritonclient.grpc import InferInput
+from tritonclient.grpc import aio as grpcclient
+
+from omnistage.core.errors import PROBE_ACTION, STUB_DEAD_MARK
+
+log = logging.getLogger("openai_frontend.watchdog")
+
+_NUMPY = {"TYPE_BOOL": np.bool_, "TYPE_INT32": np.int32, "TYPE_INT64": np.int64, "TYPE_FP16": np.float16,
+          "TYPE_FP32": np.float32, "TYPE_BF16": np.float32, "TYPE_STRING": np.object_}  # fmt: skip
+
+
+@dataclass
+class ModelHealth:
+    ok: bool = False
+    error: str | None = "not probed yet"
+    reloads: int = 0
+    last_reload: float = 0.0
+
+
+class StageWatchdog:
+    def __init__(self, url: str, *, interval_s: float = 1.0, timeout_s: float = 10.0, reload: bool = True,
+                 reload_backoff_s: float = 10.0):  # fmt: skip
+        self.url, self.interval_s, self.timeout_s = url, interval_s, timeout_s
+        self.reload, self.reload_backoff_s = reload, reload_backoff_s
+        self.models: dict[str, ModelHealth] = {}
+        self.checked = False  # one full round done
+        self._inputs: dict[str, list[InferInput]] = {}
+        self._client: grpcclient.InferenceServerClient | None = None
+        self._task: asyncio.Task | None = None
+
+    @property
+    def healthy(self) -> bool:
+        return self.checked and bool(self.models) and all(m.ok for m in self.models.values())
+
+    def report(self) -> dict:
+        return {name: {"ok": m.ok, "error": m.error, "reloads": m.reloads} for name, m in sorted(self.models.items())}
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"stage-watchdog {self.url}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._client is not None:
+            await self._client.close()
+
+    async def _loop(self) -> None:
+        self._client = grpcclient.InferenceServerClient(self.url)
+        while True:
+            try:
+                await self.check()
+            except Exception as e:  # noqa: BLE001 - Triton unreachable: every model counts as down
+                for m in self.models.values():
+                    m.ok, m.error = False, f"Triton unreachable: {e}"
+                self.checked = True
+                log.warning("watchdog: cannot check Triton at %s: %s", self.url, e)
+            await asyncio.sleep(self.interval_s)
+
+    async def check(self) -> None:
+        index = await self._client.get_model_repository_index(as_json=True)
+        states = {m["name"]: m.get("state", "") for m in index.get("models", [])}
+        for name in list(self.models):
+            if name not in states:
+                del self.models[name]
+        await asyncio.gather(*(self._check_model(name, state) for name, state in states.items()))
+        self.checked = True
+
+    async def _check_model(self, name: str, state: str) -> None:
+        health = self.models.setdefault(name, ModelHealth())
+        error = f"state {state or 'UNKNOWN'}" if state != "READY" else await self._probe(name)
+        if error is None:
+            if not health.ok:
+                log.info("watchdog: %s is serving", name)
+            health.ok, health.error = True, None
+            return
+        if health.ok or health.error != error:
+            log.warning("watchdog: %s is down: %s", name, error)
+        health.ok, health.error = False, error
+        dead = STUB_DEAD_MARK in error or state == "UNAVAILABLE"
+        if dead and self.reload and time.monotonic() - health.last_reload >= self.reload_backoff_s:
+            await self._reload(name, health)
+
+    async def _probe(self, name: str) -> str | None:
+        try:
+            inputs = self._inputs.get(name) or await self._probe_inputs(name)
+
+            async def requests():
+                yield {"model_name": name, "inputs": inputs, "request_id": f"probe-{name}",
+                       "parameters": {"action": PROBE_ACTION, "triton_enable_empty_final_response": True}}  # fmt: skip
+
+            async def first_answer() -> str | None:
+                async for _, error in self._client.stream_infer(requests()):
+                    return None if error is None else error.message()
+                return "the stream closed without an answer"
+
+            return await asyncio.wait_for(first_answer(), self.timeout_s)
+        except asyncio.TimeoutError:
+            return f"probe not answered within {self.timeout_s:.0f}s"
+        except Exception as e:  # noqa: BLE001 - anything but an answer is a failed probe
+            return f"probe failed: {e}"
+
+    async def _probe_inputs(self, name: str) -> list[InferInput]:
+        # required inputs must be present for Triton to pass the request on; their values are never read
+        config = (await self._client.get_model_config(name, as_json=True))["config"]
+        inputs = []
+        for spec in config.get("input", []):
+            if spec.get("optional"):
+                continue
+            dims = [1 if int(d) < 0 else int(d) for d in spec.get("dims", [])]
+            dtype = spec.get("data_type", "TYPE_FP32")
+            value = np.zeros(dims, dtype=_NUMPY.get(dtype, np.float32))
+            if dtype == "TYPE_STRING":
+                value[...] = b"[]"
+            tensor = InferInput(spec["name"], dims, dtype.removeprefix("TYPE_").replace("STRING", "BYTES"))
+            tensor.set_data_from_numpy(value)
+            inputs.append(tensor)
+        self._inputs[name] = inputs
+        return inputs
+
+    async def _reload(self, name: str, health: ModelHealth) -> None:
+        health.last_reload = time.monotonic()
+        health.reloads += 1
+        log.warning("watchdog: reloading %s (reload #%d)", name, health.reloads)
+        started = time.monotonic()
+        try:
+            await self._client.load_model(name)
+        except Exception as e:  # noqa: BLE001 - e.g. the server is not in explicit model-control mode
+            health.error = f"{health.error}; reload failed: {e}"
+            log.error("watchdog: reloading %s failed: %s", name, e)
+            return
+        log.warning("watchdog: %s reloaded in %.1fs", name, time.monotonic() - started)
