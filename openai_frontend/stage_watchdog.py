@@ -40,6 +40,7 @@ class StageWatchdog:
         self.reload, self.reload_backoff_s = reload, reload_backoff_s
         self.models: dict[str, ModelHealth] = {}
         self.checked = False  # one full round done
+        self._first_round = asyncio.Event()
         self._inputs: dict[str, list[InferInput]] = {}
         self._client: grpcclient.InferenceServerClient | None = None
         self._task: asyncio.Task | None = None
@@ -47,6 +48,15 @@ class StageWatchdog:
     @property
     def healthy(self) -> bool:
         return self.checked and bool(self.models) and all(m.ok for m in self.models.values())
+
+    async def ready(self) -> bool:
+        """healthy, after waiting (up to the probe timeout) for the first round of probes after start."""
+        if not self.checked and self._task is not None:
+            try:
+                await asyncio.wait_for(self._first_round.wait(), self.timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        return self.healthy
 
     def report(self) -> dict:
         return {name: {"ok": m.ok, "error": m.error, "reloads": m.reloads} for name, m in sorted(self.models.items())}
@@ -71,6 +81,7 @@ class StageWatchdog:
                 for m in self.models.values():
                     m.ok, m.error = False, f"Triton unreachable: {e}"
                 self.checked = True
+                self._first_round.set()
                 log.warning("watchdog: cannot check Triton at %s: %s", self.url, e)
             await asyncio.sleep(self.interval_s)
 
@@ -82,6 +93,7 @@ class StageWatchdog:
                 del self.models[name]
         await asyncio.gather(*(self._check_model(name, state) for name, state in states.items()))
         self.checked = True
+        self._first_round.set()
 
     async def _check_model(self, name: str, state: str) -> None:
         health = self.models.setdefault(name, ModelHealth())

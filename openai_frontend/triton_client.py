@@ -64,7 +64,7 @@ class TritonOmniClient(OmniClient):
 
     async def ready(self) -> bool:
         if self.watchdog is not None:
-            return self.watchdog.healthy
+            return await self.watchdog.ready()
         try:
             return bool(
                 await self._grpc().is_model_ready(self.model_name, client_timeout=self.ready_timeout_s)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 def children(pid: int) -> list[int]:
@@ -61,3 +62,36 @@ def tree_stats(pid: int) -> dict[str, int]:
         "fds": sum(_count(f"/proc/{p}/fd") for p in pids),
         "shm_segments": len(set().union(*(_shm_mapped(p) for p in pids))),
     }
+
+
+def listening_addresses(pid: int) -> set[str]:
+    """host:port of every TCP socket the process (and its children) listens on, e.g. {"127.0.0.1:8000"}."""
+    inodes = set()
+    for p in (pid, *children(pid)):
+        try:
+            for fd in os.listdir(f"/proc/{p}/fd"):
+                target = os.readlink(f"/proc/{p}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue
+    found = set()
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                host, port = cols[1].split(":")
+                found.add(f"{_ip(host, width)}:{int(port, 16)}")
+    return found
+
+
+def _ip(hex_host: str, width: int) -> str:
+    raw = bytes.fromhex(hex_host)
+    if width == 8:
+        return ".".join(str(b) for b in raw[::-1])  # little-endian IPv4
+    words = [raw[i : i + 4][::-1] for i in range(0, 16, 4)]  # IPv6: four little-endian 32-bit words
+    return socket.inet_ntop(socket.AF_INET6, b"".join(words))

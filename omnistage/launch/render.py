@@ -83,6 +83,7 @@ def profile_spec(profile: Profile, model_path: str | None = None) -> dict[str, M
             "first_chunk_frames": str(profile.chunks["first_chunk_frames"]),
             "chunk_frames": str(profile.chunks["chunk_frames"]),
             "max_inflight": str(omni.settings.get("max_inflight", 128)),
+            "max_queue": str(omni.settings.get("max_queue", 256)),
             **{f"{s}_models": ",".join(profile.stages[s].replica_names()) for s in ENGINE_STAGES},
         },
     )

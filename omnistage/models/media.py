@@ -4,6 +4,7 @@ import base64
 import binascii
 import io
 import wave
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -11,6 +12,30 @@ from omnistage.core.errors import BadRequestError
 
 SAMPLE_RATE = 16000  # the Whisper feature extractor's rate
 MIN_AUDIO_SAMPLES = 400  # one n_fft window; shorter clips yield no audio-encoder frames
+
+
+@dataclass(frozen=True)
+class MediaLimits:
+    """What one request may carry; checked before anything is decoded in full, so a request over a limit
+    costs no memory. omni_ensemble takes them from its config parameters (same names)."""
+
+    max_audio_seconds: float = 600.0  # per clip
+    max_image_pixels: int = 50_000_000  # per image, as its header declares (the processor then resizes)
+    max_media_items: int = 32  # images + audio clips per request
+
+    @classmethod
+    def from_parameters(cls, params: dict) -> "MediaLimits":
+        defaults = cls()
+        return cls(**{f.name: type(getattr(defaults, f.name))(params[f.name]) for f in fields(cls) if f.name in params})
+
+
+LIMITS = MediaLimits()  # set once per process by omni_ensemble (configure())
+
+
+def configure(limits: MediaLimits) -> None:
+    global LIMITS
+    LIMITS = limits
+
 
 _WAV_MIMES = {"audio/wav", "audio/x-wav", "audio/wave", "audio/vnd.wave"}
 _PCM_MIMES = {"audio/pcm", "audio/l16", "audio/pcm16"}
@@ -39,9 +64,13 @@ def decode_image(raw: bytes, what: str):
     from PIL import Image, UnidentifiedImageError
 
     try:
-        image = Image.open(io.BytesIO(raw))
+        image = Image.open(io.BytesIO(raw))  # reads the header only
+        width, height = image.size
+        if width * height > LIMITS.max_image_pixels:
+            raise BadRequestError(f"{what}: image of {width}x{height} pixels is over the limit of "
+                                  f"{LIMITS.max_image_pixels} pixels")  # fmt: skip
         image.load()
-    except (UnidentifiedImageError, OSError, ValueError) as e:
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
         raise BadRequestError(f"{what}: cannot decode image ({e})") from None
     return image.convert("RGB")
 
@@ -61,6 +90,7 @@ def decode_audio(raw: bytes, fmt: str, what: str) -> np.ndarray:
     elif fmt in ("pcm", "pcm16"):
         if len(raw) % 2:
             raise BadRequestError(f"{what}: s16le PCM needs an even number of bytes")
+        _check_duration(len(raw) // 2, SAMPLE_RATE, what)
         samples, rate = np.frombuffer(raw, dtype="<i2").astype(np.float32) / 32768.0, SAMPLE_RATE
     else:
         raise BadRequestError(f"{what}: unsupported audio format {fmt!r} (supported: wav, pcm)")
@@ -74,6 +104,8 @@ def _read_wav(raw: bytes, what: str) -> tuple[np.ndarray, int]:
     try:
         with wave.open(io.BytesIO(raw)) as w:
             channels, width, rate = w.getnchannels(), w.getsampwidth(), w.getframerate()
+            if rate > 0:  # before reading: a header may declare hours of audio
+                _check_duration(w.getnframes(), rate, what)
             frames = w.readframes(w.getnframes())
     except (wave.Error, EOFError) as e:
         # The stdlib reader handles integer PCM only (no float or compressed WAV).
@@ -94,6 +126,12 @@ def _read_wav(raw: bytes, what: str) -> tuple[np.ndarray, int]:
         raise BadRequestError(f"{what}: unsupported WAV sample width {width}")
     x = x[: x.size // channels * channels].reshape(-1, channels).mean(axis=1)  # downmix to mono
     return x, rate
+
+
+def _check_duration(frames: int, rate: int, what: str) -> None:
+    if frames / rate > LIMITS.max_audio_seconds:
+        raise BadRequestError(f"{what}: audio of {frames / rate:.0f} s is over the limit of "
+                              f"{LIMITS.max_audio_seconds:.0f} s")  # fmt: skip
 
 
 def _resample(x: np.ndarray, rate: int) -> np.ndarray:

@@ -118,6 +118,8 @@ def _convert_part(part, role: str, where: str, images: list, audios: list) -> di
         raise BadRequestError(f"{where}: unsupported content part type {kind!r}")
     if role != "user":
         raise BadRequestError(f"{where}: {kind} parts are only allowed in user messages")
+    if len(images) + len(audios) >= media.LIMITS.max_media_items:
+        raise BadRequestError(f"{where}: more than {media.LIMITS.max_media_items} images and audio clips")
     body = part.get(kind)
     if isinstance(body, str) and kind != "input_audio":
         body = {"url": body}

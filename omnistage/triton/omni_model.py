@@ -17,6 +17,7 @@ from ..core.chunking import ChunkSchedule
 from ..core.errors import BadRequestError, OmniError
 from ..core.protocol import SAMPLE_RATE
 from ..models.checkpoint import load_config
+from ..models import media
 from ..models.processor import load_processor, prepare_inputs
 from ..pipeline.options import OmniOptions
 from ..pipeline.request import OmniOutput, OmniRequest, thinker_inputs
@@ -47,6 +48,7 @@ class OmniModel:
         source = params["model_path"]
         self.config = load_config(source)
         self.processor = load_processor(source)
+        media.configure(media.MediaLimits.from_parameters(params))
         self.speakers = {k.lower() for k in self.config.talker_config.speaker_id}
         self.schedule = ChunkSchedule(int(params.get("first_chunk_frames", 4)), int(params.get("chunk_frames", 25)))
         # a session's stage calls all go to one replica; new sessions to the least loaded (pipeline/replicas.py)

@@ -1,18 +1,26 @@
 # Faults on the real stack (tiny checkpoint, real tritonserver, `python -m openai_frontend` with its
-# watchdog, real HTTP clients): overload is refused at once with 503 + Retry-After, clients that vanish
-# at random points free every stage within a second, and a killed stage process fails its requests
-# cleanly, turns /health to 503 and is reloaded.
+# watchdog, real HTTP clients): a short soak ends every request and leaks nothing, hostile media is a 400,
+# overload is refused at once with 503 + Retry-After, clients that vanish at random points free every
+# stage within a second, a killed stage process fails its requests cleanly, turns /health to 503 and is
+# reloaded; and the security properties: loopback only, no Triton admin through the frontend, no fetching
+# or file reading by request, the API key in no log.
 import asyncio
+import ipaddress
 import json
 import os
 import random
 import signal
+import socket
+import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
-from omnistage.launch.proc_stats import stub_pids
+from omnistage.launch.proc_stats import listening_addresses, stub_pids
+from perf.soak import run_soak
+from perf.soak_inputs import BAD_INPUTS, FRONTEND_ONLY
 from omnistage.launch.render import default_spec
 from omnistage.launch.triton_env import REPO_ROOT
 
@@ -58,6 +66,24 @@ def body(max_tokens: int, audio: bool = False, frames: int = 8, stream: bool = F
 def stages_idle(metrics: str) -> bool:
     return all(gauge(metrics, f"omni_{s}_{g}") == 0 for s in ("thinker", "talker")
                for g in ("slots_in_use", "requests_waiting", "responses_pending"))  # fmt: skip
+
+
+def test_short_soak_every_request_ends_and_nothing_grows(frontend, triton_server):
+    """CI's version of perf/soak.py: 32 clients, mixed requests, a quarter of them leaving early."""
+    result = run_soak(frontend.url, triton_server.metrics_url, triton_server.server.process.pid, frontend.proc.pid,
+                      duration_s=20, concurrency=32, warmup_s=5)  # fmt: skip
+    print({k: v for k, v in result.__dict__.items() if k not in ("before", "after")})
+    assert result.ok, result.problems
+    assert result.completed >= 32 and result.cancelled_by_client >= 5 and len(result.kinds) >= 6, result
+
+
+@pytest.mark.parametrize("name", [n for n in BAD_INPUTS if n not in FRONTEND_ONLY])
+def test_hostile_media_is_a_400_and_the_server_stays_healthy(frontend, name):
+    content, headers = BAD_INPUTS[name]
+    r = httpx.post(f"{frontend.url}/v1/chat/completions", content=content(), headers=headers, timeout=120)
+    assert r.status_code == 400, (r.status_code, r.text[:300])
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    assert httpx.get(f"{frontend.url}/health").status_code == 200
 
 
 def test_overload_is_refused_at_once_with_503_and_retry_after(frontend, triton_server):
@@ -146,3 +172,75 @@ def test_killed_stage_fails_its_requests_turns_health_503_and_is_reloaded(fronte
     r = httpx.post(f"{frontend.url}/v1/chat/completions", json=body(3, audio=True, frames=6), timeout=120)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["audio"]["data"]
     print(f"stream ended {ended:.2f}s after the kill; /health 503 after {detect:.2f}s; healthy again {back:.2f}s later")
+
+
+def test_every_port_is_loopback_only(frontend, triton_server):
+    ports = listening_addresses(triton_server.server.process.pid) | listening_addresses(frontend.proc.pid)
+    assert len(ports) >= 4, ports  # Triton HTTP, gRPC, metrics; the frontend
+    hosts = [ipaddress.ip_address(p.rsplit(":", 1)[0]) for p in ports]
+    # gRPC listens on an IPv6 socket bound to the IPv4-mapped loopback (::ffff:127.0.0.1): loopback too
+    assert all((getattr(h, "ipv4_mapped", None) or h).is_loopback for h in hosts), ports
+
+
+@pytest.mark.parametrize("method, path", [
+    ("POST", "/v2/repository/models/talker/unload"), ("POST", "/v2/repository/models/talker/load"),
+    ("POST", "/v2/repository/index"), ("POST", "/v2/systemsharedmemory/region/x/register"),
+    ("POST", "/v2/cudasharedmemory/region/x/register"), ("GET", "/v2/systemsharedmemory/status"),
+    ("POST", "/v2/models/omni_ensemble/infer"), ("POST", "/v2/logging"), ("GET", "/v2/trace/setting"),
+])  # fmt: skip
+def test_triton_admin_endpoints_are_not_reachable_through_the_frontend(frontend, triton_server, method, path):
+    r = httpx.request(method, f"{frontend.url}{path}", json={})
+    assert r.status_code == 404, (r.status_code, r.text[:200])
+    index = triton_server.grpc_client().get_model_repository_index(as_json=True)["models"]
+    assert all(m["state"] == "READY" for m in index), index
+
+
+def test_no_request_field_fetches_a_url_or_reads_a_file(frontend):
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.settimeout(0.2)
+    port, accepted = listener.getsockname()[1], []
+
+    def watch():
+        end = time.monotonic() + 8
+        while time.monotonic() < end:
+            try:
+                accepted.append(listener.accept())
+            except OSError:
+                pass
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    urls = [f"http://127.0.0.1:{port}/a.png", f"https://127.0.0.1:{port}/a.png", "file:///etc/passwd", "/etc/passwd",
+            f"ftp://127.0.0.1:{port}/a", "data:image/png;base64,"]  # fmt: skip
+    for url in urls:
+        for part in ({"type": "image_url", "image_url": {"url": url}}, {"type": "audio_url", "audio_url": {"url": url}},
+                     {"type": "input_audio", "input_audio": {"data": url, "format": "wav"}}):  # fmt: skip
+            body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}], "max_tokens": 2}
+            r = httpx.post(f"{frontend.url}/v1/chat/completions", json=body, timeout=60)
+            assert r.status_code == 400, (url, part["type"], r.status_code, r.text[:200])
+            assert "root:" not in r.text  # nothing of a local file comes back
+    watcher.join()
+    listener.close()
+    assert accepted == [], "the server connected to a URL given in a request"
+
+
+def test_the_api_key_appears_in_no_log(triton_server, monkeypatch):
+    key = "sk-omnistage-" + os.urandom(12).hex()
+    monkeypatch.setenv("OMNISTAGE_API_KEY", key)  # the environment, not argv: argv is public in `ps`
+    with FrontendProcess("--triton-url", triton_server.grpc_url, "--log-level", "debug") as f:
+        wait_for(lambda: httpx.get(f"{f.url}/health").status_code == 200, 60, "health")
+        good = {"Authorization": f"Bearer {key}"}
+        assert httpx.post(f"{f.url}/v1/chat/completions", json=body(2), headers=good, timeout=60).status_code == 200
+        for wrong in (key[:-1], key + "x", key.upper()):
+            r = httpx.post(f"{f.url}/v1/chat/completions", json=body(2), headers={"Authorization": f"Bearer {wrong}"})
+            assert r.status_code == 401 and key not in r.text
+        bad = httpx.post(f"{f.url}/v1/chat/completions", json={"messages": key}, headers=good)
+        assert bad.status_code == 400 and key not in bad.text  # an echoed field would leak it
+        pages = [httpx.get(f"{f.url}{p}", headers=good).text for p in ("/health", "/metrics", "/v1/models")]
+        assert all(key not in page for page in pages)
+        assert key not in " ".join(Path(f"/proc/{f.proc.pid}/cmdline").read_text().split("\0"))
+    log = f.output + triton_server.server.log_path.read_text(errors="replace")
+    assert "POST /v1/chat/completions" in log  # the frontend did log the requests, at debug level
+    assert key not in log and key[:-1] not in log

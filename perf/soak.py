@@ -1,0 +1,258 @@
+# Soak and fault script: a bounded mixed load on the OpenAI frontend (streamed and not, text and spoken
+# replies, text and audio prompts, clients that leave at random points), then checks that every request
+# ended (no hang, no 5xx) and that nothing grew: the stages' KV slots and open response streams, Triton's
+# pending requests, the threads / file descriptors / shared-memory segments of tritonserver (with its
+# stubs) and of the frontend. Optional phases: bad inputs (each must be a 4xx, the server healthy after)
+# and a killed stage process (its requests end with an error, /health goes 503 and comes back).
+#
+#   python -m perf.soak --model checkpoints/tiny --duration 300 --concurrency 32 --faults --out soak.json
+#
+# run_soak() is also what the CI test (tests/triton/test_reliability.py) calls, for 20 seconds.
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import signal
+import sys
+import time
+import urllib.request
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+from omnistage.launch.proc_stats import stub_pids, tree_stats
+from perf.soak_inputs import BAD_INPUTS, spoken_prompt, tiny_wav_b64
+
+HUNG_AFTER_S = 120.0  # a request still open after this counts as hung
+IDLE_GAUGES = ("slots_in_use", "requests_waiting", "responses_pending")
+
+
+@dataclass
+class SoakResult:
+    duration_s: float = 0.0
+    concurrency: int = 0
+    requests: int = 0
+    completed: int = 0
+    cancelled_by_client: int = 0
+    hung: int = 0
+    statuses: dict = field(default_factory=dict)
+    in_stream_errors: list = field(default_factory=list)
+    kinds: dict = field(default_factory=dict)
+    idle_after_s: float | None = None
+    before: dict = field(default_factory=dict)
+    after: dict = field(default_factory=dict)
+    problems: list = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _gauges(metrics_url: str) -> dict[str, float]:
+    with urllib.request.urlopen(metrics_url, timeout=5) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for name, value in re.findall(r"^(omni_\w+?|nv_inference_pending_request_count)\{[^}]*\} (\S+)$", text, re.M):
+        out[name] = out.get(name, 0.0) + float(value)
+    return out
+
+
+def _idle(metrics_url: str) -> bool:
+    g = _gauges(metrics_url)
+    busy = [k for k, v in g.items() if v and (k.endswith(IDLE_GAUGES) or k == "nv_inference_pending_request_count")]
+    return not busy
+
+
+def snapshot(metrics_url: str, triton_pid: int, frontend_pid: int) -> dict:
+    g = _gauges(metrics_url)
+    kept = {k: v for k, v in g.items() if k.endswith(IDLE_GAUGES) or k == "nv_inference_pending_request_count"}
+    return {"triton": tree_stats(triton_pid), "frontend": tree_stats(frontend_pid), "gauges": kept}
+
+
+def _body(rng: random.Random, wav: str) -> tuple[dict, str]:
+    stream, spoken, audio_in = rng.random() < 0.5, rng.random() < 0.5, rng.random() < 0.3
+    content = spoken_prompt(rng) if not audio_in else [
+        {"type": "text", "text": "Repeat this."}, {"type": "input_audio", "input_audio": {"data": wav, "format": "wav"}}]
+    frames = rng.randint(4, 30)
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": rng.randint(2, 24),
+            "modalities": ["text", "audio"] if spoken else ["text"], "stream": stream,
+            "sampling_params_list": [{"temperature": 0.7, "ignore_eos": True},
+                                     {"max_tokens": frames, "ignore_eos": True}]}  # fmt: skip
+    kind = f"{'stream' if stream else 'json'}/{'audio' if spoken else 'text'}-out/{'audio' if audio_in else 'text'}-in"
+    return body, kind
+
+
+async def _one(http: httpx.AsyncClient, body: dict, leave_after: int | None, result: SoakResult) -> None:
+    """One request; leave_after: close the connection after that many SSE events (or, not streamed, after
+    that many tenths of a second), like a client that goes away."""
+    if not body["stream"]:
+        task = asyncio.ensure_future(http.post("/v1/chat/completions", json=body))
+        done, _ = await asyncio.wait({task}, timeout=None if leave_after is None else leave_after / 10)
+        if not done:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            result.cancelled_by_client += 1
+            return
+        r = task.result()
+        result.statuses[r.status_code] = result.statuses.get(r.status_code, 0) + 1
+        result.completed += r.status_code == 200
+        return
+    async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        result.statuses[r.status_code] = result.statuses.get(r.status_code, 0) + 1
+        events = 0
+        async for line in r.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            events += 1
+            if line.startswith('data: {"error"'):
+                result.in_stream_errors.append(json.loads(line[6:])["error"]["message"])
+            if line == "data: [DONE]":
+                result.completed += r.status_code == 200
+                return
+            if leave_after is not None and events >= leave_after:
+                result.cancelled_by_client += 1
+                return
+
+
+async def load(api_url: str, duration_s: float, concurrency: int, cancel_fraction: float, seed: int) -> SoakResult:
+    result = SoakResult(duration_s=duration_s, concurrency=concurrency)
+    rng, wav, kinds = random.Random(seed), tiny_wav_b64(), Counter()
+    deadline = time.monotonic() + duration_s
+
+    async def worker(http: httpx.AsyncClient) -> None:
+        while time.monotonic() < deadline:
+            body, kind = _body(rng, wav)
+            leave = rng.choice([1, 2, 3, 8, 20]) if rng.random() < cancel_fraction else None
+            kinds[kind] += 1
+            result.requests += 1
+            try:
+                await asyncio.wait_for(_one(http, body, leave, result), HUNG_AFTER_S)
+            except asyncio.TimeoutError:
+                result.hung += 1
+            except httpx.HTTPError as e:  # the server closed on us: as bad as a 5xx
+                result.statuses[type(e).__name__] = result.statuses.get(type(e).__name__, 0) + 1
+
+    limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=api_url, timeout=HUNG_AFTER_S + 10, limits=limits) as http:
+        await asyncio.gather(*(worker(http) for _ in range(concurrency)))
+    result.kinds = dict(kinds)
+    return result
+
+
+def run_soak(api_url: str, metrics_url: str, triton_pid: int, frontend_pid: int, *, duration_s: float = 300,
+             concurrency: int = 32, cancel_fraction: float = 0.25, seed: int = 0, warmup_s: float = 10,
+             thread_slack: int = 16, fd_slack: int = 16) -> SoakResult:  # fmt: skip
+    """Warm-up at full concurrency (lazily grown pools fill), snapshot, the soak, wait idle, snapshot."""
+    asyncio.run(load(api_url, warmup_s, concurrency, cancel_fraction, seed + 1))
+    _wait(lambda: _idle(metrics_url), 30)
+    before = snapshot(metrics_url, triton_pid, frontend_pid)
+    result = asyncio.run(load(api_url, duration_s, concurrency, cancel_fraction, seed))
+    result.idle_after_s = _wait(lambda: _idle(metrics_url), 30)
+    time.sleep(1.0)  # let finished threads exit before counting
+    result.before, result.after = before, snapshot(metrics_url, triton_pid, frontend_pid)
+    p = result.problems
+    if result.hung:
+        p.append(f"{result.hung} requests hung (open after {HUNG_AFTER_S:.0f}s)")
+    bad = {k: v for k, v in result.statuses.items() if not isinstance(k, int) or k >= 500}
+    if bad:
+        p.append(f"server errors: {bad}")
+    if result.in_stream_errors:
+        p.append(f"{len(result.in_stream_errors)} in-stream errors, e.g. {result.in_stream_errors[0]}")
+    if result.idle_after_s is None:
+        p.append(f"stages not idle 30s after the load: {result.after['gauges']}")
+    for proc in ("triton", "frontend"):
+        b, a = result.before[proc], result.after[proc]
+        for key, slack in (("threads", thread_slack), ("fds", fd_slack), ("shm_segments", 0), ("processes", 0)):
+            if a[key] > b[key] + slack:
+                p.append(f"{proc} {key} grew {b[key]} -> {a[key]}")
+    return result
+
+
+def _wait(predicate, timeout: float) -> float | None:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if predicate():
+            return round(time.monotonic() - start, 3)
+        time.sleep(0.1)
+    return None
+
+
+def bad_inputs(api_url: str) -> dict:
+    """Every bad input must be answered 4xx; the server is healthy after all of them."""
+    answers = {}
+    with httpx.Client(base_url=api_url, timeout=120) as http:
+        for name, (content, headers) in BAD_INPUTS.items():
+            r = http.post("/v1/chat/completions", content=content(), headers=headers)
+            answers[name] = r.status_code
+        healthy = http.get("/health").status_code == 200
+    return {"answers": answers, "all_4xx": all(400 <= s < 500 for s in answers.values()), "healthy_after": healthy}
+
+
+def kill_stage(api_url: str, triton_pid: int, model: str = "talker") -> dict:
+    """Kill a stage's stub while a spoken reply streams; report how the request ended and the recovery."""
+    body = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 300, "stream": True,
+            "modalities": ["text", "audio"], "sampling_params_list": [{"ignore_eos": True}, {"max_tokens": 250, "ignore_eos": True}]}  # fmt: skip
+    victim = stub_pids(triton_pid)[model][0]
+    out: dict = {"model": model, "pid": victim}
+    with httpx.Client(base_url=api_url, timeout=60) as http, http.stream("POST", "/v1/chat/completions", json=body) as r:
+        events, last = 0, ""
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                events += 1
+                last = line
+                if events == 3:
+                    signal_time = time.monotonic()
+                    import os
+
+                    os.kill(victim, signal.SIGKILL)
+        out["request_ended_s"] = round(time.monotonic() - signal_time, 2)
+        out["ended_with"] = last[:200]
+    with httpx.Client(base_url=api_url, timeout=10) as http:
+        out["health_503"] = _wait(lambda: http.get("/health").status_code == 503, 10) is not None
+        out["healthy_again_s"] = _wait(lambda: http.get("/health").status_code == 200, 120)
+        ok = http.post("/v1/chat/completions", json=dict(body, stream=False, max_tokens=3), timeout=120)
+        out["served_after"] = ok.status_code
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m perf.soak", description=__doc__)
+    ap.add_argument("--model", default="checkpoints/tiny")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--duration", type=float, default=300.0)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--cancel-fraction", type=float, default=0.25)
+    ap.add_argument("--faults", action="store_true", help="then bad inputs and a killed talker stub")
+    ap.add_argument("--run-dir", type=Path, default=Path(".run/soak"))
+    ap.add_argument("--out", type=Path, default=Path("soak.json"))
+    args = ap.parse_args(argv)
+    from perf.bench_server import BenchServer
+    from omnistage.launch.process import free_ports
+
+    http_port, grpc_port, metrics_port, api_port = free_ports(4)
+    server = BenchServer(args.model, args.device, args.run_dir, http_port=http_port, grpc_port=grpc_port,
+                         metrics_port=metrics_port, api_port=api_port)  # fmt: skip
+    report: dict = {"command": " ".join(["python -m perf.soak", *(argv or sys.argv[1:])])}
+    try:
+        server.start(900)
+        t0 = time.monotonic()
+        result = run_soak(server.api_url, server.triton.metrics_url, server.triton.process.pid, server.frontend.pid,
+                          duration_s=args.duration, concurrency=args.concurrency, cancel_fraction=args.cancel_fraction)  # fmt: skip
+        report["soak"] = asdict(result) | {"ok": result.ok, "wall_s": round(time.monotonic() - t0, 1)}
+        if args.faults:
+            report["bad_inputs"] = bad_inputs(server.api_url)
+            report["kill_stage"] = kill_stage(server.api_url, server.triton.process.pid)
+    finally:
+        server.stop()
+        args.out.write_text(json.dumps(report, indent=2, default=str))
+    print(json.dumps(report, indent=2, default=str))
+    return 0 if report.get("soak", {}).get("ok") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
