@@ -26,7 +26,7 @@ _KEYS = {
     "thinker": _PLACED | {"max_batch_size", "max_seq_len", "max_queue", "max_prefills_per_step", "sampling",
                           "experts_implementation"},  # fmt: skip
     "code2wav": _PLACED | {"max_batch_size"},
-    "omni_ensemble": {"replicas", "max_inflight", "max_queue"},
+    "omni_ensemble": {"replicas", "max_inflight", "max_queue", "max_audio_seconds", "max_image_pixels", "max_media_items"},
 }
 _KEYS["talker"] = _KEYS["thinker"]
 _TOP_KEYS = {"base", "description", "platform", "dtype", "model", "stages", "chunks", "platforms"}

@@ -84,6 +84,9 @@ def profile_spec(profile: Profile, model_path: str | None = None) -> dict[str, M
             "chunk_frames": str(profile.chunks["chunk_frames"]),
             "max_inflight": str(omni.settings.get("max_inflight", 128)),
             "max_queue": str(omni.settings.get("max_queue", 256)),
+            # request media limits (omnistage.models.media.MediaLimits); unset: its defaults
+            **{k: str(omni.settings[k]) for k in ("max_audio_seconds", "max_image_pixels", "max_media_items")
+               if omni.settings.get(k) is not None},
             **{f"{s}_models": ",".join(profile.stages[s].replica_names()) for s in ENGINE_STAGES},
         },
     )
