@@ -2,15 +2,19 @@
 # stub process that died nor reports its model unready (is_model_ready stays true), so readiness alone
 # proves nothing: every `interval_s` each model gets a probe request (parameter action=probe, answered
 # at once by the model's execute(), so it passes only if the stub runs). A model whose probe answers
-# "Stub process ... is not healthy" is dead: it is reloaded through Triton's model-control API (the
-# server must run with --model-control-mode=explicit), which starts a fresh stub in seconds. Requests in
-# flight on the dead stub already ended with that error (the backend fails them), so nothing hangs.
+# "Stub process ... is not healthy" is down (/health 503 at once) and, when that persists for
+# `confirm_probes` probes in a row, dead: it is reloaded through Triton's model-control API (the server
+# must run with --model-control-mode=explicit), which starts a fresh stub in seconds. Confirming first
+# matters: the backend also says "not healthy" when a live stub misses its 1 s health-lock deadline on a
+# starved CPU, and reloading a live model strands its in-flight requests (measured: they never end). So
+# before a reload the `on_reload` callbacks run: the client fails its open requests to this server.
 # `/health` is ready only while every model is READY and its latest probe passed.
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,13 +35,15 @@ class ModelHealth:
     error: str | None = "not probed yet"
     reloads: int = 0
     last_reload: float = 0.0
+    failures: int = 0  # failed probes in a row
 
 
 class StageWatchdog:
     def __init__(self, url: str, *, interval_s: float = 1.0, timeout_s: float = 10.0, reload: bool = True,
-                 reload_backoff_s: float = 10.0):  # fmt: skip
+                 reload_backoff_s: float = 10.0, confirm_probes: int = 3):  # fmt: skip
         self.url, self.interval_s, self.timeout_s = url, interval_s, timeout_s
-        self.reload, self.reload_backoff_s = reload, reload_backoff_s
+        self.reload, self.reload_backoff_s, self.confirm_probes = reload, reload_backoff_s, confirm_probes
+        self.on_reload: list[Callable[[str], None]] = []  # called with the model's name before its reload
         self.models: dict[str, ModelHealth] = {}
         self.checked = False  # one full round done
         self._first_round = asyncio.Event()
@@ -101,12 +107,13 @@ class StageWatchdog:
         if error is None:
             if not health.ok:
                 log.info("watchdog: %s is serving", name)
-            health.ok, health.error = True, None
+            health.ok, health.error, health.failures = True, None, 0
             return
         if health.ok or health.error != error:
             log.warning("watchdog: %s is down: %s", name, error)
         health.ok, health.error = False, error
-        dead = STUB_DEAD_MARK in error or state == "UNAVAILABLE"
+        health.failures += 1
+        dead = (STUB_DEAD_MARK in error or state == "UNAVAILABLE") and health.failures >= self.confirm_probes
         if dead and self.reload and time.monotonic() - health.last_reload >= self.reload_backoff_s:
             await self._reload(name, health)
 
@@ -151,6 +158,8 @@ class StageWatchdog:
         health.last_reload = time.monotonic()
         health.reloads += 1
         log.warning("watchdog: reloading %s (reload #%d)", name, health.reloads)
+        for callback in self.on_reload:
+            callback(name)
         started = time.monotonic()
         try:
             await self._client.load_model(name)

@@ -10,6 +10,7 @@
 # cancel. After the final response the call is left to end by itself (Triton closes the stream).
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -18,7 +19,7 @@ import grpc
 from tritonclient.grpc import aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from omnistage.core.errors import EngineError, OmniError
+from omnistage.core.errors import EngineError, OmniError, StageUnavailableError
 from omnistage.core.protocol import OMNI
 
 from openai_frontend.omni_client import OmniChunk, OmniClient
@@ -46,6 +47,9 @@ class TritonOmniClient(OmniClient):
         # with a watchdog, ready means every model of the server answers probes (stage_watchdog.py), and
         # a model whose stub died is reloaded; without, Triton's model readiness (blind to dead stubs)
         self.watchdog = watchdog
+        self._open: dict[Any, bool] = {}  # open Triton streams -> failed by a model reload
+        if watchdog is not None:
+            watchdog.on_reload.append(self._fail_open_streams)
         self._client: grpcclient.InferenceServerClient | None = None
 
     def _grpc(self) -> grpcclient.InferenceServerClient:
@@ -54,6 +58,13 @@ class TritonOmniClient(OmniClient):
         if self._client is None:
             self._client = grpcclient.InferenceServerClient(self.url)
         return self._client
+
+    def _fail_open_streams(self, model: str) -> None:
+        # A reload strands the requests in flight on the old model instance (they never end), so they end
+        # here, as a 503 the client may retry.
+        for responses in list(self._open):
+            self._open[responses] = True
+            responses.cancel()
 
     async def start(self) -> None:
         if self.watchdog is not None:
@@ -94,6 +105,7 @@ class TritonOmniClient(OmniClient):
             raise TritonUnavailableError(f"cannot reach Triton at {self.url}: {exc}") from exc
         decoder = ResponseDecoder()
         finished = False
+        self._open[responses] = False
         try:
             async for result, error in responses:
                 if error is not None:
@@ -108,9 +120,14 @@ class TritonOmniClient(OmniClient):
                     raise EngineError(f"{self.model_name} closed the stream before its final response")
                 finished = True
                 chunk = OmniChunk(finish_reason=decoder.finish_reason, usage=decoder.usage)
-        except grpc.aio.AioRpcError as exc:
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
+            if self._open.get(responses):
+                raise StageUnavailableError(f"Triton at {self.url} is restarting a failed model; retry") from exc
+            if isinstance(exc, asyncio.CancelledError):
+                raise
             raise _rpc_error(exc, self.url) from exc
         finally:
+            self._open.pop(responses, None)
             if not finished:
                 responses.cancel()
         yield chunk  # the final chunk, once the call needs no cancelling

@@ -113,6 +113,7 @@ def test_overload_is_refused_at_once_with_503_and_retry_after(frontend, triton_s
     # refused without queueing: while the admitted ones were still draining through 4 slots
     assert max(dt for _, dt in refused) < max(dt for _, dt in served)
     assert httpx.get(f"{frontend.url}/health").status_code == 200
+    wait_for(lambda: gauge(triton_server.metrics(), "omni_requests_refused_total") >= len(refused), 5, "the refusal count")
 
 
 def test_random_disconnects_free_every_stage_within_a_second(frontend, triton_server):
@@ -244,3 +245,37 @@ def test_the_api_key_appears_in_no_log(triton_server, monkeypatch):
     log = f.output + triton_server.server.log_path.read_text(errors="replace")
     assert "POST /v1/chat/completions" in log  # the frontend did log the requests, at debug level
     assert key not in log and key[:-1] not in log
+
+
+@pytest.mark.parametrize("drain_s, finishes", [(60, True), (1, False)])
+def test_sigterm_drains_in_flight_requests_up_to_the_timeout(triton_server, drain_s, finishes):
+    """SIGTERM: no new connections, in-flight streams finish (or, past --shutdown-timeout, are cancelled
+    and their stages freed); then the process exits."""
+    with FrontendProcess("--triton-url", triton_server.grpc_url, "--shutdown-timeout", str(drain_s)) as f:
+        wait_for(lambda: httpx.get(f"{f.url}/health").status_code == 200, 60, "health")
+        lines: list[str] = []
+
+        def stream():
+            with httpx.stream("POST", f"{f.url}/v1/chat/completions", json=body(120, audio=True, frames=60, stream=True),
+                              timeout=120) as r:  # fmt: skip
+                try:
+                    lines.extend(line for line in r.iter_lines() if line.startswith("data:"))
+                except httpx.HTTPError:
+                    lines.append("cut")
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        wait_for(lambda: gauge(triton_server.metrics(), "omni_thinker_slots_in_use") >= 1, 60, "the request to run")
+        f.proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        time.sleep(0.5)
+        with pytest.raises(httpx.TransportError):  # no new connections while draining
+            httpx.get(f"{f.url}/health", timeout=2)
+        reader.join(120)
+        f.proc.wait(60)
+        exited = time.monotonic() - t0
+    if finishes:
+        assert lines[-1] == "data: [DONE]" and not any("error" in line for line in lines[:-1]), lines[-3:]
+    else:
+        assert lines[-1:] != ["data: [DONE]"] and exited < drain_s + 10, (exited, lines[-2:])
+    wait_for(lambda: stages_idle(triton_server.metrics()), 10, "the stages to be idle after the shutdown")
