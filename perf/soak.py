@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import re
 import signal
@@ -204,11 +205,9 @@ def kill_stage(api_url: str, triton_pid: int, model: str = "talker") -> dict:
         for line in r.iter_lines():
             if line.startswith("data:"):
                 events += 1
-                last = line
+                last = line if line != "data: [DONE]" else last  # the event before [DONE]: the error
                 if events == 3:
                     signal_time = time.monotonic()
-                    import os
-
                     os.kill(victim, signal.SIGKILL)
         out["request_ended_s"] = round(time.monotonic() - signal_time, 2)
         out["ended_with"] = last[:200]
