@@ -60,6 +60,7 @@ class OmniModel:
         self.admission = Admission("omni_ensemble", int(params.get("max_inflight", 128)),
                                    int(params.get("max_queue", 256)))  # fmt: skip
         self.requests: dict[str, OmniRequest] = {}
+        self.left_while_queued: set[str] = set()  # cancelled before their OmniRequest existed
         self.clocks: dict[str, AudioClock] = {}
         self.responder = Responder("omni_ensemble", self.encode, self._cancel)
         self.responder.start()
@@ -115,7 +116,7 @@ class OmniModel:
             request = OmniRequest(session, inputs, options, self.stages, self.processor.tokenizer, self.schedule, emit,
                                   on_hop)  # fmt: skip
             self.requests[session] = request  # from here on _cancel() reaches it
-            if self.responder.is_cancelled(session):  # the client left while it was queued
+            if session in self.left_while_queued:  # the client left while it was queued
                 emit(None, "abort", None)
                 return
             try:
@@ -134,6 +135,7 @@ class OmniModel:
             clock.last_audio = time.perf_counter()
         if reason is not None or error is not None:
             self.requests.pop(session, None)
+            self.left_while_queued.discard(session)
             self.clocks.pop(session, None)
             if clock is not None and clock.audio_samples and error is None and reason != "abort":
                 self.metrics.observe("omni_audio_rtf", (clock.last_audio - clock.start) / (clock.audio_samples / SAMPLE_RATE))
@@ -168,9 +170,13 @@ class OmniModel:
 
     def _cancel(self, session: str) -> None:
         request = self.requests.get(session)
-        if request is not None:
-            log.info("[omni_ensemble] request %s cancelled by the client", session)
-            request.cancel()
+        if request is None:  # still waiting for its turn; _serve() ends it when the turn comes
+            self.left_while_queued.add(session)
+            request = self.requests.get(session)  # unless _serve() registered it in between
+            if request is None:
+                return
+        log.info("[omni_ensemble] request %s cancelled by the client", session)
+        request.cancel()
 
     def _sample(self):
         sessions = [("omni_replica_sessions", {"stage": stage, "replica": replica}, n)

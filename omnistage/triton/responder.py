@@ -66,9 +66,6 @@ class Responder:
         """Engine callback: must not block."""
         self._queue.put((request_id, output, finish_reason, error))
 
-    def is_cancelled(self, request_id: str) -> bool:
-        return request_id in self._cancelled
-
     @property
     def active(self) -> int:
         return len(self._senders)
