@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         "openai_frontend",
         [sys.executable, "-m", "openai_frontend", "--triton-url", triton.grpc_url, "--host", args.host,
          "--port", str(args.api_port), "--voices", ",".join(speaker_names(args.model or profile.model)),
-         "--shutdown-timeout", str(args.drain_timeout), "--probe-interval", str(args.probe_interval)],
+         "--shutdown-timeout", str(args.drain_timeout),
+         *(["--probe-interval", str(args.probe_interval)] if args.probe_interval > 0 else ["--no-stage-probes"])],
         env=None,
         log_path=args.run_dir / "openai_frontend.log",
         cwd=REPO_ROOT,  # `-m openai_frontend` resolves from the checkout even when not pip-installed
