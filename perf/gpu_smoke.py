@@ -6,7 +6,10 @@
 from __future__ import annotations
 
 import json
+import os
+import queue
 import re
+import tarfile
 import sys
 import threading
 import time
@@ -25,12 +28,16 @@ PROMPT = [{"role": "system", "content": "You are a text-to-speech engine. Speak 
           {"role": "user", "content": "The quick brown fox jumps over the lazy dog near the quiet river bank."}]  # fmt: skip
 
 
-def serve(model: str, run_dir: Path, **overrides) -> TritonServer:
+def serve(model: str, run_dir: Path, handoff: str = "gpu", **overrides) -> TritonServer:
     spec = default_spec(model, "cuda")
+    for params in (m.parameters for m in spec.values()):
+        params["handoff"] = handoff
     for name, params in overrides.items():
         spec[name].parameters.update(params)
     repo = render_repository(REPO_ROOT / "model_repository", run_dir / "model_repository", spec)
-    server = TritonServer.on_free_ports(repo, run_dir, gpus=[0])
+    # each stub's stacks (SIGUSR1, dump_stacks) go to its own file there; see omnistage/triton/logs.py
+    env = dict(os.environ, OMNI_STACKS_DIR=str(run_dir / "stacks"))
+    server = TritonServer.on_free_ports(repo, run_dir, gpus=[0], env=env)
     t0 = time.time()
     server.start_and_wait(timeout=400)
     print(f"[smoke] {model} ready in {time.time() - t0:.1f}s", flush=True)
@@ -49,7 +56,11 @@ def stage_metrics(server) -> dict:
 
 def timed(url, messages, params) -> dict:
     s = OmniStream(url, messages, params)
-    r = s.run(timeout=60)
+    try:
+        r = s.run(timeout=60)
+    except queue.Empty:  # hung: leave every stub's stacks in the server log for the report
+        dump_stacks()
+        return {"error": "no response for 60 s"}
     audio_t = [t for t, k in r.events if k == "audio"]
     text_t = [t for t, k in r.events if k == "text"]
     audio_s = len(r.waveform) / 24000
@@ -89,8 +100,8 @@ def dump_stacks() -> None:
     subprocess.run(["pkill", "-USR1", "-f", "triton_python_backend_stub"], check=False)
 
 
-def main(out: str, tiny_too: bool = False) -> None:
-    report = {"note": "full-size Qwen3-Omni config, DUMMY random bf16 weights, eager stages (no CUDA graphs)"}
+def main(out: str, handoffs: list[str], tiny_too: bool = False) -> None:
+    report = {"note": "full-size Qwen3-Omni config, DUMMY random bf16 weights, thinker/talker decode as CUDA graphs"}
     run = Path("/tmp/smoke")
     if tiny_too:
         from omnistage.models.tiny_checkpoint import make_tiny_checkpoint
@@ -103,29 +114,42 @@ def main(out: str, tiny_too: bool = False) -> None:
         finally:
             server.stop()
         Path(out).write_text(json.dumps(report, indent=1))
-    server = serve(f"dummy:{FULL_CONFIG}", run / "full_run",
-                   thinker={"max_seq_len": "1024"}, talker={"max_seq_len": "1024"})  # fmt: skip
-    stop = threading.Event()
-    threading.Thread(target=watch, args=(server, stop), daemon=True).start()
-    try:
-        report["full_single"] = [timed(server.grpc_url, PROMPT, W1) for _ in range(2)]
-        report["metrics_after_single"] = stage_metrics(server)
-        for n in (16, 64):
-            report[f"full_burst_{n}"] = burst(server.grpc_url, n)
-            if report[f"full_burst_{n}"]["ok"] < n:
-                dump_stacks()
-                time.sleep(2)
-                break
-            report[f"metrics_after_{n}"] = stage_metrics(server)
-            print(json.dumps(report[f"full_burst_{n}"]), flush=True)
-            Path(out).write_text(json.dumps(report, indent=1))
-    finally:
-        stop.set()
-        print(server.log_tail(60))
-        server.stop()
-    Path(out).write_text(json.dumps(report, indent=1))
+    for handoff in handoffs:
+        report[handoff] = smoke_full(run / f"full_{handoff}", handoff, Path(out).parent / f"evidence-{handoff}.tar.gz")
+        Path(out).write_text(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1))
 
 
+def smoke_full(run_dir: Path, variant: str, evidence: Path) -> dict:
+    """Single W1 requests, then bursts (SMOKE_BURSTS, default 16,64) on one server; stops at the first burst
+    that fails and packs every stub's stacks and the server log (the evidence) into one tarball.
+    variant: the handoff of every model (gpu, cpu), or mixed: stages gpu, omni_ensemble's replies cpu."""
+    report = {"handoff": variant}
+    ensemble = {"handoff": "cpu"} if variant == "mixed" else {}
+    server = serve(f"dummy:{FULL_CONFIG}", run_dir, "gpu" if variant == "mixed" else variant,
+                   thinker={"max_seq_len": "1024"}, talker={"max_seq_len": "1024"}, omni_ensemble=ensemble)  # fmt: skip
+    stop = threading.Event()
+    threading.Thread(target=watch, args=(server, stop), daemon=True).start()
+    try:
+        report["single"] = [timed(server.grpc_url, PROMPT, W1) for _ in range(2)]
+        report["metrics_after_single"] = stage_metrics(server)
+        for n in [int(b) for b in os.environ.get("SMOKE_BURSTS", "16,64").split(",")]:
+            report[f"burst_{n}"] = burst(server.grpc_url, n)
+            print(json.dumps(report[f"burst_{n}"]), flush=True)
+            if report[f"burst_{n}"]["ok"] < n:
+                dump_stacks()
+                time.sleep(3)
+                break
+            report[f"metrics_after_{n}"] = stage_metrics(server)
+    finally:
+        stop.set()
+        print("\n".join(line for line in server.log_tail(200).splitlines() if not line.startswith(("|", "+"))))
+        server.stop()
+        with tarfile.open(evidence, "w:gz") as tar:
+            for path in [*sorted(run_dir.glob("stacks/*")), *sorted(run_dir.glob("*.log"))]:
+                tar.add(path, arcname=path.name)
+    return report
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2].split(",") if len(sys.argv) > 2 else ["gpu"])

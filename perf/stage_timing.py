@@ -88,16 +88,21 @@ def thinker_times(report, source, config, dev, dtype, kw, params, prompt) -> Non
 
 def talker_times(report, source, config, dev, dtype, kw, params, prompt) -> None:
     talker = load_stage(source, "talker", dtype, dev, experts_implementation="grouped_mm")
+    prompts = talker_prompts(config, prompt, max(BATCHES))
+    picks = {mode: talker_mode(report, mode, talker, config, kw, params, prompts, dev) for mode in ("eager", "graphs")}
+    report["talker_graph_eager_greedy_agreement"] = greedy_agreement(picks["eager"], picks["graphs"])
+    print(json.dumps(report), flush=True)
+
+
+def talker_prompts(config, prompt: int, n: int) -> list[TalkerPrompt]:
+    """n copies of a talker prompt as the thinker hands it over: conditioning of a prompt-token turn, 20 rows."""
     g = torch.Generator().manual_seed(1)
     d = config.thinker_config.text_config.hidden_size
     cond = TalkerConditioning(torch.randn(prompt - 10, d, generator=g) * 0.02,
                               torch.zeros(prompt - 10, dtype=torch.bool),
                               torch.randint(0, 150000, (prompt - 10,), generator=g), torch.randn(6, d, generator=g) * 0.02)  # fmt: skip
     rows = list((torch.randn(20, d, generator=g) * 0.02).unbind(0))
-    prompts = [TalkerPrompt(cond, 2302, list(rows), True) for _ in range(max(BATCHES))]
-    picks = {mode: talker_mode(report, mode, talker, config, kw, params, prompts, dev) for mode in ("eager", "graphs")}
-    report["talker_graph_eager_greedy_agreement"] = greedy_agreement(picks["eager"], picks["graphs"])
-    print(json.dumps(report), flush=True)
+    return [TalkerPrompt(cond, 2302, list(rows), True) for _ in range(n)]
 
 
 def thinker_mode(report, mode, thinker, config, kw, params, ids) -> list[list[int]]:
@@ -106,7 +111,7 @@ def thinker_mode(report, mode, thinker, config, kw, params, ids) -> list[list[in
     t0 = time.perf_counter()
     runner.capture_graphs()
     report[f"thinker_capture_s_{mode}"] = round(time.perf_counter() - t0, 2)
-    seqs = [running(i, params, ThinkerPrompt(ids.roll(i), export_talker=True)) for i in range(n)]
+    seqs = [running(i, params, ThinkerPrompt(torch.cat([ids[:1] + i, ids[1:]]), export_talker=True)) for i in range(n)]
     report[f"thinker_prefill_ms_{mode}"] = timed(lambda: runner.prefill(seqs[:1]), repeat=2)
     report[f"thinker_prefill8_ms_{mode}"] = timed(lambda: runner.prefill(seqs[:8]), repeat=2)  # one batched forward
     for i in range(0, n, 8):

@@ -29,7 +29,8 @@ _KEYS = {
     "omni_ensemble": {"replicas", "max_inflight", "max_queue", "max_audio_seconds", "max_image_pixels", "max_media_items"},
 }
 _KEYS["talker"] = _KEYS["thinker"]
-_TOP_KEYS = {"base", "description", "platform", "dtype", "model", "stages", "chunks", "platforms"}
+_TOP_KEYS = {"base", "description", "platform", "dtype", "handoff", "model", "stages", "chunks", "platforms"}
+HANDOFFS = ("gpu", "cpu")
 _CHUNK_KEYS = {"first_chunk_frames", "chunk_frames", "left_context_frames"}
 
 
@@ -61,6 +62,7 @@ class Profile:
     chunks: dict[str, int | None]
     model: str | None = None
     sources: tuple[Path, ...] = ()  # files merged, base first
+    handoff: str = "gpu"  # where stage outputs travel between stages: as CUDA tensors, or copied to the host
 
 
 def replica_names(stage: str, replicas: int) -> list[str]:
@@ -141,8 +143,11 @@ def _validate(raw: dict, platform: str, gpu_count: int | None, sources: tuple[Pa
     chunks = _chunks(raw.get("chunks") or {}, stages["talker"].settings["max_seq_len"])
     if platform == "cuda":
         _check_memory(stages)
+    handoff = raw.get("handoff") or "gpu"
+    if handoff not in HANDOFFS:
+        raise ProfileError(f"handoff must be one of {', '.join(HANDOFFS)}, not {handoff!r}")
     model = raw.get("model")
-    return Profile(platform, dtype, stages, chunks, str(model) if model is not None else None, sources)
+    return Profile(platform, dtype, stages, chunks, str(model) if model is not None else None, sources, handoff)
 
 
 def _int(where: str, value, low: int = 1) -> int:

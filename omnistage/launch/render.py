@@ -58,7 +58,8 @@ def profile_spec(profile: Profile, model_path: str | None = None) -> dict[str, M
     if not model_path:
         raise ValueError("no model: pass one, or set `model:` in the profile")
     cuda = profile.platform == "cuda"
-    common = {"model_path": absolute_model_path(model_path), "device": profile.platform, "dtype": profile.dtype}
+    common = {"model_path": absolute_model_path(model_path), "device": profile.platform, "dtype": profile.dtype,
+              "handoff": profile.handoff}  # fmt: skip
     spec: dict[str, ModelSpec] = {}
     for stage in (*ENGINE_STAGES, "code2wav"):
         plan = profile.stages[stage]

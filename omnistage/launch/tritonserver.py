@@ -18,6 +18,7 @@ __all__ = ["TritonServer", "TritonStartError", "free_port", "free_ports"]
 _LOAD_FAILED = re.compile(r"failed to load '([^']+)'[^\n]*")
 
 
+SHM_REGION_BYTES, SHM_GROWTH_BYTES = 512 << 20, 128 << 20  # per Python stub, GPU servers only (see argv())
 PYTHON_THREAD_POOL = 512  # see argv(); omni_ensemble's max_inflight default is sized from it
 
 
@@ -105,6 +106,12 @@ class TritonServer:
         # GPU tensors between the Python backend and the server go through this pool; Triton's 64 MB
         # default is smaller than one batch of stage tensors (hidden states, codec frames).
         args += [f"--cuda-memory-pool-byte-size={g}:{self.cuda_pool_bytes}" for g in self.gpus]
+        if self.gpus:
+            # Each stub's shared-memory region starts at 1 MB and grows under load; on the H200 a stub died
+            # silently as soon as full-size handoffs or a burst of streams outgrew it (perf/README.md). A
+            # region this large never grows in practice (tmpfs pages are only used as touched).
+            args += [f"--backend-config=python,shm-default-byte-size={SHM_REGION_BYTES}",
+                     f"--backend-config=python,shm-growth-byte-size={SHM_GROWTH_BYTES}"]  # fmt: skip
         return args + list(self.extra_args)
 
     def start(self) -> None:

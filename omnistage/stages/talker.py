@@ -42,6 +42,15 @@ class TalkerOutput:
 
 
 @dataclass
+class _Prompt:
+    embeds: torch.Tensor  # [L, D]
+    positions: torch.Tensor  # [3, L] MRoPE position ids
+    rope_delta: int
+    tts_eos: torch.Tensor  # [D]
+    tts_pad: torch.Tensor  # [D]
+
+
+@dataclass
 class _SlotState:
     length: int
     rope_delta: int
@@ -71,11 +80,10 @@ class TalkerRunner:
         self.predictor = CodePredictor(model, self.device, dtype)
         self.decoder = StaticDecoder("talker", model.model, self.cache, model.codec_head, text.vocab_size, None,
                                      cuda_graphs=cuda_graphs)  # fmt: skip
-        # graphed residual codebooks pick inside the graph; eager keeps per-request generators (seeds)
+        # with graphs requested, residual codebooks are picked in-graph (on CPU the same code runs eagerly);
+        # without, per-request generators keep seeded sampling reproducible
         self.static_predictor = (
-            StaticCodePredictor(self.predictor, max_slots, text.hidden_size, True)
-            if self.decoder.bank.enabled
-            else None
+            StaticCodePredictor(self.predictor, max_slots, text.hidden_size, cuda_graphs) if cuda_graphs else None
         )
         self.eos = tc.codec_eos_token_id
         self.suppress = torch.zeros(text.vocab_size, dtype=torch.bool, device=self.device)
@@ -111,7 +119,7 @@ class TalkerRunner:
 
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> list[StepResult]:
-        return [self._prefill_one(seq) for seq in seqs]
+        return self._prefill_batch(seqs)
 
     @torch.inference_mode()
     def capture_graphs(self) -> None:
@@ -126,6 +134,7 @@ class TalkerRunner:
         c0 = torch.tensor([st.c0 for st in states], device=self.device)
         if self.static_predictor is not None:
             codes, codec_sum = self.static_predictor(self.hidden[slots], c0, [s.params.greedy for s in seqs])
+            codes = codes.clone()  # leaves with the response; the next replay overwrites the static buffer
         else:
             pick = lambda step, logits: self._pick_residual(logits, seqs)
             codes, codec_sum = self.predictor(self.hidden[slots], c0, pick)
@@ -139,7 +148,9 @@ class TalkerRunner:
         return results
 
     # ---- internals ----------------------------------------------------------------------------------------
-    def _prefill_one(self, seq: Sequence) -> StepResult:
+    def _prompt(self, seq: Sequence) -> _Prompt:
+        """The talker prompt rows generate() builds: user turn, assistant header + tts specials over the codec
+        prefix (nothink, think bos/eos, speaker, pad, bos), and the first reply row."""
         p: TalkerPrompt = seq.payload
         t = self.model
         cond = p.cond
@@ -155,25 +166,37 @@ class TalkerRunner:
         text_side = torch.cat([header, tts_pad.expand(4, -1), tts_bos[None], first_text])
         codec_ids = torch.tensor(self.codec_prefix + [p.speaker_id] + self.codec_suffix, device=self.device)
         codec_side = torch.cat([torch.zeros_like(header), t.get_input_embeddings()(codec_ids)])
-        embeds = torch.cat([user_part, text_side + codec_side])[None]  # [1, L, D]
         ids = torch.cat([cond.user_ids.to(self.device), torch.full((9,), self.tts_pad_id, device=self.device)])[None]
         positions, deltas = t.get_rope_index(
             ids, _opt(p.image_grid_thw, self.device), None, torch.ones_like(ids), False,
             _opt(p.audio_feature_lengths, self.device), None,
         )  # fmt: skip
+        embeds = torch.cat([user_part, text_side + codec_side])  # [L, D]
+        return _Prompt(embeds, positions[:, 0], int(deltas.reshape(-1)[0]), tts_eos, tts_pad)
+
+    def _prefill_batch(self, seqs: list[Sequence]) -> list[StepResult]:
+        """One forward for all prompts of the step, right-padded (causal attention never looks right, so
+        each row's first L_i positions are its own prompt's); a lone prompt runs unpadded, as generate()."""
+        prompts = [self._prompt(s) for s in seqs]
+        lengths = [p.embeds.shape[0] for p in prompts]
+        batch, width = len(seqs), max(lengths)
+        embeds = torch.zeros(batch, width, self.text_config.hidden_size, dtype=self.dtype, device=self.device)
+        positions = torch.zeros(3, batch, width, dtype=torch.long, device=self.device)
+        mask = torch.zeros(batch, width, dtype=torch.long, device=self.device)
+        for i, (p, n) in enumerate(zip(prompts, lengths)):
+            embeds[i, :n], positions[:, i, :n], mask[i, :n] = p.embeds, p.positions, 1
         past = DynamicCache(config=self.text_config)
-        hidden = t.model(inputs_embeds=embeds, position_ids=positions, past_key_values=past, use_cache=True)
-        hidden = hidden.last_hidden_state[:, -1]  # [1, D]
-        length = self.cache.load_prefill(seq.slot, past)
-        state = _SlotState(length, int(deltas.reshape(-1)[0]), 0, tts_eos, tts_pad)
-        self.slots[seq.slot] = state
-        self.hidden[seq.slot] = hidden[0]
-        token = int(self._pick_c0(t.codec_head(hidden), [seq])[0])
-        if token == self.eos:
-            return StepResult(seq, None, "stop")
-        seq.generated.append(token)
-        state.c0 = token
-        return StepResult(seq, None)
+        out = self.model.model(inputs_embeds=embeds, position_ids=positions, attention_mask=mask if batch > 1 else None,
+                               past_key_values=past, use_cache=True)  # fmt: skip
+        hidden = out.last_hidden_state[torch.arange(batch), torch.tensor(lengths) - 1]  # [B, D]
+        tokens = self._pick_c0(self.model.codec_head(hidden), seqs).tolist()
+        results = []
+        for i, (seq, p, n, token) in enumerate(zip(seqs, prompts, lengths, tokens)):
+            self.cache.load_prefill(seq.slot, past, row=i, length=n)
+            state = self.slots[seq.slot] = _SlotState(n, p.rope_delta, 0, p.tts_eos, p.tts_pad)
+            self.hidden[seq.slot] = hidden[i]
+            results.append(self._accept(seq, state, token, None))
+        return results
 
     def _advance(self, seqs: list[Sequence], codes: torch.Tensor, codec_sum: torch.Tensor) -> list[StepResult]:
         """Feeds each frame back with its text row and picks the next frame's codebook 0."""
@@ -188,14 +211,16 @@ class TalkerRunner:
         for i, (seq, token) in enumerate(zip(seqs, tokens)):
             state = self.slots[seq.slot]
             state.length += 1
-            frame = TalkerOutput(codes[i : i + 1])
-            if token == self.eos:
-                results.append(StepResult(seq, frame, "stop"))
-                continue
-            seq.generated.append(token)
-            state.c0 = token
-            results.append(StepResult(seq, frame))
+            results.append(self._accept(seq, state, token, TalkerOutput(codes[i : i + 1])))
         return results
+
+    def _accept(self, seq: Sequence, state: _SlotState, token: int, frame: TalkerOutput | None) -> StepResult:
+        """The next frame's codebook 0 was picked: EOS ends the stream, anything else is kept for it."""
+        if token == self.eos:
+            return StepResult(seq, frame, "stop")
+        seq.generated.append(token)
+        state.c0 = token
+        return StepResult(seq, frame)
 
     def _text_inputs(self, seqs: list[Sequence]) -> torch.Tensor:
         """[n, D] rows fed with frame k (k = frames so far): reply row k (projected in one batch), then

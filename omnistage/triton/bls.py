@@ -41,9 +41,9 @@ def _read(response) -> dict:
             value = t.as_numpy().reshape(-1)[0]
             out[t.name()] = value.decode() if isinstance(value, bytes) else str(value)
         else:
-            # own the memory: a response's GPU tensors live in Triton's pools, tied to the response object
-            tensor = to_torch(t)
-            out[t.name()] = tensor.clone() if tensor.is_cuda else tensor
+            # own the memory: a response's tensors live in Triton's shared-memory and CUDA pools, which reuse
+            # them once the response object is gone
+            out[t.name()] = to_torch(t).clone()
     return out
 
 

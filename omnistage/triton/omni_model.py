@@ -26,7 +26,7 @@ from .logs import setup_logging
 from .metrics import MetricsPublisher
 from .responder import Responder, error_response, send_final
 from .stage_model import model_parameters
-from .tensors import is_probe, output_tensors, read_string, request_parameters
+from .tensors import configure_handoff, is_probe, output_tensors, read_string, request_parameters
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,7 @@ class OmniModel:
     def initialize(self, args) -> None:
         setup_logging()
         params = model_parameters(args)
+        configure_handoff(params.get("handoff"))
         source = params["model_path"]
         self.config = load_config(source)
         self.processor = load_processor(source)

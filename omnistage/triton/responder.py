@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import triton_python_backend_utils as pb_utils
 
-from ..core.errors import OmniError
+from ..core.errors import EngineError, OmniError
 
 log = logging.getLogger(__name__)
 
@@ -123,9 +123,18 @@ class Responder:
             self.responses_sent += 1
         except Exception as e:
             log.warning("[%s] send for %s failed: %s", self.name, request_id, e)
+            if error is None:  # a stream missing a piece (or its final) must not leave its client waiting
+                self._fail(request_id, sender, final, e)
         finally:
             if final:
                 self._cancelled.discard(request_id)
+
+    def _fail(self, request_id: str, sender, final: bool, cause: Exception) -> None:
+        if not final:
+            with self._lock:
+                self._senders.pop(request_id, None)
+            self.on_cancel(request_id)  # frees the request's slot in the engine
+        send_final(sender, error_response(EngineError(f"[{self.name}] sending a response failed: {cause}")))
 
     def _poll_cancellation(self) -> None:
         with self._lock:

@@ -18,7 +18,7 @@ from ..models.checkpoint import load_config, load_stage
 from .logs import setup_logging
 from .metrics import StageMetrics
 from .responder import Responder, error_response, send_final
-from .tensors import request_parameters
+from .tensors import configure_handoff, request_parameters
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,7 @@ def init_instance(args) -> tuple[dict[str, str], torch.device, torch.dtype]:
     """What every stage instance does first: logging, its parameters, and its device and dtype."""
     setup_logging()
     params = model_parameters(args)
+    configure_handoff(params.get("handoff"))
     device = instance_device(args, params)
     if device.type == "cuda":
         torch.cuda.set_device(device)

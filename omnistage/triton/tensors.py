@@ -42,9 +42,27 @@ def input_tensors(request, contract) -> dict[str, torch.Tensor]:
     return found
 
 
+# Where this process's response tensors travel between stages: "gpu" hands CUDA tensors over as they are
+# (DLPack into Triton's CUDA pool); "cpu" copies them to the host first. Triton 2.51's Python backend was
+# seen to hang a decoupled send of GPU tensors to a BLS caller under concurrent streams (perf/README.md),
+# so deploy profiles choose per stage (parameter `handoff`); set once per stub process by configure_handoff.
+HANDOFF_KINDS = ("gpu", "cpu")
+_handoff = "gpu"
+
+
+def configure_handoff(kind: str | None) -> None:
+    global _handoff
+    kind = (kind or "gpu").lower()
+    if kind not in HANDOFF_KINDS:
+        raise ValueError(f"handoff must be one of {HANDOFF_KINDS}, not {kind!r}")
+    _handoff = kind
+
+
 def output_tensors(values: dict) -> list:
     """name -> torch.Tensor or str (TYPE_STRING) into response tensors."""
-    return [string_tensor(k, v) if isinstance(v, str) else from_torch(k, v) for k, v in values.items()]
+    host = _handoff == "cpu"
+    return [string_tensor(k, v) if isinstance(v, str) else from_torch(k, v.cpu() if host and v.is_cuda else v)
+            for k, v in values.items()]  # fmt: skip
 
 
 def string_tensor(name: str, value: str):

@@ -24,7 +24,10 @@ GREEDY = {"temperature": "0", "talker_temperature": "0", "talker_repetition_pena
 
 @pytest.fixture(scope="module")
 def repo_spec(tiny_checkpoint):
-    return RepoSpec(models=default_spec(str(tiny_checkpoint), "cpu"), src=REPO_ROOT / "model_repository")
+    spec = default_spec(str(tiny_checkpoint), "cpu")
+    for stage in ("thinker", "talker"):  # the graph-capturable static paths, run eagerly on the CPU
+        spec[stage].parameters["cuda_graphs"] = "1"
+    return RepoSpec(models=spec, src=REPO_ROOT / "model_repository")
 
 
 def gauge(metrics: str, name: str) -> float:

@@ -90,6 +90,12 @@ def test_overlay_wins_over_the_base_platform_block(tmp_path):
     assert render.profile_spec(load_profile(path, "cpu"), MODEL)["talker"].parameters["max_queue"] == "7"
 
 
+def test_handoff_goes_to_every_model(tmp_path):
+    assert {s.parameters["handoff"] for s in render.default_spec(MODEL, "cuda").values()} == {"gpu"}
+    spec = render.profile_spec(load_profile(overlay(tmp_path, "platforms: {cuda: {handoff: cpu}}\n"), "cuda"), MODEL)
+    assert {name: s.parameters["handoff"] for name, s in spec.items()} == dict.fromkeys(spec, "cpu")
+
+
 @pytest.mark.parametrize(
     "text, error",
     [
@@ -111,6 +117,7 @@ def test_overlay_wins_over_the_base_platform_block(tmp_path):
          "GPU 0: memory_fraction of its stage instances adds up to 1.1 (thinker 0.8, talker 0.3)"),
         ("platforms: {tpu: {}}", "unknown platform(s) tpu"),
         ("dtype: int8", "dtype must be one of"),
+        ("handoff: nvlink", "handoff must be one of gpu, cpu, not 'nvlink'"),
         ("stage: {}", "unknown key(s) stage"),
     ],
 )

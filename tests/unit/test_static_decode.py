@@ -76,18 +76,22 @@ def test_text_prompts_prefilled_together_match_generate(hf_model, processor):
         for r in results:
             outs[r.seq.request_id] = outs[r.seq.request_id].merge(r.output)
     alone = ThinkerRunner(hf_model.thinker, hf_model.config, **kw)
+    talker = TalkerRunner(hf_model.talker, hf_model.config, **kw)
+    talker_seqs = []
     for i, x in enumerate(inputs):
-        want_text, want_codes, _ = oracle.generate(hf_model, x, REPLY, FRAMES)
         out = outs[f"t{i}"]
-        assert out.token_ids == want_text
-        lone, _ = run_thinker(
-            alone,
-            running("x", SamplingParams(max_tokens=REPLY), ThinkerPrompt(x["input_ids"][0], export_talker=True), 3),
-        )
+        assert out.token_ids == oracle.generate(hf_model, x, REPLY, FRAMES)[0]
+        lone, _ = run_thinker(alone, running("x", SamplingParams(max_tokens=REPLY), ThinkerPrompt(x["input_ids"][0], export_talker=True), 3))
         assert torch.allclose(out.text_rows, lone.text_rows)
         assert torch.allclose(out.talker.user_rows, lone.talker.user_rows, atol=1e-5)
         assert torch.allclose(out.talker.special_rows, lone.talker.special_rows, atol=1e-5)
-        talker = TalkerRunner(hf_model.talker, hf_model.config, **kw)
         tp = TalkerPrompt(out.talker, 2302, list(out.text_rows.unbind(0)), True)
-        codes, _ = run_talker(talker, running("a", SamplingParams(max_tokens=FRAMES, repetition_penalty=1.05), tp, 0))
-        assert torch.equal(codes, want_codes)
+        talker_seqs.append(running(f"a{i}", SamplingParams(max_tokens=FRAMES, repetition_penalty=1.05), tp, 2 - i))
+    # both talker prompts (different lengths) in one padded prefill, then decoded side by side
+    results, frames = talker.prefill(talker_seqs), {s.request_id: [] for s in talker_seqs}
+    while any(r.finish_reason is None for r in results):
+        results = talker.decode([s for s in talker_seqs if len(frames[s.request_id]) < FRAMES])
+        for r in results:
+            frames[r.seq.request_id].append(r.output.codes)
+    for i, x in enumerate(inputs):
+        assert torch.equal(torch.cat(frames[f"a{i}"]), oracle.generate(hf_model, x, REPLY, FRAMES)[1])

@@ -1,0 +1,76 @@
+# Where one decode step's GPU time goes: the thinker decode step and the talker frame, eager (graphs
+# replay the same kernels), under torch.profiler, at batch 1 and 64 on the full-size config with dummy
+# weights. Writes the top kernels by CUDA time per case as JSON to argv[1].
+#
+#   python -m perf.profile_steps out.json [--experts grouped_mm]
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from omnistage.core.sampling import SamplingParams
+from omnistage.models.checkpoint import load_config, load_stage
+from omnistage.stages.talker import TalkerRunner
+from omnistage.stages.thinker import ThinkerPrompt, ThinkerRunner
+from perf.stage_timing import free, running, talker_prompts
+
+BATCHES = (1, 64)
+
+
+def top_kernels(fn, n: int = 15) -> dict:
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    total = sum(e.self_device_time_total for e in events)
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    return {"cuda_ms": round(total / 1e3, 2), "kernels": sum(e.count for e in events),
+            "top": [{"name": e.key[:90], "ms": round(e.self_device_time_total / 1e3, 3), "count": e.count}
+                    for e in events[:n]]}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--config", default="perf/qwen3_omni_30b_a3b_instruct.config.json")
+    ap.add_argument("--experts", default="grouped_mm")
+    args = ap.parse_args()
+    source, dev, dtype = f"dummy:{args.config}", torch.device("cuda", 0), torch.bfloat16
+    config = load_config(source)
+    kw = dict(max_slots=max(BATCHES), max_seq_len=1024, device=dev, dtype=dtype, cuda_graphs=False)
+    params = SamplingParams(max_tokens=500, ignore_eos=True)
+    report = {"weights": "dummy random bf16", "model": "full-size Qwen3-Omni-30B-A3B config", "experts": args.experts,
+              "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}  # fmt: skip
+
+    thinker = ThinkerRunner(
+        load_stage(source, "thinker", dtype, dev, experts_implementation=args.experts), config, **kw
+    )
+    ids = torch.randint(0, 150000, (150,), generator=torch.Generator().manual_seed(0))
+    ids[-3:] = torch.tensor([config.im_start_token_id, config.assistant_token_id, 198])
+    seqs = [running(i, params, ThinkerPrompt(torch.cat([ids[:1] + i, ids[1:]]))) for i in range(max(BATCHES))]
+    for i in range(0, len(seqs), 8):
+        thinker.prefill(seqs[i : i + 8])
+    for b in BATCHES:
+        report[f"thinker_decode_b{b}"] = top_kernels(lambda b=b: thinker.decode(seqs[:b]))
+        print(json.dumps(report[f"thinker_decode_b{b}"]), flush=True)
+    del thinker, seqs
+    free()
+
+    talker = TalkerRunner(load_stage(source, "talker", dtype, dev, experts_implementation=args.experts), config, **kw)
+    seqs = [running(i, params, p) for i, p in enumerate(talker_prompts(config, 150, max(BATCHES)))]
+    for s in seqs:
+        talker.prefill([s])
+    for b in BATCHES:
+        report[f"talker_frame_b{b}"] = top_kernels(lambda b=b: talker.decode(seqs[:b]))
+        print(json.dumps(report[f"talker_frame_b{b}"]), flush=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

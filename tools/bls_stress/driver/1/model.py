@@ -1,0 +1,85 @@
+# Shaped like omni_ensemble: a thread per request calls echo_big CALLS times in a row, each time with the
+# state tensor the last call returned (as code2wav's stream state travels); a responder thread sends each
+# chunk to the client and polls is_cancelled() of every open request.
+import faulthandler
+import os
+import queue
+import sys
+import threading
+import time
+import traceback
+
+import torch
+import triton_python_backend_utils as pb_utils
+from torch.utils import dlpack
+
+faulthandler.enable(all_threads=True)
+DEVICE = os.environ.get("BLS_STRESS_DEVICE", "cpu")
+STATE = int(os.environ.get("BLS_STRESS_STATE", 1_200_000))  # floats: code2wav's full-size past_kv
+CALLS = int(os.environ.get("BLS_STRESS_CALLS", 6))
+POLL = os.environ.get("BLS_STRESS_POLL", "1") == "1"
+
+
+def tensor(name, t):
+    if t.is_cuda:
+        return pb_utils.Tensor.from_dlpack(name, dlpack.to_dlpack(t))
+    return pb_utils.Tensor(name, t.numpy())
+
+
+def to_torch(t):
+    return torch.from_numpy(t.as_numpy()) if t.is_cpu() else dlpack.from_dlpack(t.to_dlpack())
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.chunks = queue.SimpleQueue()
+        self.senders = {}
+        self.lock = threading.Lock()
+        threading.Thread(target=self._respond, daemon=True).start()
+
+    def execute(self, requests):
+        for r in requests:
+            sid = os.urandom(8).hex()
+            with self.lock:
+                self.senders[sid] = r.get_response_sender()
+            threading.Thread(target=self._serve, args=(sid,), daemon=True).start()
+        return None
+
+    def _serve(self, sid):
+        try:
+            state = torch.zeros(STATE, device=DEVICE)
+            for _ in range(CALLS):
+                request = pb_utils.InferenceRequest(
+                    model_name="echo_big", inputs=[tensor("IN", state)], requested_output_names=["OUT", "STATE"]
+                )
+                for response in request.exec(decoupled=True):
+                    if response.has_error():
+                        raise RuntimeError(response.error().message())
+                    outs = {t.name(): to_torch(t).clone() for t in response.output_tensors()}
+                    if outs:
+                        state = outs["STATE"]
+                        self.chunks.put((sid, outs["OUT"].cpu(), False))
+        except Exception:
+            traceback.print_exc(file=sys.stderr)
+        self.chunks.put((sid, None, True))
+
+    def _respond(self):
+        last_poll = 0.0
+        while True:
+            try:
+                items = [self.chunks.get(timeout=0.05)]
+            except queue.Empty:
+                items = []
+            for sid, out, final in items:
+                with self.lock:
+                    sender = self.senders.pop(sid) if final else self.senders.get(sid)
+                if final:
+                    sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                else:
+                    sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", out.numpy())]))
+            if POLL and time.monotonic() - last_poll > 0.05:
+                last_poll = time.monotonic()
+                with self.lock:
+                    senders = list(self.senders.values())
+                for s in senders:
+                    s.is_cancelled()

@@ -1,0 +1,92 @@
+# A minimal stand-in for omni_ensemble's BLS traffic without any model, to find what makes a Python stub
+# of Triton 2.51 crash (see perf/README.md, "omni_ensemble segfault"): rounds of CONCURRENCY streaming
+# requests to `driver`; stops at the first hang or error and prints any fatal stub stacks.
+#
+#   python tools/bls_stress/run.py [--concurrency 32] [--rounds 10] [--device cpu|cuda] [--state 1200000]
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from omnistage.launch.tritonserver import TritonServer  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+
+def one_stream(url: str, counts: dict, lock: threading.Lock) -> None:
+    answers: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    n = grpcclient.InferInput("N", [1], "INT32")
+    n.set_data_from_numpy(np.array([1], np.int32))
+    client.async_stream_infer("driver", [n], enable_empty_final_response=True)
+    outcome = "hung"
+    try:
+        while True:
+            result, error = answers.get(timeout=60)
+            if error is not None:
+                outcome = f"error: {error}"
+                break
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                outcome = "ok"
+                break
+    except queue.Empty:
+        pass
+    client.stop_stream()
+    with lock:
+        counts[outcome] = counts.get(outcome, 0) + 1
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--state", type=int, default=1_200_000)
+    ap.add_argument("--run-dir", default="/tmp/bls_stress")
+    args = ap.parse_args()
+    run = Path(args.run_dir)
+    shutil.rmtree(run, ignore_errors=True)
+    repo = run / "repo"
+    for model in ("echo_big", "driver"):
+        shutil.copytree(HERE / model, repo / model)
+    if args.device == "cuda":  # the stage on the GPU, as ours are
+        cfg = repo / "echo_big" / "config.pbtxt"
+        cfg.write_text(cfg.read_text().replace("kind: KIND_CPU", "kind: KIND_GPU gpus: [0]"))
+    env = dict(os.environ, BLS_STRESS_DEVICE=args.device, BLS_STRESS_STATE=str(args.state))
+    server = TritonServer.on_free_ports(repo, run, gpus=[0] if args.device == "cuda" else [], env=env)
+    server.start_and_wait(timeout=180)
+    counts: dict = {}
+    lock = threading.Lock()
+    try:
+        for i in range(args.rounds):
+            t0 = time.time()
+            threads = [threading.Thread(target=one_stream, args=(server.grpc_url, counts, lock))
+                       for _ in range(args.concurrency)]  # fmt: skip
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            print(f"round {i}: {counts} in {time.time() - t0:.1f}s", flush=True)
+            if set(counts) != {"ok"}:
+                break
+    finally:
+        log = server.log_tail(400)
+        server.stop()
+    fatal = [line for line in log.splitlines() if "Fatal" in line or "File " in line or "Segmentation" in line]
+    print("\n".join(fatal[:60]) or "no fatal stub errors in the log")
+    return 0 if set(counts) == {"ok"} else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
