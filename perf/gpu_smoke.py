@@ -37,7 +37,9 @@ def serve(model: str, run_dir: Path, handoff: str = "gpu", **overrides) -> Trito
     repo = render_repository(REPO_ROOT / "model_repository", run_dir / "model_repository", spec)
     # each stub's stacks (SIGUSR1, dump_stacks) go to its own file there; see omnistage/triton/logs.py
     env = dict(os.environ, OMNI_STACKS_DIR=str(run_dir / "stacks"))
-    server = TritonServer.on_free_ports(repo, run_dir, gpus=[0], env=env)
+    # SMOKE_TRITON_ARGS: extra tritonserver arguments, e.g. "--pinned-memory-pool-byte-size=0"
+    extra = os.environ.get("SMOKE_TRITON_ARGS", "").split()
+    server = TritonServer.on_free_ports(repo, run_dir, gpus=[0], env=env, extra_args=extra)
     t0 = time.time()
     server.start_and_wait(timeout=400)
     print(f"[smoke] {model} ready in {time.time() - t0:.1f}s", flush=True)
