@@ -49,6 +49,7 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--config", default="perf/qwen3_omni_30b_a3b_instruct.config.json")
     ap.add_argument("--prompt", type=int, default=150)
+    ap.add_argument("--experts", default="grouped_mm", help="experts_implementation, e.g. gather_or_grouped")
     args = ap.parse_args()
     source, dev, dtype = f"dummy:{args.config}", torch.device("cuda", 0), torch.bfloat16
     config = load_config(source)
@@ -57,9 +58,10 @@ def main() -> None:
     kw = dict(max_slots=max(BATCHES), max_seq_len=1024, device=dev, dtype=dtype)
     long = SamplingParams(max_tokens=500, ignore_eos=True)
 
-    thinker_times(report, source, config, dev, dtype, kw, long, args.prompt)
+    report["experts_implementation"] = args.experts
+    thinker_times(report, source, config, dev, dtype, kw, long, args.prompt, args.experts)
     free()
-    talker_times(report, source, config, dev, dtype, kw, long, args.prompt)
+    talker_times(report, source, config, dev, dtype, kw, long, args.prompt, args.experts)
     free()
     code2wav_times(report, source, dev, dtype)
     report["gpu_mem_gb_peak"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
@@ -74,9 +76,9 @@ def greedy_agreement(eager_steps, graph_steps) -> float:
     return round(sum(a == b for a, b in pairs) / max(1, len(pairs)), 4)
 
 
-def thinker_times(report, source, config, dev, dtype, kw, params, prompt) -> None:
+def thinker_times(report, source, config, dev, dtype, kw, params, prompt, experts) -> None:
     t0 = time.perf_counter()
-    thinker = load_stage(source, "thinker", dtype, dev, experts_implementation="grouped_mm")
+    thinker = load_stage(source, "thinker", dtype, dev, experts_implementation=experts)
     report["thinker_load_s"] = round(time.perf_counter() - t0, 2)
     ids = torch.randint(0, 150000, (prompt,), generator=torch.Generator().manual_seed(0))
     ids[-3:] = torch.tensor([config.im_start_token_id, config.assistant_token_id, 198])  # "<|im_start|>assistant\n"
@@ -86,8 +88,8 @@ def thinker_times(report, source, config, dev, dtype, kw, params, prompt) -> Non
     print(json.dumps(report), flush=True)
 
 
-def talker_times(report, source, config, dev, dtype, kw, params, prompt) -> None:
-    talker = load_stage(source, "talker", dtype, dev, experts_implementation="grouped_mm")
+def talker_times(report, source, config, dev, dtype, kw, params, prompt, experts) -> None:
+    talker = load_stage(source, "talker", dtype, dev, experts_implementation=experts)
     prompts = talker_prompts(config, prompt, max(BATCHES))
     picks = {mode: talker_mode(report, mode, talker, config, kw, params, prompts, dev) for mode in ("eager", "graphs")}
     report["talker_graph_eager_greedy_agreement"] = greedy_agreement(picks["eager"], picks["graphs"])

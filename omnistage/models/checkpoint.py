@@ -67,10 +67,12 @@ def load_stage(source, stage: str, dtype=torch.bfloat16, device="cpu", seed: int
                attn_implementation: str | None = None, experts_implementation: str | None = None):
     """Returns the eval-mode transformers module of one stage: thinker -> ThinkerForConditionalGeneration,
     talker -> TalkerForConditionalGeneration (with its code predictor), code2wav -> Code2Wav."""
+    from omnistage.models import experts
     from omnistage.models.random_init import init_random_weights_, make_code2wav_audible_
     from omnistage.models.skeleton import empty_stage
     from omnistage.models.weights import load_prefixed_
 
+    experts.register()  # our experts implementation name is valid from here on
     cls = _stage_class(stage)
     config = load_config(source)
     sub_config = getattr(config, f"{stage}_config")
