@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
@@ -60,6 +61,8 @@ class BenchServer:
             grpc_port=grpc_port,
             metrics_port=metrics_port,
             gpus=gpus,
+            # PERF_TRITON_ARGS: extra tritonserver arguments, e.g. "--pinned-memory-pool-byte-size=0"
+            extra_args=os.environ.get("PERF_TRITON_ARGS", "").split(),
         )
         self.frontend = ManagedProcess(
             "openai_frontend",
