@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU device call (~9 min) for the served-pipeline crash (perf/README.md, 2026-12-03), then the bench:
-#  1. tools/bls_stress with large host tensors: Triton's default pinned pool, none, and a big one;
+#  1. tools/bls_stress with large host tensors: Triton's default pinned pool, none, and a big one; then
+#     responses that carry a host and a GPU tensor (as omni_ensemble's stages send);
 #  2. the served smoke (single W1 requests, bursts of 16 and 64) with the first tritonserver arguments
 #     under which bls_stress passed;
 #  3. perf/gpu_bench.sh with those arguments if the burst of 16 passed (PERF_TRITON_ARGS).
@@ -23,6 +24,9 @@ for args in "" "--pinned-memory-pool-byte-size=0" "--pinned-memory-pool-byte-siz
   if [ "$rc" = 0 ] && [ "$found" = 0 ]; then chosen="$args" found=1; fi
 done
 rm -f "$OUT/stress.log"
+echo "== bls_stress mixed (host and GPU tensors in one response) [${chosen}]" | tee -a "$OUT/triage.log"
+timeout 90 "$PY" tools/bls_stress/run.py --device mixed --concurrency 32 --rounds 6 ${chosen:+--triton-arg=$chosen} \
+  2>&1 | grep -v threading.py | tail -8 | tee -a "$OUT/triage.log"
 echo "== chosen tritonserver arguments: [${chosen}]" | tee -a "$OUT/triage.log"
 SMOKE_TRITON_ARGS="$chosen" SMOKE_BURSTS=16,64 timeout 200 "$PY" -m perf.gpu_smoke "$OUT/smoke.json" gpu \
   > "$OUT/smoke.log" 2>&1

@@ -2,7 +2,7 @@
 # of Triton 2.51 crash (see perf/README.md, "omni_ensemble segfault"): rounds of CONCURRENCY streaming
 # requests to `driver`; stops at the first hang or error and prints any fatal stub stacks.
 #
-#   python tools/bls_stress/run.py [--concurrency 32] [--rounds 10] [--device cpu|cuda] [--state 1200000]
+#   python tools/bls_stress/run.py [--concurrency 32] [--rounds 10] [--device cpu|cuda|mixed] [--state 1200000]
 #                                  [--triton-arg=--pinned-memory-pool-byte-size=0]
 from __future__ import annotations
 
@@ -52,7 +52,12 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=10)
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda", "mixed"),
+        help="where the tensors live; mixed: each echo_big response has a host and a GPU tensor",
+    )
     ap.add_argument("--state", type=int, default=1_200_000)
     ap.add_argument("--run-dir", default="/tmp/bls_stress")
     # e.g. --triton-arg=--pinned-memory-pool-byte-size=0: the H200 machine has a 256 MB pinned pool for
@@ -64,11 +69,11 @@ def main() -> int:
     repo = run / "repo"
     for model in ("echo_big", "driver"):
         shutil.copytree(HERE / model, repo / model)
-    if args.device == "cuda":  # the stage on the GPU, as ours are
+    if args.device in ("cuda", "mixed"):  # the stage on the GPU, as ours are
         cfg = repo / "echo_big" / "config.pbtxt"
         cfg.write_text(cfg.read_text().replace("kind: KIND_CPU", "kind: KIND_GPU gpus: [0]"))
     env = dict(os.environ, BLS_STRESS_DEVICE=args.device, BLS_STRESS_STATE=str(args.state))
-    gpus = [0] if args.device == "cuda" else []
+    gpus = [0] if args.device in ("cuda", "mixed") else []
     server = TritonServer.on_free_ports(repo, run, gpus=gpus, env=env, extra_args=args.triton_arg)
     server.start_and_wait(timeout=180)
     counts: dict = {}

@@ -15,6 +15,7 @@ from torch.utils import dlpack
 
 faulthandler.enable(all_threads=True)
 DEVICE = os.environ.get("BLS_STRESS_DEVICE", "cpu")
+STATE_DEVICE = "cuda" if DEVICE == "mixed" else DEVICE  # mixed: echo_big answers with a host and a GPU tensor
 STATE = int(os.environ.get("BLS_STRESS_STATE", 1_200_000))  # floats: code2wav's full-size past_kv
 CALLS = int(os.environ.get("BLS_STRESS_CALLS", 6))
 POLL = os.environ.get("BLS_STRESS_POLL", "1") == "1"
@@ -47,7 +48,7 @@ class TritonPythonModel:
 
     def _serve(self, sid):
         try:
-            state = torch.zeros(STATE, device=DEVICE)
+            state = torch.zeros(STATE, device=STATE_DEVICE)
             for _ in range(CALLS):
                 request = pb_utils.InferenceRequest(
                     model_name="echo_big", inputs=[tensor("IN", state)], requested_output_names=["OUT", "STATE"]

@@ -10,7 +10,8 @@ import triton_python_backend_utils as pb_utils
 from torch.utils import dlpack
 
 faulthandler.enable(all_threads=True)
-DEVICE = os.environ.get("BLS_STRESS_DEVICE", "cpu")
+DEVICE = os.environ.get("BLS_STRESS_DEVICE", "cpu")  # cpu, cuda, or mixed: OUT on the host, STATE on cuda
+OUT_DEVICE, STATE_DEVICE = ("cpu", "cuda") if DEVICE == "mixed" else (DEVICE, DEVICE)
 
 
 def tensor(name, t):
@@ -34,7 +35,7 @@ class TritonPythonModel:
     def _loop(self):
         while True:
             sender, size = self.requests.get()
-            out = torch.ones(4800, device=DEVICE)
-            state = torch.full((size,), 0.5, device=DEVICE)
+            out = torch.ones(4800, device=OUT_DEVICE)
+            state = torch.full((size,), 0.5, device=STATE_DEVICE)
             response = pb_utils.InferenceResponse([tensor("OUT", out), tensor("STATE", state)])
             sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
