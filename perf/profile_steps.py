@@ -15,7 +15,7 @@ from omnistage.core.sampling import SamplingParams
 from omnistage.models.checkpoint import load_config, load_stage
 from omnistage.stages.talker import TalkerRunner
 from omnistage.stages.thinker import ThinkerPrompt, ThinkerRunner
-from perf.stage_timing import free, running, talker_prompts
+from perf.stage_timing import decode_times, free, running, talker_prompts
 
 BATCHES = (1, 64)
 
@@ -53,21 +53,16 @@ def main() -> None:
     ids = torch.randint(0, 150000, (150,), generator=torch.Generator().manual_seed(0))
     ids[-3:] = torch.tensor([config.im_start_token_id, config.assistant_token_id, 198])
     seqs = [running(i, params, ThinkerPrompt(torch.cat([ids[:1] + i, ids[1:]]))) for i in range(max(BATCHES))]
-    for i in range(0, len(seqs), 8):
-        thinker.prefill(seqs[i : i + 8])
-    for b in BATCHES:
-        report[f"thinker_decode_b{b}"] = top_kernels(lambda b=b: thinker.decode(seqs[:b]))
-        print(json.dumps(report[f"thinker_decode_b{b}"]), flush=True)
+    decoded, _ = decode_times(thinker, seqs, 8, measure=top_kernels, batches=BATCHES)
+    report.update({f"thinker_decode_b{b}": v for b, v in decoded.items()})
     del thinker, seqs
     free()
 
     talker = TalkerRunner(load_stage(source, "talker", dtype, dev, experts_implementation=args.experts), config, **kw)
     seqs = [running(i, params, p) for i, p in enumerate(talker_prompts(config, 150, max(BATCHES)))]
-    for s in seqs:
-        talker.prefill([s])
-    for b in BATCHES:
-        report[f"talker_frame_b{b}"] = top_kernels(lambda b=b: talker.decode(seqs[:b]))
-        print(json.dumps(report[f"talker_frame_b{b}"]), flush=True)
+    framed, _ = decode_times(talker, seqs, 8, measure=top_kernels, batches=BATCHES)
+    report.update({f"talker_frame_b{b}": v for b, v in framed.items()})
+    print(json.dumps(report, indent=1), flush=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
 

@@ -116,11 +116,30 @@ def thinker_mode(report, mode, thinker, config, kw, params, ids) -> list[list[in
     seqs = [running(i, params, ThinkerPrompt(torch.cat([ids[:1] + i, ids[1:]]), export_talker=True)) for i in range(n)]
     report[f"thinker_prefill_ms_{mode}"] = timed(lambda: runner.prefill(seqs[:1]), repeat=2)
     report[f"thinker_prefill8_ms_{mode}"] = timed(lambda: runner.prefill(seqs[:8]), repeat=2)  # one batched forward
-    for i in range(0, n, 8):
-        runner.prefill(seqs[i : i + 8])
-    picks = [[r.output.token_ids[0] for r in runner.decode(seqs[:16])] for _ in range(4)]
-    report[f"thinker_decode_ms_{mode}"] = {b: timed(lambda b=b: runner.decode(seqs[:b])) for b in BATCHES}
+    release(runner, seqs)
+    pick = lambda results: [r.output.token_ids[0] for r in results]
+    report[f"thinker_decode_ms_{mode}"], picks = decode_times(runner, seqs, 8, pick)
     return picks
+
+
+def release(runner, seqs) -> None:
+    for seq in seqs:
+        runner.release(seq)
+
+
+def decode_times(runner, seqs, prefill_group: int, pick=None, measure=timed, batches=BATCHES) -> tuple[dict, list]:
+    """measure(step) at each batch size b with exactly b slots occupied: a step runs every occupied row up
+    to the highest one, so b must not share the runner with more prefilled slots. Also, with `pick`, the
+    picks of 4 steps at 16 (what the greedy-agreement check compares between eager and graphs)."""
+    times, picks, done = {}, [], 0
+    for b in sorted(batches):
+        for i in range(done, b, prefill_group):
+            runner.prefill(seqs[i : min(b, i + prefill_group)])
+        done = b
+        if b == 16 and pick is not None:
+            picks = [pick(runner.decode(seqs[:16])) for _ in range(4)]
+        times[b] = measure(lambda b=b: runner.decode(seqs[:b]))
+    return times, picks
 
 
 def talker_mode(report, mode, talker, config, kw, params, prompts, dev) -> list[list[int]]:
@@ -131,10 +150,9 @@ def talker_mode(report, mode, talker, config, kw, params, prompts, dev) -> list[
     report[f"talker_capture_s_{mode}"] = round(time.perf_counter() - t0, 2)
     seqs = [running(i, params, p) for i, p in enumerate(prompts)]
     report[f"talker_prefill_ms_{mode}"] = timed(lambda: runner.prefill(seqs[:1]), repeat=2)
-    for s in seqs:
-        runner.prefill([s])
-    picks = [[r.seq.generated[-1] for r in runner.decode(seqs[:16])] for _ in range(4)]
-    report[f"talker_frame_ms_{mode}"] = {b: timed(lambda b=b: runner.decode(seqs[:b])) for b in BATCHES}
+    release(runner, seqs)
+    pick = lambda results: [r.seq.generated[-1] for r in results]
+    report[f"talker_frame_ms_{mode}"], picks = decode_times(runner, seqs, 8, pick)
     hidden, c0 = runner.hidden[:n], torch.zeros(n, dtype=torch.long, device=dev)
     if runner.static_predictor is not None:
 

@@ -1,10 +1,10 @@
 # An experts implementation for decode steps of any size, registered with transformers' ExpertsInterface
-# as "gather_or_grouped". transformers' grouped_mm (torch._grouped_mm) costs about the same at batch 1 as
-# at 64 on the H200 (~127 us per call for the thinker, 2 per layer: perf/README.md, 2026-12-03), a fixed
-# cost of walking all 128 experts, while a step of one or two tokens needs only their top-k experts'
-# weights. For few (token, expert) pairs the weights of exactly those pairs are gathered and multiplied in
-# one bmm (transformers' batched_mm); beyond GATHER_MAX_PAIRS the gather would copy more than grouped_mm
-# reads, so grouped_mm runs. The choice depends on shapes only, so each CUDA-graph bucket captures one.
+# as "gather_or_grouped". transformers' grouped_mm (torch._grouped_mm) takes the whole [experts, ...] weight
+# tensors and their offsets; a step of one or two tokens needs only their top-k experts' weights. For few
+# (token, expert) pairs the weights of exactly those pairs are gathered and multiplied in one bmm
+# (transformers' batched_mm); beyond GATHER_MAX_PAIRS the gather would copy more than grouped_mm reads, so
+# grouped_mm runs. Which is faster at 1-2 tokens is for perf/stage_timing.py --experts to show on the GPU.
+# The choice depends on shapes only, so each CUDA-graph bucket captures one path.
 from __future__ import annotations
 
 import torch
