@@ -36,12 +36,17 @@ class Sampler:
         banned: list[list[int]],  # per row: token ids that must not be picked now (EOS before min_tokens...)
         suppress: torch.Tensor | None = None,  # [V] bool, always banned for this stage
     ) -> torch.Tensor:
+        # Penalties and bans for the whole batch in a few kernels and one host-to-device copy each: a loop
+        # per row cost a device sync per row (unique()) at every step of the talker, whose default
+        # repetition penalty applies to greedy requests too.
         logits = logits.float()
-        for i, (p, hist, ban) in enumerate(zip(params, histories, banned)):
-            if hist and p.needs_history:
-                self._penalise(logits[i], p, hist)
-            if ban:
-                logits[i, ban] = float("-inf")
+        penalised = [i for i, (p, hist) in enumerate(zip(params, histories)) if hist and p.needs_history]
+        if penalised:
+            _penalise(logits, penalised, [params[i] for i in penalised], [histories[i] for i in penalised])
+        ban_rows = [i for i, ban in enumerate(banned) for _ in ban]
+        if ban_rows:
+            cols = [t for ban in banned for t in ban]
+            logits[torch.tensor(ban_rows).to(logits.device), torch.tensor(cols).to(logits.device)] = float("-inf")
         if suppress is not None:
             logits[:, suppress] = float("-inf")
         tokens = logits.argmax(dim=-1)
@@ -49,17 +54,6 @@ class Sampler:
             if not p.greedy:
                 tokens[i] = self.draw(logits[i], p.temperature, p.top_k, p.top_p, self.generator(request_ids[i], p))
         return tokens
-
-    @staticmethod
-    def _penalise(row: torch.Tensor, p: SamplingParams, history: list[int]) -> None:
-        ids = torch.tensor(history, device=row.device)
-        if p.repetition_penalty != 1.0:
-            uniq = ids.unique()
-            score = row[uniq]
-            row[uniq] = torch.where(score < 0, score * p.repetition_penalty, score / p.repetition_penalty)
-        if p.presence_penalty or p.frequency_penalty:
-            uniq, counts = ids.unique(return_counts=True)
-            row[uniq] -= p.presence_penalty + p.frequency_penalty * counts.to(row.dtype)
 
     @staticmethod
     def draw(row: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator):
@@ -74,3 +68,22 @@ class Sampler:
             row = row.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
         probs = row.softmax(-1)
         return torch.multinomial(probs, 1, generator=generator)[0]
+
+
+def _penalise(logits: torch.Tensor, rows: list[int], params: list[SamplingParams], histories: list[list[int]]) -> None:
+    """transformers' repetition penalty (each seen token once: negative scores times p, positive ones divided
+    by p), then OpenAI's presence and frequency penalties (minus presence + frequency x count), on `rows`."""
+    device, vocab = logits.device, logits.shape[1]
+    owner = torch.tensor([j for j, hist in enumerate(histories) for _ in hist]).to(device)
+    tokens = torch.tensor([t for hist in histories for t in hist]).to(device)
+    ones = torch.ones(tokens.shape, device=device)
+    counts = torch.zeros(len(rows), vocab, device=device).index_put_((owner, tokens), ones, accumulate=True)
+    seen = counts > 0
+    per_row = torch.tensor([[p.repetition_penalty, p.presence_penalty, p.frequency_penalty] for p in params])
+    repetition, presence, frequency = per_row.to(device).unbind(1)
+    repetition, presence, frequency = repetition[:, None], presence[:, None], frequency[:, None]
+    index = torch.tensor(rows).to(device)
+    scores = logits[index]
+    scores = torch.where(seen, torch.where(scores < 0, scores * repetition, scores / repetition), scores)
+    scores = torch.where(seen, scores - (presence + frequency * counts), scores)
+    logits[index] = scores

@@ -4,7 +4,7 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 
 from omnistage.core.errors import BadRequestError
 from omnistage.core.sampling import SamplingParams, sampling_from_parameters
-from omnistage.stages.sampler import Sampler
+from omnistage.stages.sampler import Sampler, _penalise
 
 
 def test_parameters_are_coerced_from_triton_strings():
@@ -13,7 +13,9 @@ def test_parameters_are_coerced_from_triton_strings():
         SamplingParams(max_tokens=10), 100,
     )  # fmt: skip
     assert (p.max_tokens, p.temperature, p.ignore_eos, p.stop_token_ids, p.top_k) == (12, 0.5, True, (1, 2), 0)
-    assert sampling_from_parameters({"talker_top_k": 3}, SamplingParams(max_tokens=10), 100, prefix="talker_").top_k == 3
+    assert (
+        sampling_from_parameters({"talker_top_k": 3}, SamplingParams(max_tokens=10), 100, prefix="talker_").top_k == 3
+    )
 
 
 @pytest.mark.parametrize("params", [
@@ -68,3 +70,29 @@ def test_seeded_requests_are_reproducible():
     p = SamplingParams(temperature=1.0, seed=42)
     a = [int(Sampler("cpu").sample(logits.clone(), ["x"], [p], [[]], [[]])[0]) for _ in range(3)]
     assert len(set(a)) == 1
+
+
+def test_batched_penalties_equal_each_row_penalised_alone():
+    # rows with different penalties and histories (repeats, none), as one batch: each row equals transformers'
+    # repetition penalty then presence / frequency applied to it alone
+    torch.manual_seed(2)
+    logits = torch.randn(5, 60) * 3
+    params = [SamplingParams(repetition_penalty=1.3), SamplingParams(), SamplingParams(repetition_penalty=0.8),
+              SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), SamplingParams(repetition_penalty=1.05)]  # fmt: skip
+    history = [[1, 2, 3, 3], [4, 5], [7, 7, 9], [10, 10, 10, 11], []]
+    expected = logits.clone()
+    for i, (p, h) in enumerate(zip(params, history)):
+        if h and p.repetition_penalty != 1.0:
+            expected[i : i + 1] = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(
+                torch.tensor([h]), expected[i : i + 1]
+            )
+        for token in set(h):
+            expected[i, token] -= p.presence_penalty + p.frequency_penalty * h.count(token)
+    banned = [[], [], [], [], [0]]
+    got = Sampler("cpu").sample(logits.clone(), list("abcde"), params, history, banned)
+    expected[4, 0] = float("-inf")
+    assert got.tolist() == expected.argmax(-1).tolist()
+    penalised = logits.clone()
+    _penalise(penalised, [0, 2, 3], [params[i] for i in (0, 2, 3)], [history[i] for i in (0, 2, 3)])
+    torch.testing.assert_close(penalised[[0, 2, 3]], expected[[0, 2, 3]], rtol=0, atol=0)
+    torch.testing.assert_close(penalised[[1, 4]], logits[[1, 4]], rtol=0, atol=0)
