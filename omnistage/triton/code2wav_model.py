@@ -16,6 +16,7 @@ from ..core.protocol import CODE2WAV
 from ..models.checkpoint import load_stage
 from ..core.protocol import PAST_FRAMES
 from ..stages.code2wav import Code2WavRunner, state_from_tensors, state_to_tensors
+from .logs import stop_fault_reports
 from .metrics import MetricsPublisher
 from .responder import error_response, send_final
 from .stage_model import init_instance
@@ -92,3 +93,4 @@ class Code2WavModel:
     def finalize(self) -> None:
         self.metrics.stop()
         self._queue.put(None)
+        stop_fault_reports()

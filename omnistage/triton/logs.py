@@ -31,3 +31,10 @@ def setup_logging() -> None:
     # a stub that dies in native code (segfault, abort) leaves Python stacks instead of nothing: Triton
     # 2.51 neither logs a stub's death nor restarts it
     faulthandler.enable(file=out, all_threads=True)
+
+
+def stop_fault_reports() -> None:
+    """Called at the end of finalize(): the 2.51 stub tears its shared memory down before the interpreter,
+    so every stub segfaults while collecting garbage at exit. That is not a fault of serving; do not
+    report it as one."""
+    faulthandler.disable()

@@ -22,7 +22,7 @@ from ..models.processor import load_processor, prepare_inputs
 from ..pipeline.options import OmniOptions
 from ..pipeline.request import OmniOutput, OmniRequest, thinker_inputs
 from .bls import BlsStageClient
-from .logs import setup_logging
+from .logs import setup_logging, stop_fault_reports
 from .metrics import MetricsPublisher
 from .responder import Responder, error_response, send_final
 from .stage_model import model_parameters
@@ -190,4 +190,5 @@ class OmniModel:
         for request in list(self.requests.values()):
             request.cancel()
         self.responder.stop()
+        stop_fault_reports()
 

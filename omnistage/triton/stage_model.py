@@ -15,7 +15,7 @@ from ..core.errors import PROBE_ACTION, BadRequestError, OmniError
 from ..core.sampling import SamplingParams
 from ..core.scheduler import Scheduler, Sequence
 from ..models.checkpoint import load_config, load_stage
-from .logs import setup_logging
+from .logs import setup_logging, stop_fault_reports
 from .metrics import StageMetrics
 from .responder import Responder, error_response, send_final
 from .tensors import configure_handoff, request_parameters
@@ -137,4 +137,5 @@ class StageModel:
         self.metrics.stop()
         self.engine.stop()
         self.responder.stop()
+        stop_fault_reports()
 
