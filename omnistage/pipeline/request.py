@@ -155,17 +155,24 @@ class OmniRequest:
     def _run_thinker(self) -> None:
         parameters = dict(self.options.thinker_parameters, export_talker=self.options.want_audio)
         for out in self.stages.thinker(self.session, self.inputs, parameters):
-            ids = out["token_ids"].tolist() if "token_ids" in out else []
-            self.completion_tokens += len(ids)
-            if "prompt_tokens" in out:
-                self.prompt_tokens = int(out["prompt_tokens"].reshape(-1)[0])
-            if "finish_reason" in out:
-                self.finish_reason = out["finish_reason"]
-            if self.options.want_audio and not self.cancelled.is_set():
-                self._feed_talker(out)
-            text = self.detok.push(ids) if ids else ""
-            if text or ids:
-                self.emit(OmniOutput(text=text, token_ids=ids), None, None)
+            # A failure while handling a response (a talker call that failed) does not leave the loop: the
+            # stream is read to its end (the failure aborted the thinker, so that is soon), because a Triton
+            # response iterator dropped before its final response is a use-after-free risk (perf/README.md).
+            if self.error is None:
+                self._guarded("thinker output", self._on_thinker_output, out)
+
+    def _on_thinker_output(self, out: dict) -> None:
+        ids = out["token_ids"].tolist() if "token_ids" in out else []
+        self.completion_tokens += len(ids)
+        if "prompt_tokens" in out:
+            self.prompt_tokens = int(out["prompt_tokens"].reshape(-1)[0])
+        if "finish_reason" in out:
+            self.finish_reason = out["finish_reason"]
+        if self.options.want_audio and not self.cancelled.is_set():
+            self._feed_talker(out)
+        text = self.detok.push(ids) if ids else ""
+        if text or ids:
+            self.emit(OmniOutput(text=text, token_ids=ids), None, None)
 
     def _feed_talker(self, out: dict) -> None:
         if "talker_user_rows" in out:
@@ -225,21 +232,29 @@ class OmniRequest:
         while (window := self._windows.get()) is not None:
             if self.cancelled.is_set() or self.error is not None:
                 continue  # drain
-            try:
-                first = window.start - self._frames_sent
-                codes = torch.stack(self._frames[first : first + window.frames])
-                del self._frames[: first + window.frames]
-                self._frames_sent = window.end
-                with self.hops["code2wav"]:
-                    audio, self._code2wav_state = self.stages.code2wav(codes, self._code2wav_state)
-                self.emit(OmniOutput(audio=audio.float().reshape(-1)), None, None)
-            except OmniError as e:
-                self._fail(e)
-            except Exception as e:
-                log.exception("[omni] code2wav of %s failed", self.session)
-                self._fail(EngineError(str(e)))
+            self._guarded("code2wav", self._decode_window, window)
+
+    def _decode_window(self, window) -> None:
+        first = window.start - self._frames_sent
+        codes = torch.stack(self._frames[first : first + window.frames])
+        del self._frames[: first + window.frames]
+        self._frames_sent = window.end
+        with self.hops["code2wav"]:
+            audio, self._code2wav_state = self.stages.code2wav(codes, self._code2wav_state)
+        self.emit(OmniOutput(audio=audio.float().reshape(-1)), None, None)
 
     # ---- failure ----------------------------------------------------------------------------------------
+    def _guarded(self, what: str, step: Callable, *args) -> None:
+        """Runs one step of a loop; a failure fails the request (and aborts its stages) instead of leaving
+        the loop, which goes on reading what it reads to its end."""
+        try:
+            step(*args)
+        except OmniError as e:
+            self._fail(e)
+        except Exception as e:
+            log.exception("[omni] %s of %s failed", what, self.session)
+            self._fail(EngineError(str(e)))
+
     def _fail(self, error: OmniError) -> None:
         if self.error is None and not self.cancelled.is_set():
             self.error = error

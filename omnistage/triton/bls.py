@@ -87,10 +87,16 @@ class BlsStageClient:
                 pass
 
     def code2wav(self, codes: torch.Tensor, state: dict | None) -> tuple[torch.Tensor, dict]:
-        # one model whatever the replicas: the state travels with the chunk, so any instance can decode it
+        # one model whatever the replicas: the state travels with the chunk, so any instance can decode it.
+        # The stream is read to its end, never left after the audio: a response iterator dropped before its
+        # final response has arrived is a use-after-free risk in the 2.51 stub (perf/README.md).
+        result = None
         for out in self._stream("code2wav", CODE2WAV.outputs, {"codes": codes, **(state or {})}, {}):
-            return out.pop("audio"), out
-        raise EngineError("code2wav returned no audio")
+            if result is None:
+                result = out.pop("audio"), out
+        if result is None:
+            raise EngineError("code2wav returned no audio")
+        return result
 
     def placement(self, session: str) -> dict[str, str]:
         """The replica of each stage that serves the session (reported in usage)."""
