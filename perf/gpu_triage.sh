@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU device call (~9 min) for the served-pipeline crash (perf/README.md, 2026-12-03), then the bench:
 #  1. tools/bls_stress with large host tensors: Triton's default pinned pool, none, and a big one; then
-#     responses that carry a host and a GPU tensor (as omni_ensemble's stages send);
+#     responses that carry a host and a GPU tensor (as omni_ensemble's stages send), and calls left at
+#     their first response (as omni_ensemble's code2wav() did);
 #  2. the served smoke (single W1 requests, bursts of 16 and 64) with the first tritonserver arguments
 #     under which bls_stress passed;
 #  3. perf/gpu_bench.sh with those arguments if the burst of 16 passed (PERF_TRITON_ARGS).
@@ -27,6 +28,9 @@ rm -f "$OUT/stress.log"
 echo "== bls_stress mixed (host and GPU tensors in one response) [${chosen}]" | tee -a "$OUT/triage.log"
 timeout 90 "$PY" tools/bls_stress/run.py --device mixed --concurrency 32 --rounds 6 ${chosen:+--triton-arg=$chosen} \
   2>&1 | grep -v threading.py | tail -8 | tee -a "$OUT/triage.log"
+echo "== bls_stress cpu, each call left at its first response (--early) [${chosen}]" | tee -a "$OUT/triage.log"
+timeout 90 "$PY" tools/bls_stress/run.py --device cpu --state 1000 --concurrency 48 --rounds 10 --early \
+  ${chosen:+--triton-arg=$chosen} 2>&1 | grep -v threading.py | tail -4 | tee -a "$OUT/triage.log"
 echo "== chosen tritonserver arguments: [${chosen}]" | tee -a "$OUT/triage.log"
 SMOKE_TRITON_ARGS="$chosen" SMOKE_BURSTS=16,64 timeout 200 "$PY" -m perf.gpu_smoke "$OUT/smoke.json" gpu \
   > "$OUT/smoke.log" 2>&1

@@ -60,6 +60,7 @@ def main() -> int:
     )
     ap.add_argument("--state", type=int, default=1_200_000)
     ap.add_argument("--run-dir", default="/tmp/bls_stress")
+    ap.add_argument("--early", action="store_true", help="leave each BLS call at its first response")
     # e.g. --triton-arg=--pinned-memory-pool-byte-size=0: the H200 machine has a 256 MB pinned pool for
     # host tensors, this CPU machine none, and the fault shows only there (a lead, see perf/README.md)
     ap.add_argument("--triton-arg", action="append", default=[], help="extra tritonserver argument (repeat)")
@@ -72,7 +73,8 @@ def main() -> int:
     if args.device in ("cuda", "mixed"):  # the stage on the GPU, as ours are
         cfg = repo / "echo_big" / "config.pbtxt"
         cfg.write_text(cfg.read_text().replace("kind: KIND_CPU", "kind: KIND_GPU gpus: [0]"))
-    env = dict(os.environ, BLS_STRESS_DEVICE=args.device, BLS_STRESS_STATE=str(args.state))
+    env = dict(os.environ, BLS_STRESS_DEVICE=args.device, BLS_STRESS_STATE=str(args.state),
+               BLS_STRESS_EARLY="1" if args.early else "0")  # fmt: skip
     gpus = [0] if args.device in ("cuda", "mixed") else []
     server = TritonServer.on_free_ports(repo, run, gpus=gpus, env=env, extra_args=args.triton_arg)
     server.start_and_wait(timeout=180)

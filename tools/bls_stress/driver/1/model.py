@@ -19,6 +19,9 @@ STATE_DEVICE = "cuda" if DEVICE == "mixed" else DEVICE  # mixed: echo_big answer
 STATE = int(os.environ.get("BLS_STRESS_STATE", 1_200_000))  # floats: code2wav's full-size past_kv
 CALLS = int(os.environ.get("BLS_STRESS_CALLS", 6))
 POLL = os.environ.get("BLS_STRESS_POLL", "1") == "1"
+# EARLY=1: leave each call at its first response, dropping the iterator before its end (as omni_ensemble's
+# code2wav() did until 2026-12-03)
+EARLY = os.environ.get("BLS_STRESS_EARLY", "0") == "1"
 
 
 def tensor(name, t):
@@ -60,6 +63,8 @@ class TritonPythonModel:
                     if outs:
                         state = outs["STATE"]
                         self.chunks.put((sid, outs["OUT"].cpu(), False))
+                        if EARLY:
+                            break
         except Exception:
             traceback.print_exc(file=sys.stderr)
         self.chunks.put((sid, None, True))
