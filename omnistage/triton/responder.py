@@ -25,6 +25,14 @@ def error_response(error: Exception):
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(f"[{code}] {error}"))
 
 
+def cancelled_response():
+    """The final answer to a request Triton cancelled (its client left): the CANCELLED error the Python
+    backend documents for it, with no tensors. A final with tensors on a cancelled request crashed 2.51's
+    stub with a double free (perf/README.md)."""
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError("[499] cancelled by the client",
+                                                                 pb_utils.TritonError.CANCELLED))  # fmt: skip
+
+
 def send_final(sender, response=None) -> None:
     try:
         sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
@@ -111,30 +119,45 @@ class Responder:
             sender = self._senders.pop(request_id, None) if final else self._senders.get(request_id)
         if sender is None:
             return
-        try:
-            if error is not None:
-                if output is not None:  # what was produced before the failure still goes out
-                    sender.send(pb_utils.InferenceResponse(output_tensors=self.encode(output, None)))
-                send_final(sender, error_response(error))
+        if request_id in self._cancelled:  # the client is gone: nothing more for it but the final
+            if final:
+                send_final(sender, cancelled_response())
+                self._cancelled.discard(request_id)
+            return
+        try:  # our part first: a failure here is a bug, and the stream still ends with an error
+            if error is not None:  # what was produced before the failure still goes out, then the error
+                data = None if output is None else pb_utils.InferenceResponse(output_tensors=self.encode(output, None))
+                last = error_response(error)
             elif final:
-                send_final(sender, pb_utils.InferenceResponse(output_tensors=self.encode(output, finish_reason)))
+                data, last = None, pb_utils.InferenceResponse(output_tensors=self.encode(output, finish_reason))
             else:
-                sender.send(pb_utils.InferenceResponse(output_tensors=self.encode(output, None)))
-            self.responses_sent += 1
+                data, last = pb_utils.InferenceResponse(output_tensors=self.encode(output, None)), None
         except Exception as e:
+            log.exception("[%s] encoding a response for %s failed", self.name, request_id)
+            self._end(request_id, sender, final, error_response(EngineError(f"[{self.name}] bad response: {e}")))
+            return
+        try:
+            if data is not None:
+                sender.send(data)
+            if last is not None:
+                sender.send(last, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            self.responses_sent += 1
+        except Exception as e:  # Triton refused it (the client is gone...): this sender is never used again
             log.warning("[%s] send for %s failed: %s", self.name, request_id, e)
-            if error is None:  # a stream missing a piece (or its final) must not leave its client waiting
-                self._fail(request_id, sender, final, e)
+            if not final:
+                self._end(request_id, sender, final, None)
         finally:
             if final:
                 self._cancelled.discard(request_id)
 
-    def _fail(self, request_id: str, sender, final: bool, cause: Exception) -> None:
+    def _end(self, request_id: str, sender, final: bool, response) -> None:
+        """Stops a stream early: frees the request's engine slot and, with a response, ends it with that."""
         if not final:
             with self._lock:
                 self._senders.pop(request_id, None)
-            self.on_cancel(request_id)  # frees the request's slot in the engine
-        send_final(sender, error_response(EngineError(f"[{self.name}] sending a response failed: {cause}")))
+            self.on_cancel(request_id)
+        if response is not None:
+            send_final(sender, response)
 
     def _poll_cancellation(self) -> None:
         with self._lock:
