@@ -48,8 +48,8 @@ def _read(response) -> dict:
             out[t.name()] = value.decode() if isinstance(value, bytes) else str(value)
         else:
             # own the memory of GPU tensors: they live in Triton's CUDA pool, reused once the response is gone.
-            # Host tensors are not cloned: with the clone, omni_ensemble's stub crashed in 2 of 3 CPU soak runs,
-            # without it in none of 4 (perf/README.md); a timing in the stub this code cannot see.
+            # Host tensors are not cloned: with the clone, omni_ensemble's stub crashed more often in the CPU
+            # soak (perf/README.md, the stub crash); their views are used before the response is dropped.
             tensor = to_torch(t)
             out[t.name()] = tensor.clone() if tensor.is_cuda else tensor
     return out
