@@ -14,8 +14,8 @@ from torch.profiler import ProfilerActivity, profile
 from omnistage.core.sampling import SamplingParams
 from omnistage.models.checkpoint import load_config, load_stage
 from omnistage.stages.talker import TalkerRunner
-from omnistage.stages.thinker import ThinkerPrompt, ThinkerRunner
-from perf.stage_timing import decode_times, free, running, talker_prompts
+from omnistage.stages.thinker import ThinkerRunner
+from perf.stage_timing import decode_times, free, running, talker_prompts, thinker_prompts
 
 BATCHES = (1, 64)
 
@@ -50,9 +50,7 @@ def main() -> None:
     thinker = ThinkerRunner(
         load_stage(source, "thinker", dtype, dev, experts_implementation=args.experts), config, **kw
     )
-    ids = torch.randint(0, 150000, (150,), generator=torch.Generator().manual_seed(0))
-    ids[-3:] = torch.tensor([config.im_start_token_id, config.assistant_token_id, 198])
-    seqs = [running(i, params, ThinkerPrompt(torch.cat([ids[:1] + i, ids[1:]]))) for i in range(max(BATCHES))]
+    seqs = [running(i, params, p) for i, p in enumerate(thinker_prompts(config, 150, max(BATCHES)))]
     decoded, _ = decode_times(thinker, seqs, 8, measure=top_kernels, batches=BATCHES)
     report.update({f"thinker_decode_b{b}": v for b, v in decoded.items()})
     del thinker, seqs

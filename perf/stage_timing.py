@@ -80,9 +80,8 @@ def thinker_times(report, source, config, dev, dtype, kw, params, prompt, expert
     t0 = time.perf_counter()
     thinker = load_stage(source, "thinker", dtype, dev, experts_implementation=experts)
     report["thinker_load_s"] = round(time.perf_counter() - t0, 2)
-    ids = torch.randint(0, 150000, (prompt,), generator=torch.Generator().manual_seed(0))
-    ids[-3:] = torch.tensor([config.im_start_token_id, config.assistant_token_id, 198])  # "<|im_start|>assistant\n"
-    picks = {mode: thinker_mode(report, mode, thinker, config, kw, params, ids) for mode in ("eager", "graphs")}
+    prompts = thinker_prompts(config, prompt, max(BATCHES), export_talker=True)
+    picks = {mode: thinker_mode(report, mode, thinker, config, kw, params, prompts) for mode in ("eager", "graphs")}
     report["thinker_graph_eager_greedy_agreement"] = greedy_agreement(picks["eager"], picks["graphs"])
     report["gpu_mem_gb_thinker"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
     print(json.dumps(report), flush=True)
@@ -96,6 +95,14 @@ def talker_times(report, source, config, dev, dtype, kw, params, prompt, experts
     print(json.dumps(report), flush=True)
 
 
+def thinker_prompts(config, prompt: int, n: int, export_talker: bool = False) -> list[ThinkerPrompt]:
+    """n text prompts of `prompt` random tokens ending in "<|im_start|>assistant\n", each with its own first
+    token (so no two share a prefix)."""
+    ids = torch.randint(0, 150000, (prompt,), generator=torch.Generator().manual_seed(0))
+    ids[-3:] = torch.tensor([config.im_start_token_id, config.assistant_token_id, 198])
+    return [ThinkerPrompt(torch.cat([ids[:1] + i, ids[1:]]), export_talker=export_talker) for i in range(n)]
+
+
 def talker_prompts(config, prompt: int, n: int) -> list[TalkerPrompt]:
     """n copies of a talker prompt as the thinker hands it over: conditioning of a prompt-token turn, 20 rows."""
     g = torch.Generator().manual_seed(1)
@@ -107,13 +114,12 @@ def talker_prompts(config, prompt: int, n: int) -> list[TalkerPrompt]:
     return [TalkerPrompt(cond, 2302, list(rows), True) for _ in range(n)]
 
 
-def thinker_mode(report, mode, thinker, config, kw, params, ids) -> list[list[int]]:
-    n = max(BATCHES)
+def thinker_mode(report, mode, thinker, config, kw, params, prompts) -> list[list[int]]:
     runner = ThinkerRunner(thinker, config, **kw, cuda_graphs=mode == "graphs")
     t0 = time.perf_counter()
     runner.capture_graphs()
     report[f"thinker_capture_s_{mode}"] = round(time.perf_counter() - t0, 2)
-    seqs = [running(i, params, ThinkerPrompt(torch.cat([ids[:1] + i, ids[1:]]), export_talker=True)) for i in range(n)]
+    seqs = [running(i, params, p) for i, p in enumerate(prompts)]
     report[f"thinker_prefill_ms_{mode}"] = timed(lambda: runner.prefill(seqs[:1]), repeat=2)
     report[f"thinker_prefill8_ms_{mode}"] = timed(lambda: runner.prefill(seqs[:8]), repeat=2)  # one batched forward
     release(runner, seqs)

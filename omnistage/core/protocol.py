@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 CODE_GROUPS = 16  # codec codebooks per frame (talker codebook 0 + 15 from the code predictor)
 SAMPLE_RATE = 24000  # Code2Wav output rate, mono
+# How stage outputs cross to the next stage (model parameter `handoff`): as CUDA tensors, or copied to the host
+HANDOFFS = ("gpu", "cpu")
 
 
 @dataclass(frozen=True)

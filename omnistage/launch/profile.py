@@ -13,6 +13,7 @@ from pathlib import Path
 import yaml
 
 from omnistage.core.errors import OmniError
+from omnistage.core.protocol import HANDOFFS
 from omnistage.core.sampling import SamplingParams
 from omnistage.launch.triton_env import REPO_ROOT
 
@@ -30,7 +31,6 @@ _KEYS = {
 }
 _KEYS["talker"] = _KEYS["thinker"]
 _TOP_KEYS = {"base", "description", "platform", "dtype", "handoff", "model", "stages", "chunks", "platforms"}
-HANDOFFS = ("gpu", "cpu")
 _CHUNK_KEYS = {"first_chunk_frames", "chunk_frames", "left_context_frames"}
 
 

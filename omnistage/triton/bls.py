@@ -9,14 +9,8 @@ from typing import Iterator
 import torch
 import triton_python_backend_utils as pb_utils
 
-from ..core.errors import (
-    STUB_DEAD_MARK,
-    BadRequestError,
-    EngineError,
-    OmniError,
-    OverloadedError,
-    StageUnavailableError,
-)
+from ..core.errors import (STUB_DEAD_MARK, BadRequestError, EngineError, OmniError, OverloadedError,
+                           StageUnavailableError)
 from ..core.protocol import CODE2WAV, TALKER, THINKER
 from ..pipeline.replicas import ReplicaRouter
 from .tensors import from_torch, to_torch
@@ -28,7 +22,7 @@ def stage_error(message: str) -> OmniError:
     """Stages prefix error messages with the HTTP status; keep it so a client still sees a 400 as a 400."""
     m = _CODE.match(message)
     code = int(m.group(1)) if m else 500
-    text = message[m.end() :] if m else message
+    text = message[m.end():] if m else message
     if STUB_DEAD_MARK in text:  # a dead stage is the server's outage, not a failure of this request
         return StageUnavailableError(f"stage unavailable (being restarted): {text}")
     return {400: BadRequestError, 503: OverloadedError}.get(code, EngineError)(text)

@@ -10,6 +10,7 @@ import triton_python_backend_utils as pb_utils
 from torch.utils import dlpack
 
 from ..core.errors import PROBE_ACTION
+from ..core.protocol import HANDOFFS
 
 
 def to_torch(tensor, device: torch.device | None = None) -> torch.Tensor:
@@ -43,18 +44,16 @@ def input_tensors(request, contract) -> dict[str, torch.Tensor]:
 
 
 # Where this process's response tensors travel between stages: "gpu" hands CUDA tensors over as they are
-# (DLPack into Triton's CUDA pool); "cpu" copies them to the host first. Triton 2.51's Python backend was
-# seen to hang a decoupled send of GPU tensors to a BLS caller under concurrent streams (perf/README.md),
-# so deploy profiles choose per stage (parameter `handoff`); set once per stub process by configure_handoff.
-HANDOFF_KINDS = ("gpu", "cpu")
+# (DLPack into Triton's CUDA pool); "cpu" copies them to the host first, a switch for diagnosing Python-
+# backend faults (perf/README.md). Set once per stub process from the model parameter `handoff`.
 _handoff = "gpu"
 
 
 def configure_handoff(kind: str | None) -> None:
     global _handoff
     kind = (kind or "gpu").lower()
-    if kind not in HANDOFF_KINDS:
-        raise ValueError(f"handoff must be one of {HANDOFF_KINDS}, not {kind!r}")
+    if kind not in HANDOFFS:
+        raise ValueError(f"handoff must be one of {HANDOFFS}, not {kind!r}")
     _handoff = kind
 
 
