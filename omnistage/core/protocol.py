@@ -11,6 +11,10 @@ CODE_GROUPS = 16  # codec codebooks per frame (talker codebook 0 + 15 from the c
 SAMPLE_RATE = 24000  # Code2Wav output rate, mono
 # How stage outputs cross to the next stage (model parameter `handoff`): as CUDA tensors, or copied to the host
 HANDOFFS = ("gpu", "cpu")
+# Request parameter of omni_ensemble's BLS calls: the stage answers with its host tensors as BF16 views of
+# their bytes, the one form Triton 2.51's stub reads without making Python objects off the GIL (bf16_bytes.py)
+BLS_TRANSPORT = "bls_transport"
+BLS_TRANSPORT_BF16_BYTES = "bf16_bytes"
 
 
 @dataclass(frozen=True)
@@ -74,7 +78,7 @@ THINKER = ModelContract(
         TensorSpec("prompt_tokens", "TYPE_INT64", (1,)),
         TensorSpec("finish_reason", "TYPE_STRING", (1,)),  # final response: "stop" | "length" | "abort"
     ),
-    parameters={**SAMPLING_PARAMETERS, "export_talker": "bool"},
+    parameters={**SAMPLING_PARAMETERS, "export_talker": "bool", BLS_TRANSPORT: "string"},
 )
 
 # ---- talker: thinker conditioning in (start, then appends), codec frames out -------------------------------
@@ -103,6 +107,7 @@ TALKER = ModelContract(
         "text_end": "bool",
         "speaker": "string",
         **SAMPLING_PARAMETERS,  # max_tokens / min_tokens count codec frames here
+        BLS_TRANSPORT: "string",
     },
 )
 
@@ -124,6 +129,7 @@ CODE2WAV = ModelContract(
         TensorSpec(PAST_HIDDEN, "TYPE_FP32", (-1, -1)),
         TensorSpec(PAST_FRAMES, "TYPE_INT64", (1,)),
     ),
+    parameters={BLS_TRANSPORT: "string"},
 )
 
 # ---- omni_ensemble: what users call -------------------------------------------------------------------------

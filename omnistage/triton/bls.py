@@ -1,6 +1,8 @@
 # StageClient over Triton BLS: how omni_ensemble reaches thinker, talker and code2wav inside the server.
 # Tensors stay where they are (GPU tensors go out through DLPack); every request parameter is sent as a
-# string, since BLS parameters take str/int/bool only and the stages coerce them back.
+# string, since BLS parameters take str/int/bool only and the stages coerce them back. Every call asks the
+# stage for its host tensors as BF16 views of their bytes: the one form the 2.51 stub can receive while
+# our other threads run Python (core/bf16_bytes.py says why).
 from __future__ import annotations
 
 import re
@@ -11,9 +13,9 @@ import triton_python_backend_utils as pb_utils
 
 from ..core.errors import (STUB_DEAD_MARK, BadRequestError, EngineError, OmniError, OverloadedError,
                            StageUnavailableError)
-from ..core.protocol import CODE2WAV, TALKER, THINKER
+from ..core.protocol import BLS_TRANSPORT, BLS_TRANSPORT_BF16_BYTES, CODE2WAV, TALKER, THINKER, TensorSpec
 from ..pipeline.replicas import ReplicaRouter
-from .tensors import from_torch, to_torch
+from .tensors import bls_output, from_torch
 
 _CODE = re.compile(r"^\[(\d{3})\] ")
 
@@ -32,20 +34,15 @@ def _parameters(values: dict) -> dict:
     return {k: (v if isinstance(v, (bool, str)) else str(v)) for k, v in values.items() if v is not None}
 
 
-def _read(response) -> dict:
+def _read(response, outputs: dict[str, TensorSpec]) -> dict:
     if response.has_error():
         raise stage_error(response.error().message())
     out = {}
     for t in response.output_tensors():
-        if t.name() == "finish_reason":
-            value = t.as_numpy().reshape(-1)[0]
-            out[t.name()] = value.decode() if isinstance(value, bytes) else str(value)
-        else:
-            # own the memory of GPU tensors: they live in Triton's CUDA pool, reused once the response is gone.
-            # Host tensors are not cloned: with the clone, omni_ensemble's stub crashed more often in the CPU
-            # soak (perf/README.md, the stub crash); their views are used before the response is dropped.
-            tensor = to_torch(t)
-            out[t.name()] = tensor.clone() if tensor.is_cuda else tensor
+        value = bls_output(t, outputs[t.name()].data_type)
+        # own the memory of GPU tensors: they live in Triton's CUDA pool, reused once the response is gone.
+        # Host tensors keep their response's shared memory alive through DLPack for as long as they live.
+        out[t.name()] = value.clone() if isinstance(value, torch.Tensor) and value.is_cuda else value
     return out
 
 
@@ -60,10 +57,11 @@ class BlsStageClient:
             model_name=model,
             inputs=[from_torch(k, v) for k, v in inputs.items() if v is not None],
             requested_output_names=[t.name for t in outputs],
-            parameters=_parameters(parameters),
+            parameters=_parameters(dict(parameters, **{BLS_TRANSPORT: BLS_TRANSPORT_BF16_BYTES})),
         )
+        specs = {t.name: t for t in outputs}
         for response in request.exec(decoupled=True):
-            out = _read(response)
+            out = _read(response, specs)
             if out:
                 yield out
 

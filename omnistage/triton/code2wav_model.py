@@ -20,7 +20,7 @@ from .logs import stop_fault_reports
 from .metrics import MetricsPublisher
 from .responder import error_response, send_final
 from .stage_model import init_instance
-from .tensors import input_tensors, is_probe, output_tensors
+from .tensors import input_tensors, is_probe, output_tensors, request_parameters, wants_bf16_bytes
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class Code2WavModel:
                 state = state_from_tensors(inputs) if PAST_FRAMES in inputs else None
                 chunk = (inputs["codes"].to(self.device), state)
                 self.runner.validate(*chunk)
-                self._queue.put((chunk, sender))
+                self._queue.put((chunk, (sender, wants_bf16_bytes(request_parameters(request)))))
             except Exception as e:
                 send_final(sender, error_response(e if isinstance(e, OmniError) else BadRequestError(str(e))))
         return None
@@ -78,12 +78,13 @@ class Code2WavModel:
             self.last_batch, self.chunks, self.batches = len(batch), self.chunks + len(batch), self.batches + 1
             try:
                 decoded = self.runner.decode([chunk for chunk, _ in batch])
-                responses = [output_tensors({"audio": wav.float(), **state_to_tensors(state)}) for wav, state in decoded]
-                for (_, sender), tensors in zip(batch, responses):
+                responses = [output_tensors({"audio": wav.float(), **state_to_tensors(state)}, bf16_bytes)
+                             for (wav, state), (_, (_, bf16_bytes)) in zip(decoded, batch)]  # fmt: skip
+                for (_, (sender, _)), tensors in zip(batch, responses):
                     send_final(sender, pb_utils.InferenceResponse(output_tensors=tensors))
             except Exception as e:
                 log.exception("[code2wav] decode failed")
-                for _, sender in batch:
+                for _, (sender, _) in batch:
                     send_final(sender, error_response(e if isinstance(e, OmniError) else OmniError(str(e))))
 
     def _sample(self):

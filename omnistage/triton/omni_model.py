@@ -26,7 +26,7 @@ from .logs import setup_logging, stop_fault_reports
 from .metrics import MetricsPublisher
 from .responder import Responder, error_response, send_final
 from .stage_model import model_parameters
-from .tensors import configure_handoff, is_probe, output_tensors, read_string, request_parameters
+from .tensors import configure_handoff, is_probe, read_string, request_parameters
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ class OmniModel:
             raise BadRequestError("messages must be a non-empty JSON list")
         return messages
 
-    def encode(self, output: OmniOutput | None, finish_reason: str | None) -> list:
+    def encode(self, output: OmniOutput | None, finish_reason: str | None) -> dict:
         values = {}
         if output is not None:
             if output.text or output.token_ids:
@@ -167,7 +167,7 @@ class OmniModel:
                 values["usage"] = json.dumps(output.usage)
         if finish_reason is not None:
             values["finish_reason"] = finish_reason
-        return output_tensors(values)
+        return values
 
     def _cancel(self, session: str) -> None:
         request = self.requests.get(session)

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import triton_python_backend_utils as pb_utils
 
 from ..core.errors import EngineError, OmniError
+from .tensors import output_tensors
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +44,12 @@ def send_final(sender, response=None) -> None:
 class Responder:
     def __init__(self, name: str, encode: Callable[[Any, "str | None"], list], on_cancel: Callable[[str], None]):
         self.name = name
-        self.encode = encode  # (output or None, finish_reason or None) -> list of pb_utils.Tensor
+        self.encode = encode  # (output or None, finish_reason or None) -> {name: torch.Tensor or str}
         self.on_cancel = on_cancel
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._senders: dict[str, Any] = {}
         self._cancelled: set[str] = set()
+        self._bf16_bytes: set[str] = set()  # requests from omni_ensemble's BLS calls (tensors.wants_bf16_bytes)
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name=f"{name}-responder", daemon=True)
         self._running = True
@@ -61,14 +63,17 @@ class Responder:
         self._queue.put(None)
         self._thread.join(5)
 
-    def register(self, request_id: str, sender) -> None:
+    def register(self, request_id: str, sender, bf16_bytes: bool = False) -> None:
         with self._lock:
             self._senders[request_id] = sender
+            if bf16_bytes:
+                self._bf16_bytes.add(request_id)
 
     def unregister(self, request_id: str, sender) -> None:
         with self._lock:
             if self._senders.get(request_id) is sender:
                 del self._senders[request_id]
+                self._bf16_bytes.discard(request_id)
 
     def emit(self, request_id: str, output, finish_reason: str | None, error: OmniError | None) -> None:
         """Engine callback: must not block."""
@@ -117,6 +122,9 @@ class Responder:
         final = finish_reason is not None or error is not None
         with self._lock:
             sender = self._senders.pop(request_id, None) if final else self._senders.get(request_id)
+            bf16_bytes = request_id in self._bf16_bytes
+            if final:
+                self._bf16_bytes.discard(request_id)
         if sender is None:
             return
         if request_id in self._cancelled:  # the client is gone: nothing more for it but the final
@@ -124,14 +132,16 @@ class Responder:
                 send_final(sender, cancelled_response())
                 self._cancelled.discard(request_id)
             return
+        def response(reason):
+            return pb_utils.InferenceResponse(output_tensors=output_tensors(self.encode(output, reason), bf16_bytes))
+
         try:  # our part first: a failure here is a bug, and the stream still ends with an error
             if error is not None:  # what was produced before the failure still goes out, then the error
-                data = None if output is None else pb_utils.InferenceResponse(output_tensors=self.encode(output, None))
-                last = error_response(error)
+                data, last = (None if output is None else response(None)), error_response(error)
             elif final:
-                data, last = None, pb_utils.InferenceResponse(output_tensors=self.encode(output, finish_reason))
+                data, last = None, response(finish_reason)
             else:
-                data, last = pb_utils.InferenceResponse(output_tensors=self.encode(output, None)), None
+                data, last = response(None), None
         except Exception as e:
             log.exception("[%s] encoding a response for %s failed", self.name, request_id)
             self._end(request_id, sender, final, error_response(EngineError(f"[{self.name}] bad response: {e}")))
@@ -155,6 +165,7 @@ class Responder:
         if not final:
             with self._lock:
                 self._senders.pop(request_id, None)
+                self._bf16_bytes.discard(request_id)
             self.on_cancel(request_id)
         if response is not None:
             send_final(sender, response)

@@ -18,7 +18,7 @@ from ..models.checkpoint import load_config, load_stage
 from .logs import setup_logging, stop_fault_reports
 from .metrics import StageMetrics
 from .responder import Responder, error_response, send_final
-from .tensors import configure_handoff, request_parameters
+from .tensors import configure_handoff, request_parameters, wants_bf16_bytes
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,8 @@ class StageModel:
     def sequence_from(self, request, params: dict, request_id: str) -> Sequence:
         raise NotImplementedError
 
-    def encode(self, output, finish_reason: str | None) -> list:
+    def encode(self, output, finish_reason: str | None) -> dict:
+        """The response's values: name -> torch.Tensor or str (the Responder makes the tensors)."""
         raise NotImplementedError
 
     def execute(self, requests):
@@ -114,7 +115,8 @@ class StageModel:
                 send_final(sender)
             elif action == "start":
                 seq = self.sequence_from(request, params, request_id)
-                self.responder.register(request_id, sender)  # before add: the engine may answer at once
+                # before add: the engine may answer at once
+                self.responder.register(request_id, sender, bf16_bytes=wants_bf16_bytes(params))
                 self.engine.add(seq)
             else:
                 self.control(action, request, params, request_id, sender)

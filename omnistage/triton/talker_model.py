@@ -9,7 +9,7 @@ from ..stages.talker import TalkerRunner
 from ..stages.wire import talker_defaults, talker_response, talker_sequence, text_end
 from .responder import send_final
 from .stage_model import StageModel
-from .tensors import input_tensor, input_tensors, output_tensors
+from .tensors import input_tensor, input_tensors
 
 class TalkerModel(StageModel):
     STAGE = "talker"
@@ -32,4 +32,4 @@ class TalkerModel(StageModel):
         send_final(sender)
 
     def encode(self, output, finish_reason):
-        return output_tensors(talker_response(output, finish_reason))
+        return talker_response(output, finish_reason)

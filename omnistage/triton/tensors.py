@@ -1,5 +1,6 @@
 # Conversions between Triton Python-backend tensors and torch. GPU tensors cross through DLPack and stay
-# on the device; CPU tensors go through numpy (the 2.51 stub needs numpy<2 for that path).
+# on the device; CPU tensors go through numpy (the 2.51 stub needs numpy<2 for that path), except in
+# responses to omni_ensemble's BLS calls, where they travel as BF16 views of their bytes (core/bf16_bytes.py).
 from __future__ import annotations
 
 import json
@@ -9,8 +10,9 @@ import torch
 import triton_python_backend_utils as pb_utils
 from torch.utils import dlpack
 
+from ..core.bf16_bytes import from_bf16_bytes, to_bf16_bytes
 from ..core.errors import PROBE_ACTION
-from ..core.protocol import HANDOFFS
+from ..core.protocol import BLS_TRANSPORT, BLS_TRANSPORT_BF16_BYTES, HANDOFFS
 
 
 def to_torch(tensor, device: torch.device | None = None) -> torch.Tensor:
@@ -21,11 +23,25 @@ def to_torch(tensor, device: torch.device | None = None) -> torch.Tensor:
     return t if device is None else t.to(device, non_blocking=True)
 
 
-def from_torch(name: str, t: torch.Tensor):
+def from_torch(name: str, t: torch.Tensor, bf16_bytes: bool = False):
     t = t.contiguous()
     if t.is_cuda:
         return pb_utils.Tensor.from_dlpack(name, dlpack.to_dlpack(t))
+    if bf16_bytes:
+        return pb_utils.Tensor.from_dlpack(name, dlpack.to_dlpack(to_bf16_bytes(t)))
     return pb_utils.Tensor(name, t.numpy())
+
+
+def wants_bf16_bytes(params: dict) -> bool:
+    """Whether a request (omni_ensemble's BLS calls) asks for host tensors as BF16 views of their bytes."""
+    return params.get(BLS_TRANSPORT) == BLS_TRANSPORT_BF16_BYTES
+
+
+def bls_output(tensor, data_type: str) -> torch.Tensor | str:
+    """A tensor of a BLS response to a bf16_bytes request: GPU tensors as they are, host ones unpacked."""
+    if not tensor.is_cpu():
+        return dlpack.from_dlpack(tensor.to_dlpack())
+    return from_bf16_bytes(dlpack.from_dlpack(tensor.to_dlpack()), data_type)
 
 
 def input_tensor(request, name: str, device: torch.device | None = None) -> torch.Tensor | None:
@@ -57,11 +73,19 @@ def configure_handoff(kind: str | None) -> None:
     _handoff = kind
 
 
-def output_tensors(values: dict) -> list:
-    """name -> torch.Tensor or str (TYPE_STRING) into response tensors."""
+def output_tensors(values: dict, bf16_bytes: bool = False) -> list:
+    """name -> torch.Tensor or str (TYPE_STRING) into response tensors. bf16_bytes: host tensors and strings
+    as BF16 views of their bytes, for a BLS caller (see wants_bf16_bytes)."""
     host = _handoff == "cpu"
-    return [string_tensor(k, v) if isinstance(v, str) else from_torch(k, v.cpu() if host and v.is_cuda else v)
-            for k, v in values.items()]  # fmt: skip
+    tensors = []
+    for name, value in values.items():
+        if isinstance(value, str) and not bf16_bytes:
+            tensors.append(string_tensor(name, value))
+        elif isinstance(value, str):
+            tensors.append(pb_utils.Tensor.from_dlpack(name, dlpack.to_dlpack(to_bf16_bytes(value))))
+        else:
+            tensors.append(from_torch(name, value.cpu() if host and value.is_cuda else value, bf16_bytes))
+    return tensors
 
 
 def string_tensor(name: str, value: str):

@@ -5,7 +5,7 @@ from ..core.protocol import THINKER
 from ..stages.thinker import ThinkerRunner
 from ..stages.wire import thinker_defaults, thinker_response, thinker_sequence
 from .stage_model import StageModel
-from .tensors import input_tensors, output_tensors
+from .tensors import input_tensors
 
 
 class ThinkerModel(StageModel):
@@ -21,4 +21,4 @@ class ThinkerModel(StageModel):
                                 self.max_seq_len)
 
     def encode(self, output, finish_reason):
-        return output_tensors(thinker_response(output, finish_reason))
+        return thinker_response(output, finish_reason)

@@ -13,6 +13,8 @@ import torch
 import triton_python_backend_utils as pb_utils
 from torch.utils import dlpack
 
+from omnistage.core.bf16_bytes import from_bf16_bytes
+
 faulthandler.enable(all_threads=True)
 DEVICE = os.environ.get("BLS_STRESS_DEVICE", "cpu")
 STATE_DEVICE = "cuda" if DEVICE == "mixed" else DEVICE  # mixed: echo_big answers with a host and a GPU tensor
@@ -30,8 +32,15 @@ def tensor(name, t):
     return pb_utils.Tensor(name, t.numpy())
 
 
+BF16_BYTES = os.environ.get("BLS_STRESS_BF16_BYTES", "0") == "1"
+
+
 def to_torch(t):
-    return torch.from_numpy(t.as_numpy()) if t.is_cpu() else dlpack.from_dlpack(t.to_dlpack())
+    if not t.is_cpu():
+        return dlpack.from_dlpack(t.to_dlpack())
+    if BF16_BYTES:
+        return from_bf16_bytes(dlpack.from_dlpack(t.to_dlpack()), "TYPE_FP32")
+    return torch.from_numpy(t.as_numpy())
 
 
 class TritonPythonModel:

@@ -1,5 +1,6 @@
 # Stands in for a stage (code2wav): answers each request from a worker thread with an audio-sized tensor
-# and the request's state tensor back (one response + final), on the device the driver chose.
+# and the request's state tensor back (one response + final), on the device the driver chose. With
+# BLS_STRESS_BF16_BYTES=1 its host tensors go out as BF16 views of their bytes, as our stages answer BLS.
 import faulthandler
 import os
 import queue
@@ -10,13 +11,18 @@ import triton_python_backend_utils as pb_utils
 from torch.utils import dlpack
 
 faulthandler.enable(all_threads=True)
-DEVICE = os.environ.get("BLS_STRESS_DEVICE", "cpu")  # cpu, cuda, or mixed: OUT on the host, STATE on cuda
+from omnistage.core.bf16_bytes import to_bf16_bytes
+
+DEVICE = os.environ.get("BLS_STRESS_DEVICE", "cpu")
+BF16_BYTES = os.environ.get("BLS_STRESS_BF16_BYTES", "0") == "1"  # cpu, cuda, or mixed: OUT on the host, STATE on cuda
 OUT_DEVICE, STATE_DEVICE = ("cpu", "cuda") if DEVICE == "mixed" else (DEVICE, DEVICE)
 
 
 def tensor(name, t):
     if t.is_cuda:
         return pb_utils.Tensor.from_dlpack(name, dlpack.to_dlpack(t))
+    if BF16_BYTES:
+        return pb_utils.Tensor.from_dlpack(name, dlpack.to_dlpack(to_bf16_bytes(t)))
     return pb_utils.Tensor(name, t.numpy())
 
 
