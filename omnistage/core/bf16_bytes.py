@@ -1,12 +1,13 @@
 # Host tensors reinterpreted as BF16 tensors over the same bytes, and back: how stage outputs cross BLS.
 #
-# Why: Triton 2.51's Python stub loads each BLS response in a native thread that does not hold the GIL
-# (pb_stub.cc, ProcessBLSResponseDecoupled -> PbTensor's constructor). For a host tensor it builds a numpy
-# array there, and for a TYPE_STRING one it even runs deserialize_bytes_tensor(); while omni_ensemble's
-# other threads run Python, that corrupts the heap (omni_ensemble's stub died with "double free detected
-# in tcache 2" or "unaligned fastbin chunk"). BF16 tensors are the one host dtype the stub builds no numpy
-# array for, so a BF16 view of the bytes crosses without any Python object being made off the GIL.
-# GPU tensors need none of this: the stub makes no numpy array for them either.
+# Why: Triton 2.51's Python stub frees BLS responses in one of its native threads, off the GIL. A response
+# iterator keeps every response it delivered; its last owner is often the stub's own table of iterators,
+# which a native thread clears once the stream ends (pb_stub.cc, SendCleanupId). The numpy array the stub
+# made for each host tensor of those responses is then freed there, racing with omni_ensemble's Python
+# threads: its stub died of heap corruption ("double free detected in tcache 2", "unaligned fastbin
+# chunk", segfaults in a thread with no Python frame). `tools/bls_stress/run.py --free-probe` shows the
+# off-GIL frees. BF16 host tensors are the one kind the stub makes no numpy array for (nor GPU tensors), so
+# a BF16 view of the bytes leaves no Python object for that thread to free.
 #
 # The view keeps every dim but the last, whose length scales by the element size over 2 bytes; 1-byte
 # dtypes are widened to int16 first, and a string travels as the int16 values of its UTF-8 bytes.

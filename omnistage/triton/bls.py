@@ -88,8 +88,8 @@ class BlsStageClient:
 
     def code2wav(self, codes: torch.Tensor, state: dict | None) -> tuple[torch.Tensor, dict]:
         # one model whatever the replicas: the state travels with the chunk, so any instance can decode it.
-        # The stream is read to its end, never left after the audio: a response iterator dropped before its
-        # final response has arrived is a use-after-free risk in the 2.51 stub (perf/README.md).
+        # The stream is read to its end, never left after the audio: a 2.51 response iterator dropped before
+        # its final response has arrived blocks in its destructor, wherever that runs, until it comes.
         result = None
         for out in self._stream("code2wav", CODE2WAV.outputs, {"codes": codes, **(state or {})}, {}):
             if result is None:

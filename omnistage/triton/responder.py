@@ -28,8 +28,7 @@ def error_response(error: Exception):
 
 def cancelled_response():
     """The final answer to a request Triton cancelled (its client left): the CANCELLED error the Python
-    backend documents for it, with no tensors. A final with tensors on a cancelled request crashed 2.51's
-    stub with a double free (perf/README.md)."""
+    backend documents for it, with no tensors."""
     return pb_utils.InferenceResponse(error=pb_utils.TritonError("[499] cancelled by the client",
                                                                  pb_utils.TritonError.CANCELLED))  # fmt: skip
 

@@ -4,7 +4,10 @@
 # stacks. --bf16-bytes sends host tensors the way our stages answer BLS, which should never fault.
 #
 #   python tools/bls_stress/run.py [--concurrency 32] [--rounds 10] [--device cpu|cuda|mixed] [--state 1200000]
-#                                  [--bf16-bytes] [--triton-arg=--pinned-memory-pool-byte-size=0]
+#                                  [--bf16-bytes] [--free-probe] [--triton-arg=--pinned-memory-pool-byte-size=0]
+#
+# `--free-probe` (without --bf16-bytes) faults within a round on this CPU machine: proof that the stub frees
+# the numpy arrays of BLS responses in a native thread, off the GIL.
 from __future__ import annotations
 
 import argparse
@@ -62,6 +65,7 @@ def main() -> int:
     ap.add_argument("--state", type=int, default=1_200_000)
     ap.add_argument("--run-dir", default="/tmp/bls_stress")
     ap.add_argument("--bf16-bytes", action="store_true", help="host tensors as BF16 views of their bytes")
+    ap.add_argument("--free-probe", action="store_true", help="fault if a response array is freed off the GIL")
     ap.add_argument("--early", action="store_true", help="leave each BLS call at its first response")
     # e.g. --triton-arg=--pinned-memory-pool-byte-size=0: the H200 machine has a 256 MB pinned pool for
     # host tensors, this CPU machine none, and the fault shows only there (a lead, see perf/README.md)
@@ -76,7 +80,8 @@ def main() -> int:
         cfg = repo / "echo_big" / "config.pbtxt"
         cfg.write_text(cfg.read_text().replace("kind: KIND_CPU", "kind: KIND_GPU gpus: [0]"))
     env = dict(os.environ, BLS_STRESS_DEVICE=args.device, BLS_STRESS_STATE=str(args.state),
-               BLS_STRESS_EARLY="1" if args.early else "0", BLS_STRESS_BF16_BYTES="1" if args.bf16_bytes else "0")  # fmt: skip
+               BLS_STRESS_EARLY="1" if args.early else "0", BLS_STRESS_BF16_BYTES="1" if args.bf16_bytes else "0",
+               BLS_STRESS_FREE_PROBE="1" if args.free_probe else "0")  # fmt: skip
     gpus = [0] if args.device in ("cuda", "mixed") else []
     server = TritonServer.on_free_ports(repo, run, gpus=gpus, env=env, extra_args=args.triton_arg)
     server.start_and_wait(timeout=180)

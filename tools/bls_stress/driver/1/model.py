@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 
 import torch
 import triton_python_backend_utils as pb_utils
@@ -33,6 +34,14 @@ def tensor(name, t):
 
 
 BF16_BYTES = os.environ.get("BLS_STRESS_BF16_BYTES", "0") == "1"
+# FREE_PROBE=1: a weakref finalizer on the numpy array of every host tensor received. Python runs it where
+# the array is freed; a thread without a Python thread state cannot run it and segfaults at once. So a
+# fault with this on proves the stub frees response arrays off the GIL (it does: core/bf16_bytes.py).
+FREE_PROBE = os.environ.get("BLS_STRESS_FREE_PROBE", "0") == "1"
+
+
+def _freed() -> None:
+    pass
 
 
 def to_torch(t):
@@ -69,6 +78,10 @@ class TritonPythonModel:
                     if response.has_error():
                         raise RuntimeError(response.error().message())
                     outs = {t.name(): to_torch(t).clone() for t in response.output_tensors()}
+                    if FREE_PROBE and not BF16_BYTES:  # BF16 tensors have no numpy array to free
+                        for t in response.output_tensors():
+                            if t.is_cpu():
+                                weakref.finalize(t.as_numpy(), _freed)
                     if outs:
                         state = outs["STATE"]
                         self.chunks.put((sid, outs["OUT"].cpu(), False))
