@@ -28,7 +28,7 @@ from omnistage.launch.tritonserver import TritonServer  # noqa: E402
 HERE = Path(__file__).resolve().parent
 
 
-def one_stream(url: str, counts: dict, lock: threading.Lock) -> None:
+def one_stream(url: str, counts: dict, lock: threading.Lock, wait_s: float) -> None:
     answers: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: answers.put((result, error)))
@@ -38,7 +38,7 @@ def one_stream(url: str, counts: dict, lock: threading.Lock) -> None:
     outcome = "hung"
     try:
         while True:
-            result, error = answers.get(timeout=60)
+            result, error = answers.get(timeout=wait_s)  # a dead stub never answers
             if error is not None:
                 outcome = f"error: {error}"
                 break
@@ -65,6 +65,7 @@ def main() -> int:
     ap.add_argument("--state", type=int, default=1_200_000)
     ap.add_argument("--run-dir", default="/tmp/bls_stress")
     ap.add_argument("--bf16-bytes", action="store_true", help="host tensors as BF16 views of their bytes")
+    ap.add_argument("--wait-s", type=float, default=20, help="a stream with no answer for this long is hung")
     ap.add_argument("--free-probe", action="store_true", help="fault if a response array is freed off the GIL")
     ap.add_argument("--early", action="store_true", help="leave each BLS call at its first response")
     # e.g. --triton-arg=--pinned-memory-pool-byte-size=0: the H200 machine has a 256 MB pinned pool for
@@ -90,7 +91,7 @@ def main() -> int:
     try:
         for i in range(args.rounds):
             t0 = time.time()
-            threads = [threading.Thread(target=one_stream, args=(server.grpc_url, counts, lock))
+            threads = [threading.Thread(target=one_stream, args=(server.grpc_url, counts, lock, args.wait_s))
                        for _ in range(args.concurrency)]  # fmt: skip
             for t in threads:
                 t.start()
