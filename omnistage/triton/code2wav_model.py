@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from typing import Any, NamedTuple
 
 import triton_python_backend_utils as pb_utils
 
@@ -23,6 +24,12 @@ from .stage_model import init_instance
 from .tensors import input_tensors, is_probe, output_tensors, request_parameters, wants_bf16_bytes
 
 log = logging.getLogger(__name__)
+
+
+class PendingChunk(NamedTuple):
+    chunk: tuple  # (codes on the device, the stream's state or None)
+    sender: Any
+    bf16_bytes: bool  # an omni_ensemble BLS call: host tensors go back as BF16 byte views (tensors.py)
 
 
 class Code2WavModel:
@@ -60,7 +67,7 @@ class Code2WavModel:
                 state = state_from_tensors(inputs) if PAST_FRAMES in inputs else None
                 chunk = (inputs["codes"].to(self.device), state)
                 self.runner.validate(*chunk)
-                self._queue.put((chunk, (sender, wants_bf16_bytes(request_parameters(request)))))
+                self._queue.put(PendingChunk(chunk, sender, wants_bf16_bytes(request_parameters(request))))
             except Exception as e:
                 send_final(sender, error_response(e if isinstance(e, OmniError) else BadRequestError(str(e))))
         return None
@@ -77,15 +84,15 @@ class Code2WavModel:
                 return
             self.last_batch, self.chunks, self.batches = len(batch), self.chunks + len(batch), self.batches + 1
             try:
-                decoded = self.runner.decode([chunk for chunk, _ in batch])
-                responses = [output_tensors({"audio": wav.float(), **state_to_tensors(state)}, bf16_bytes)
-                             for (wav, state), (_, (_, bf16_bytes)) in zip(decoded, batch)]  # fmt: skip
-                for (_, (sender, _)), tensors in zip(batch, responses):
-                    send_final(sender, pb_utils.InferenceResponse(output_tensors=tensors))
+                decoded = self.runner.decode([p.chunk for p in batch])
+                responses = [output_tensors({"audio": wav.float(), **state_to_tensors(state)}, p.bf16_bytes)
+                             for (wav, state), p in zip(decoded, batch)]  # fmt: skip
+                for p, tensors in zip(batch, responses):
+                    send_final(p.sender, pb_utils.InferenceResponse(output_tensors=tensors))
             except Exception as e:
                 log.exception("[code2wav] decode failed")
-                for _, (sender, _) in batch:
-                    send_final(sender, error_response(e if isinstance(e, OmniError) else OmniError(str(e))))
+                for p in batch:
+                    send_final(p.sender, error_response(e if isinstance(e, OmniError) else OmniError(str(e))))
 
     def _sample(self):
         return [("omni_code2wav_queue_depth", {}, self._queue.qsize()), ("omni_code2wav_batch_size", {}, self.last_batch),

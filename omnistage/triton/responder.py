@@ -41,7 +41,7 @@ def send_final(sender, response=None) -> None:
 
 
 class Responder:
-    def __init__(self, name: str, encode: Callable[[Any, "str | None"], list], on_cancel: Callable[[str], None]):
+    def __init__(self, name: str, encode: Callable[[Any, "str | None"], dict], on_cancel: Callable[[str], None]):
         self.name = name
         self.encode = encode  # (output or None, finish_reason or None) -> {name: torch.Tensor or str}
         self.on_cancel = on_cancel
@@ -131,6 +131,7 @@ class Responder:
                 send_final(sender, cancelled_response())
                 self._cancelled.discard(request_id)
             return
+
         def response(reason):
             return pb_utils.InferenceResponse(output_tensors=output_tensors(self.encode(output, reason), bf16_bytes))
 
