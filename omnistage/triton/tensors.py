@@ -28,8 +28,13 @@ def from_torch(name: str, t: torch.Tensor, bf16_bytes: bool = False):
     if t.is_cuda:
         return pb_utils.Tensor.from_dlpack(name, dlpack.to_dlpack(t))
     if bf16_bytes:
-        return pb_utils.Tensor.from_dlpack(name, dlpack.to_dlpack(to_bf16_bytes(t)))
+        return bf16_bytes_tensor(name, t)
     return pb_utils.Tensor(name, t.numpy())
+
+
+def bf16_bytes_tensor(name: str, value: torch.Tensor | str):
+    """A host tensor or a string as a BF16 tensor over its bytes (core/bf16_bytes.py), through DLPack."""
+    return pb_utils.Tensor.from_dlpack(name, dlpack.to_dlpack(to_bf16_bytes(value)))
 
 
 def wants_bf16_bytes(params: dict) -> bool:
@@ -39,9 +44,8 @@ def wants_bf16_bytes(params: dict) -> bool:
 
 def bls_output(tensor, data_type: str) -> torch.Tensor | str:
     """A tensor of a BLS response to a bf16_bytes request: GPU tensors as they are, host ones unpacked."""
-    if not tensor.is_cpu():
-        return dlpack.from_dlpack(tensor.to_dlpack())
-    return from_bf16_bytes(dlpack.from_dlpack(tensor.to_dlpack()), data_type)
+    t = dlpack.from_dlpack(tensor.to_dlpack())
+    return t if t.is_cuda else from_bf16_bytes(t, data_type)
 
 
 def input_tensor(request, name: str, device: torch.device | None = None) -> torch.Tensor | None:
@@ -79,10 +83,8 @@ def output_tensors(values: dict, bf16_bytes: bool = False) -> list:
     host = _handoff == "cpu"
     tensors = []
     for name, value in values.items():
-        if isinstance(value, str) and not bf16_bytes:
-            tensors.append(string_tensor(name, value))
-        elif isinstance(value, str):
-            tensors.append(pb_utils.Tensor.from_dlpack(name, dlpack.to_dlpack(to_bf16_bytes(value))))
+        if isinstance(value, str):
+            tensors.append(bf16_bytes_tensor(name, value) if bf16_bytes else string_tensor(name, value))
         else:
             tensors.append(from_torch(name, value.cpu() if host and value.is_cuda else value, bf16_bytes))
     return tensors
