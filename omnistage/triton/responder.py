@@ -46,9 +46,9 @@ class Responder:
         self.encode = encode  # (output or None, finish_reason or None) -> {name: torch.Tensor or str}
         self.on_cancel = on_cancel
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._senders: dict[str, Any] = {}
+        # request id -> (sender, bf16_bytes): bf16_bytes for omni_ensemble's BLS calls (tensors.wants_bf16_bytes)
+        self._senders: dict[str, tuple[Any, bool]] = {}
         self._cancelled: set[str] = set()
-        self._bf16_bytes: set[str] = set()  # requests from omni_ensemble's BLS calls (tensors.wants_bf16_bytes)
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name=f"{name}-responder", daemon=True)
         self._running = True
@@ -64,15 +64,12 @@ class Responder:
 
     def register(self, request_id: str, sender, bf16_bytes: bool = False) -> None:
         with self._lock:
-            self._senders[request_id] = sender
-            if bf16_bytes:
-                self._bf16_bytes.add(request_id)
+            self._senders[request_id] = (sender, bf16_bytes)
 
     def unregister(self, request_id: str, sender) -> None:
         with self._lock:
-            if self._senders.get(request_id) is sender:
+            if self._senders.get(request_id, (None,))[0] is sender:
                 del self._senders[request_id]
-                self._bf16_bytes.discard(request_id)
 
     def emit(self, request_id: str, output, finish_reason: str | None, error: OmniError | None) -> None:
         """Engine callback: must not block."""
@@ -120,12 +117,10 @@ class Responder:
     def _send(self, request_id: str, output, finish_reason: str | None, error: OmniError | None) -> None:
         final = finish_reason is not None or error is not None
         with self._lock:
-            sender = self._senders.pop(request_id, None) if final else self._senders.get(request_id)
-            bf16_bytes = request_id in self._bf16_bytes
-            if final:
-                self._bf16_bytes.discard(request_id)
-        if sender is None:
+            entry = self._senders.pop(request_id, None) if final else self._senders.get(request_id)
+        if entry is None:
             return
+        sender, bf16_bytes = entry
         if request_id in self._cancelled:  # the client is gone: nothing more for it but the final
             if final:
                 send_final(sender, cancelled_response())
@@ -165,7 +160,6 @@ class Responder:
         if not final:
             with self._lock:
                 self._senders.pop(request_id, None)
-                self._bf16_bytes.discard(request_id)
             self.on_cancel(request_id)
         if response is not None:
             send_final(sender, response)
@@ -173,7 +167,7 @@ class Responder:
     def _poll_cancellation(self) -> None:
         with self._lock:
             senders = list(self._senders.items())
-        for request_id, sender in senders:
+        for request_id, (sender, _) in senders:
             if request_id not in self._cancelled and sender.is_cancelled():
                 self._cancelled.add(request_id)
                 self.on_cancel(request_id)
