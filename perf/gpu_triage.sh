@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU device call (~9 min): confirm on the H200 that the stub crash is gone, then the bench.
-#  1. tools/bls_stress with large host tensors, as sent before (faulted in its first round on the H200,
-#     2026-12-03) and as BF16 views of their bytes (core/bf16_bytes.py: how our stages answer BLS now);
+#  1. tools/bls_stress with large host tensors, dropped as before (faulted in its first round on the H200,
+#     2026-12-03) and held by the reaper as omni_ensemble does now (omnistage/triton/iterator_reaper.py);
 #  2. the served smoke (single W1 requests, bursts of 16 and 64);
 #  3. perf/gpu_bench.sh if the burst of 16 passed.
 #
@@ -12,7 +12,7 @@ mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-$(command -v python3 || command -v python)}"
 export PYTHONUNBUFFERED=1
-for flag in "" "--bf16-bytes"; do
+for flag in "" "--reaper --free-probe"; do
   echo "== bls_stress cpu [$flag]" | tee -a "$OUT/triage.log"
   timeout 90 "$PY" tools/bls_stress/run.py --device cpu --concurrency 32 --rounds 6 $flag 2>&1 \
     | grep -v threading.py | tail -8 | tee -a "$OUT/triage.log"

@@ -1,13 +1,10 @@
 # Host tensors reinterpreted as BF16 tensors over the same bytes, and back: how stage outputs cross BLS.
 #
-# Why: Triton 2.51's Python stub frees BLS responses in one of its native threads, off the GIL. A response
-# iterator keeps every response it delivered; its last owner is often the stub's own table of iterators,
-# which a native thread clears once the stream ends (pb_stub.cc, SendCleanupId). The numpy array the stub
-# made for each host tensor of those responses is then freed there, racing with omni_ensemble's Python
-# threads: its stub died of heap corruption ("double free detected in tcache 2", "unaligned fastbin
-# chunk", segfaults in a thread with no Python frame). `tools/bls_stress/run.py --free-probe` shows the
-# off-GIL frees. BF16 host tensors are the one kind the stub makes no numpy array for (nor GPU tensors), so
-# a BF16 view of the bytes leaves no Python object for that thread to free.
+# Why: Triton 2.51's Python stub can free BLS responses in one of its native threads, off the GIL
+# (triton/iterator_reaper.py has the mechanism and the fix). The stub makes a numpy array of the data of
+# each host tensor it receives, except a BF16 one; so a BF16 view of the bytes spares that array, one
+# Python object less per tensor for anything to free. It was the first fix of the crash and is not a
+# sufficient one: each tensor still owns two empty numpy arrays (PbTensor's default py::array members).
 #
 # The view keeps every dim but the last, whose length scales by the element size over 2 bytes; 1-byte
 # dtypes are widened to int16 first, and a string travels as the int16 values of its UTF-8 bytes.

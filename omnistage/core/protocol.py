@@ -12,7 +12,7 @@ SAMPLE_RATE = 24000  # Code2Wav output rate, mono
 # How stage outputs cross to the next stage (model parameter `handoff`): as CUDA tensors, or copied to the host
 HANDOFFS = ("gpu", "cpu")
 # Request parameter of omni_ensemble's BLS calls: the stage answers with its host tensors as BF16 views of
-# their bytes, the one form Triton 2.51's stub reads without making Python objects off the GIL (bf16_bytes.py)
+# their bytes, for which Triton 2.51's stub makes no numpy array of the data (bf16_bytes.py)
 BLS_TRANSPORT = "bls_transport"
 BLS_TRANSPORT_BF16_BYTES = "bf16_bytes"
 

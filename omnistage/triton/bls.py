@@ -1,8 +1,9 @@
 # StageClient over Triton BLS: how omni_ensemble reaches thinker, talker and code2wav inside the server.
 # Tensors stay where they are (GPU tensors go out through DLPack); every request parameter is sent as a
-# string, since BLS parameters take str/int/bool only and the stages coerce them back. Every call asks the
-# stage for its host tensors as BF16 views of their bytes: the one form the 2.51 stub can receive while
-# our other threads run Python (core/bf16_bytes.py says why).
+# string, since BLS parameters take str/int/bool only and the stages coerce them back. Every stream is read
+# to its end and its iterator handed to the reaper, which drops it once the 2.51 stub's native thread has
+# let go of it (iterator_reaper.py says why). Every call also asks the stage for its host tensors as BF16
+# views of their bytes, for which the stub makes no numpy array of the data (core/bf16_bytes.py).
 from __future__ import annotations
 
 import re
@@ -15,6 +16,7 @@ from ..core.errors import (STUB_DEAD_MARK, BadRequestError, EngineError, OmniErr
                            StageUnavailableError)
 from ..core.protocol import BLS_TRANSPORT, BLS_TRANSPORT_BF16_BYTES, CODE2WAV, TALKER, THINKER, TensorSpec
 from ..pipeline.replicas import ReplicaRouter
+from .iterator_reaper import IteratorReaper
 from .tensors import bls_output, from_torch
 
 _CODE = re.compile(r"^\[(\d{3})\] ")
@@ -47,9 +49,11 @@ def _read(response, outputs: dict[str, TensorSpec]) -> dict:
 
 
 class BlsStageClient:
-    """replicas: stage -> model names of its replicas (thinker, talker; see pipeline/replicas.py)."""
+    """replicas: stage -> model names of its replicas (thinker, talker; see pipeline/replicas.py).
+    reaper: keeps each finished stream's iterator until the stub has let go of it (iterator_reaper.py)."""
 
-    def __init__(self, replicas: dict[str, list[str]] | None = None):
+    def __init__(self, reaper: IteratorReaper, replicas: dict[str, list[str]] | None = None):
+        self.reaper = reaper
         self.routers = {s: ReplicaRouter((replicas or {}).get(s) or [s]) for s in ("thinker", "talker")}
 
     def _stream(self, model: str, outputs, inputs: dict, parameters: dict) -> Iterator[dict]:
@@ -60,10 +64,18 @@ class BlsStageClient:
             parameters=_parameters(dict(parameters, **{BLS_TRANSPORT: BLS_TRANSPORT_BF16_BYTES})),
         )
         specs = {t.name: t for t in outputs}
-        for response in request.exec(decoupled=True):
-            out = _read(response, specs)
-            if out:
-                yield out
+        responses = request.exec(decoupled=True)
+        try:
+            for response in responses:
+                out = _read(response, specs)
+                if out:
+                    yield out
+        finally:
+            # Read to the end even after an error or a consumer that stopped early: a 2.51 iterator dropped
+            # before its final response is never cleaned up. Then it is the reaper's to drop (see there).
+            for _ in responses:
+                pass
+            self.reaper.hold(responses)
 
     def thinker(self, session: str, inputs: dict, parameters: dict) -> Iterator[dict]:
         model = self.routers["thinker"].pin(session)
@@ -88,8 +100,6 @@ class BlsStageClient:
 
     def code2wav(self, codes: torch.Tensor, state: dict | None) -> tuple[torch.Tensor, dict]:
         # one model whatever the replicas: the state travels with the chunk, so any instance can decode it.
-        # The stream is read to its end, never left after the audio: a 2.51 response iterator dropped before
-        # its final response has arrived blocks in its destructor, wherever that runs, until it comes.
         result = None
         for out in self._stream("code2wav", CODE2WAV.outputs, {"codes": codes, **(state or {})}, {}):
             if result is None:

@@ -22,6 +22,7 @@ from ..models.processor import load_processor, prepare_inputs
 from ..pipeline.options import OmniOptions
 from ..pipeline.request import OmniOutput, OmniRequest, thinker_inputs
 from .bls import BlsStageClient
+from .iterator_reaper import IteratorReaper
 from .logs import setup_logging, stop_fault_reports
 from .metrics import MetricsPublisher
 from .responder import Responder, error_response, send_final
@@ -53,8 +54,10 @@ class OmniModel:
         self.speakers = {k.lower() for k in self.config.talker_config.speaker_id}
         self.schedule = ChunkSchedule(int(params.get("first_chunk_frames", 4)), int(params.get("chunk_frames", 25)))
         # a session's stage calls all go to one replica; new sessions to the least loaded (pipeline/replicas.py)
-        self.stages = BlsStageClient({s: params[f"{s}_models"].split(",") for s in ("thinker", "talker")
-                                      if params.get(f"{s}_models")})  # fmt: skip
+        # finished stage streams wait here until the Responder's next cancellation query (iterator_reaper.py)
+        self.reaper = IteratorReaper()
+        self.stages = BlsStageClient(self.reaper, {s: params[f"{s}_models"].split(",") for s in ("thinker", "talker")
+                                                   if params.get(f"{s}_models")})  # fmt: skip
         # At most max_inflight requests run: each holds up to ~3 of the server's Python-backend BLS threads
         # (--backend-config=python,thread-pool-size), and running out of them deadlocks every request at
         # once. Up to max_queue more wait for a turn; beyond that a request is refused at once (503).
@@ -63,7 +66,7 @@ class OmniModel:
         self.requests: dict[str, OmniRequest] = {}
         self.left_while_queued: set[str] = set()  # cancelled before their OmniRequest existed
         self.clocks: dict[str, AudioClock] = {}
-        self.responder = Responder("omni_ensemble", self.encode, self._cancel)
+        self.responder = Responder("omni_ensemble", self.encode, self._cancel, self.reaper)
         self.responder.start()
         self.metrics = (
             MetricsPublisher("omni_ensemble", args.get("model_instance_name", "omni_ensemble"), self._sample)

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import triton_python_backend_utils as pb_utils
 
 from ..core.errors import EngineError, OmniError
+from .iterator_reaper import IteratorReaper
 from .tensors import output_tensors
 
 log = logging.getLogger(__name__)
@@ -41,10 +42,15 @@ def send_final(sender, response=None) -> None:
 
 
 class Responder:
-    def __init__(self, name: str, encode: Callable[[Any, "str | None"], dict], on_cancel: Callable[[str], None]):
+    def __init__(self, name: str, encode: Callable[[Any, "str | None"], dict], on_cancel: Callable[[str], None],
+                 reaper: IteratorReaper | None = None):  # fmt: skip
         self.name = name
         self.encode = encode  # (output or None, finish_reason or None) -> {name: torch.Tensor or str}
         self.on_cancel = on_cancel
+        # A model that makes BLS calls (omni_ensemble) passes its reaper: this thread's cancellation queries
+        # are the barriers after which it drops finished stream iterators. Every is_cancelled() call of this
+        # model's requests is made here, on this one thread, which the reaper requires.
+        self.reaper = reaper
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         # request id -> (sender, bf16_bytes): bf16_bytes for omni_ensemble's BLS calls (tensors.wants_bf16_bytes)
         self._senders: dict[str, tuple[Any, bool]] = {}
@@ -144,6 +150,9 @@ class Responder:
         try:
             if data is not None:
                 sender.send(data)
+            if final and self.reaper is not None and self.reaper.held:
+                # the request's own streams have ended: let their iterators go before it does
+                self.reaper.barrier(sender.is_cancelled)
             if last is not None:
                 sender.send(last, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             self.responses_sent += 1
@@ -167,7 +176,15 @@ class Responder:
     def _poll_cancellation(self) -> None:
         with self._lock:
             senders = list(self._senders.items())
+        mark = self.reaper.mark() if self.reaper is not None else None
+        answered = False  # a query that made the round trip: the reaper's barrier
         for request_id, (sender, _) in senders:
-            if request_id not in self._cancelled and sender.is_cancelled():
+            if request_id in self._cancelled:
+                continue
+            if sender.is_cancelled():
                 self._cancelled.add(request_id)
                 self.on_cancel(request_id)
+            else:
+                answered = True
+        if answered and mark is not None:
+            self.reaper.release_through(mark)

@@ -1,13 +1,15 @@
 # A minimal stand-in for omni_ensemble's BLS traffic without any model, for the crash of Triton 2.51's
-# Python stub that host tensors in BLS responses cause (core/bf16_bytes.py, perf/README.md): rounds of
-# CONCURRENCY streaming requests to `driver`; stops at the first hang or error and prints any fatal stub
-# stacks. --bf16-bytes sends host tensors the way our stages answer BLS, which should never fault.
+# Python stub, which frees finished BLS response iterators off the GIL (omnistage/triton/iterator_reaper.py,
+# perf/README.md): rounds of CONCURRENCY streaming requests to `driver`; stops at the first hang or error
+# and prints any fatal stub stacks. --reaper holds finished iterators as omni_ensemble does, which should
+# never fault; --bf16-bytes sends host tensors the way our stages answer BLS.
 #
 #   python tools/bls_stress/run.py [--concurrency 32] [--rounds 10] [--device cpu|cuda|mixed] [--state 1200000]
-#                                  [--bf16-bytes] [--free-probe] [--triton-arg=--pinned-memory-pool-byte-size=0]
+#                                  [--reaper] [--bf16-bytes] [--free-probe]
+#                                  [--triton-arg=--pinned-memory-pool-byte-size=0]
 #
-# `--free-probe` (without --bf16-bytes) faults within a round on this CPU machine: proof that the stub frees
-# the numpy arrays of BLS responses in a native thread, off the GIL.
+# `--free-probe` (without --bf16-bytes) faults within a round on this CPU machine unless --reaper is given:
+# proof that the stub frees the numpy arrays of BLS responses in a native thread, off the GIL.
 from __future__ import annotations
 
 import argparse
@@ -47,7 +49,7 @@ def one_stream(url: str, counts: dict, lock: threading.Lock, wait_s: float) -> N
                 break
     except queue.Empty:
         pass
-    client.stop_stream()
+    client.stop_stream(cancel_requests=outcome != "ok")  # a hung stream would block its close forever
     with lock:
         counts[outcome] = counts.get(outcome, 0) + 1
 
@@ -67,6 +69,7 @@ def main() -> int:
     ap.add_argument("--bf16-bytes", action="store_true", help="host tensors as BF16 views of their bytes")
     ap.add_argument("--wait-s", type=float, default=20, help="a stream with no answer for this long is hung")
     ap.add_argument("--free-probe", action="store_true", help="fault if a response array is freed off the GIL")
+    ap.add_argument("--reaper", action="store_true", help="hold finished iterators as omni_ensemble does")
     ap.add_argument("--early", action="store_true", help="leave each BLS call at its first response")
     # e.g. --triton-arg=--pinned-memory-pool-byte-size=0: the H200 machine has a 256 MB pinned pool for
     # host tensors, this CPU machine none, and the fault shows only there (a lead, see perf/README.md)
@@ -82,7 +85,8 @@ def main() -> int:
         cfg.write_text(cfg.read_text().replace("kind: KIND_CPU", "kind: KIND_GPU gpus: [0]"))
     env = dict(os.environ, BLS_STRESS_DEVICE=args.device, BLS_STRESS_STATE=str(args.state),
                BLS_STRESS_EARLY="1" if args.early else "0", BLS_STRESS_BF16_BYTES="1" if args.bf16_bytes else "0",
-               BLS_STRESS_FREE_PROBE="1" if args.free_probe else "0")  # fmt: skip
+               BLS_STRESS_FREE_PROBE="1" if args.free_probe else "0",
+               BLS_STRESS_REAPER="1" if args.reaper else "0")  # fmt: skip
     gpus = [0] if args.device in ("cuda", "mixed") else []
     server = TritonServer.on_free_ports(repo, run, gpus=gpus, env=env, extra_args=args.triton_arg)
     server.start_and_wait(timeout=180)
@@ -105,6 +109,9 @@ def main() -> int:
         server.stop()
     fatal = [line for line in log.splitlines() if "Fatal" in line or "File " in line or "Segmentation" in line]
     print("\n".join(fatal[:60]) or "no fatal stub errors in the log")
+    probe = [line for line in log.splitlines() if line.startswith("free probe:")]
+    if probe:  # all freed on our threads (or the stub would have died), and not simply kept for ever
+        print(probe[-1])
     return 0 if set(counts) == {"ok"} else 1
 
 

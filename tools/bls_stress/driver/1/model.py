@@ -15,6 +15,7 @@ import triton_python_backend_utils as pb_utils
 from torch.utils import dlpack
 
 from omnistage.core.bf16_bytes import from_bf16_bytes
+from omnistage.triton.iterator_reaper import IteratorReaper
 
 faulthandler.enable(all_threads=True)
 DEVICE = os.environ.get("BLS_STRESS_DEVICE", "cpu")
@@ -36,12 +37,20 @@ def tensor(name, t):
 BF16_BYTES = os.environ.get("BLS_STRESS_BF16_BYTES", "0") == "1"
 # FREE_PROBE=1: a weakref finalizer on the numpy array of every host tensor received. Python runs it where
 # the array is freed; a thread without a Python thread state cannot run it and segfaults at once. So a
-# fault with this on proves the stub frees response arrays off the GIL (it does: core/bf16_bytes.py).
+# fault with this on proves the stub frees response arrays off the GIL (it does: triton/iterator_reaper.py).
 FREE_PROBE = os.environ.get("BLS_STRESS_FREE_PROBE", "0") == "1"
 
 
+# REAPER=1: each finished iterator is held until the responder thread's next is_cancelled() round trip,
+# as omni_ensemble does (omnistage/triton/iterator_reaper.py): with it, the probe above never faults.
+REAPER = IteratorReaper() if os.environ.get("BLS_STRESS_REAPER", "0") == "1" else None
+
+
+PROBE = {"watched": 0, "freed": 0}  # the probe's counts, printed to the server log as the run goes
+
+
 def _freed() -> None:
-    pass
+    PROBE["freed"] += 1
 
 
 def to_torch(t):
@@ -74,7 +83,8 @@ class TritonPythonModel:
                 request = pb_utils.InferenceRequest(
                     model_name="echo_big", inputs=[tensor("IN", state)], requested_output_names=["OUT", "STATE"]
                 )
-                for response in request.exec(decoupled=True):
+                responses = request.exec(decoupled=True)
+                for response in responses:
                     if response.has_error():
                         raise RuntimeError(response.error().message())
                     outs = {t.name(): to_torch(t).clone() for t in response.output_tensors()}
@@ -82,17 +92,21 @@ class TritonPythonModel:
                         for t in response.output_tensors():
                             if t.is_cpu():
                                 weakref.finalize(t.as_numpy(), _freed)
+                                PROBE["watched"] += 1
                     if outs:
                         state = outs["STATE"]
                         self.chunks.put((sid, outs["OUT"].cpu(), False))
                         if EARLY:
                             break
+                if REAPER is not None:
+                    REAPER.hold(responses)
+                del responses, response
         except Exception:
             traceback.print_exc(file=sys.stderr)
         self.chunks.put((sid, None, True))
 
     def _respond(self):
-        last_poll = 0.0
+        last_poll, last_probe = 0.0, (0, 0)
         while True:
             try:
                 items = [self.chunks.get(timeout=0.05)]
@@ -109,5 +123,10 @@ class TritonPythonModel:
                 last_poll = time.monotonic()
                 with self.lock:
                     senders = list(self.senders.values())
-                for s in senders:
-                    s.is_cancelled()
+                mark = REAPER.mark() if REAPER is not None else None
+                answered = [s.is_cancelled() for s in senders]
+                if mark is not None and not all(answered):
+                    REAPER.release_through(mark)
+                if FREE_PROBE and (PROBE["freed"], PROBE["watched"]) != last_probe:
+                    last_probe = (PROBE["freed"], PROBE["watched"])
+                    print(f"free probe: {last_probe[0]} of {last_probe[1]} arrays freed", file=sys.stderr, flush=True)
