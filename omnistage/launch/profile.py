@@ -25,7 +25,7 @@ STAGES = (*ENGINE_STAGES, "code2wav", "omni_ensemble")
 _PLACED = {"devices", "replicas", "cuda_graphs", "memory_fraction"}
 _KEYS = {
     "thinker": _PLACED | {"max_batch_size", "max_seq_len", "max_queue", "max_prefills_per_step", "sampling",
-                          "experts_implementation"},  # fmt: skip
+                          "experts_implementation", "kv_cache_bytes", "kv_cache_memory_fraction"},  # fmt: skip
     "code2wav": _PLACED | {"max_batch_size"},
     "omni_ensemble": {"replicas", "max_inflight", "max_queue", "max_audio_seconds", "max_image_pixels", "max_media_items"},
 }
@@ -187,9 +187,15 @@ def _stage(name: str, raw: dict, platform: str, gpu_count: int | None) -> StageP
         settings["sampling"] = _sampling(where, settings.get("sampling") or {}, settings["max_seq_len"])
     if "cuda_graphs" in settings and not isinstance(settings["cuda_graphs"], bool):
         raise ProfileError(f"{where}.cuda_graphs must be true or false, got {settings['cuda_graphs']!r}")
-    fraction = settings.get("memory_fraction")
-    if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1):
-        raise ProfileError(f"{where}.memory_fraction must be in (0, 1], got {fraction!r}")
+    for key in ("memory_fraction", "kv_cache_memory_fraction"):
+        fraction = settings.get(key)
+        if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
+                                     or not 0 < fraction <= 1):  # fmt: skip
+            raise ProfileError(f"{where}.{key} must be in (0, 1], got {fraction!r}")
+    if settings.get("kv_cache_bytes") is not None:
+        _int(f"{where}.kv_cache_bytes", settings["kv_cache_bytes"])
+        if settings.get("kv_cache_memory_fraction") is not None:
+            raise ProfileError(f"{where}: give kv_cache_bytes or kv_cache_memory_fraction, not both")
     return StageProfile(name, replicas, devices, settings)
 
 

@@ -11,7 +11,10 @@ import queue
 import threading
 from collections.abc import Callable
 
+import torch
 import triton_python_backend_utils as pb_utils
+
+from ..stages.kv_budget import KVPlan
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +108,9 @@ _STAGE_GAUGES = {
     "batch_size": "sequences in the last engine step",
     "step_ms": "duration of the last engine step in milliseconds",
     "responses_pending": "requests with an open response stream",
+    "kv_cache_slots": "KV-cache slots of the instance (max_batch_size, or fewer within its KV budget)",
+    "kv_cache_bytes": "bytes of the instance's KV cache",
+    "gpu_memory_peak_bytes": "peak GPU memory torch allocated in the instance (0 on CPU)",
 }
 _STAGE_COUNTERS = {"steps_total": "engine steps run", "responses_total": "responses sent"}
 
@@ -112,9 +118,9 @@ _STAGE_COUNTERS = {"steps_total": "engine steps run", "responses_total": "respon
 class StageMetrics(MetricsPublisher):
     """omni_<stage>_* of a thinker or talker instance, sampled from its engine and responder."""
 
-    def __init__(self, stage: str, instance: str, engine, responder):
+    def __init__(self, stage: str, instance: str, engine, responder, kv: KVPlan, device: torch.device):
         super().__init__(stage, instance, self._sample_stage)
-        self.stage, self.engine, self.responder = stage, engine, responder
+        self.stage, self.engine, self.responder, self.kv, self.device = stage, engine, responder, kv, device
         for name, text in _STAGE_GAUGES.items():
             self.gauge(f"omni_{stage}_{name}", text)
         for name, text in _STAGE_COUNTERS.items():
@@ -131,5 +137,8 @@ class StageMetrics(MetricsPublisher):
             "responses_pending": self.responder.active,
             "steps_total": s["steps"],
             "responses_total": self.responder.responses_sent,
+            "kv_cache_slots": self.kv.slots,
+            "kv_cache_bytes": self.kv.cache_bytes,
+            "gpu_memory_peak_bytes": torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0,
         }
         return [(f"omni_{self.stage}_{name}", {}, value) for name, value in values.items()]

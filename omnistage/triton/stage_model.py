@@ -15,6 +15,7 @@ from ..core.errors import PROBE_ACTION, BadRequestError, OmniError
 from ..core.sampling import SamplingParams
 from ..core.scheduler import Scheduler, Sequence
 from ..models.checkpoint import load_config, load_stage
+from ..stages.kv_budget import kv_budget_bytes, kv_bytes_per_slot, plan_slots
 from .logs import setup_logging, stop_fault_reports
 from .metrics import StageMetrics
 from .responder import Responder, error_response, send_final
@@ -61,8 +62,17 @@ class StageModel:
         self.config = load_config(source)
         model = load_stage(source, self.STAGE, self.dtype, self.device,
                            experts_implementation=self.params.get("experts_implementation") or None)
-        self.max_slots = int(self.params.get("max_batch_size", 8))
         self.max_seq_len = int(self.params.get("max_seq_len", 1024))
+        # slots: max_batch_size, or fewer where the KV budget (if any) holds fewer (stages/kv_budget.py)
+        text_config = getattr(self.config, f"{self.STAGE}_config").text_config
+        self.kv = plan_slots(int(self.params.get("max_batch_size", 8)),
+                             kv_bytes_per_slot(text_config, self.max_seq_len, self.dtype),
+                             kv_budget_bytes(self.params, self.device))  # fmt: skip
+        self.max_slots = self.kv.slots
+        if self.kv.slots < int(self.params.get("max_batch_size", 8)):
+            log.warning("[%s] the KV budget of %.0f MiB holds %d of max_batch_size %s slots of %d tokens",
+                        self.STAGE, self.kv.budget_bytes / 2**20, self.kv.slots, self.params.get("max_batch_size"),
+                        self.max_seq_len)  # fmt: skip
         self.cuda_graphs = self.params.get("cuda_graphs", "0").lower() in ("1", "true", "on")
         # a deploy profile's sampling defaults, over the stage's built-in ones (validated when rendered)
         self.sampling_overrides = json.loads(self.params.get("sampling_defaults") or "{}")
@@ -75,10 +85,11 @@ class StageModel:
         self.engine = StageEngine(self.STAGE, runner, scheduler, self.responder.emit)
         self.responder.start()
         self.engine.start()
-        self.metrics = StageMetrics(self.STAGE, args.get("model_instance_name", self.STAGE), self.engine, self.responder)
+        instance = args.get("model_instance_name", self.STAGE)
+        self.metrics = StageMetrics(self.STAGE, instance, self.engine, self.responder, self.kv, self.device)
         self.metrics.start()
-        log.info("[%s] ready on %s (%s), %d slots x %d tokens", self.STAGE, self.device, self.dtype,
-                 self.max_slots, self.max_seq_len)  # fmt: skip
+        log.info("[%s] ready on %s (%s), %d slots x %d tokens, KV cache %.1f MiB", self.STAGE, self.device,
+                 self.dtype, self.max_slots, self.max_seq_len, self.kv.cache_bytes / 2**20)  # fmt: skip
 
     def build_runner(self, model):
         raise NotImplementedError

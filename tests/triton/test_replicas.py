@@ -2,7 +2,8 @@
 # talkers (separate models, sessions pinned by omni_ensemble) and two code2wav instances. Requests spread
 # over the replicas, every talker call of a request lands on its replica, outputs equal generate() (with
 # the talker greedy by the profile's sampling default), a cancelled request frees its slots on the replica
-# that held them, and omni_ensemble publishes its handoff / TTFP / RTF histograms.
+# that held them, and omni_ensemble publishes its handoff / TTFP / RTF histograms. The talkers run with a
+# KV budget that holds 2 of their 8 slots.
 import re
 import time
 
@@ -12,7 +13,9 @@ import torch
 from omnistage.launch.profile import BASE_PROFILE, load_profile
 from omnistage.launch.render import profile_spec
 from omnistage.launch.triton_env import REPO_ROOT
+from omnistage.models.checkpoint import load_config
 from omnistage.models.processor import prepare_inputs
+from omnistage.stages.kv_budget import kv_bytes_per_slot
 
 from .. import oracle
 from .conftest import RepoSpec
@@ -20,6 +23,12 @@ from .omni_client import OmniStream
 from .test_omni_pipeline import FRAMES, GREEDY, REPLY, gauge, infer_count, wait_for
 
 REPLICAS = {"thinker": ["thinker", "thinker_1"], "talker": ["talker", "talker_1"]}
+TALKER_SLOTS = 2  # of max_batch_size 8 (the base profile's): what the talkers' KV budget holds
+
+
+def talker_kv_budget(tiny_checkpoint) -> int:
+    text = load_config(tiny_checkpoint).talker_config.text_config
+    return int((TALKER_SLOTS + 0.5) * kv_bytes_per_slot(text, 1024, torch.float32))  # base profile: 1024 tokens
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +36,8 @@ def repo_spec(tiny_checkpoint, tmp_path_factory):
     path = tmp_path_factory.mktemp("profile") / "replicas.yaml"
     # the talker's sampling default from the profile (greedy) replaces its built-in temperature 0.9
     path.write_text(f"base: {BASE_PROFILE}\nstages: {{thinker: {{replicas: 2}}, code2wav: {{replicas: 2}}, "
-                    "talker: {replicas: 2, sampling: {temperature: 0}}}\n")  # fmt: skip
+                    "talker: {replicas: 2, sampling: {temperature: 0}, "
+                    f"kv_cache_bytes: {talker_kv_budget(tiny_checkpoint)}}}}}\n")  # fmt: skip
     spec = profile_spec(load_profile(path, "cpu"), str(tiny_checkpoint))
     assert spec["code2wav"].instances == 2
     # seven Python model processes load one after another on a 2-core machine
@@ -64,6 +74,16 @@ def test_requests_spread_over_replicas_and_keep_their_talker(triton_server, hf_m
     metrics = triton_server.metrics()
     for m in models:
         assert float(re.search(rf'^nv_inference_count{{model="{m}",version="1"}} (\S+)$', metrics, re.M)[1]) > 0
+
+
+def test_kv_budget_sets_the_talkers_slots(triton_server, tiny_checkpoint):
+    metrics = triton_server.metrics()
+    text = load_config(tiny_checkpoint).talker_config.text_config
+    per_slot = kv_bytes_per_slot(text, 1024, torch.float32)
+    assert series(metrics, "omni_talker_kv_cache_slots") == [TALKER_SLOTS] * 2  # one series per replica
+    assert series(metrics, "omni_talker_kv_cache_bytes") == [TALKER_SLOTS * per_slot] * 2
+    assert series(metrics, "omni_talker_gpu_memory_peak_bytes") == [0, 0]  # CPU
+    assert series(metrics, "omni_thinker_kv_cache_slots") == [8, 8]  # no budget: max_batch_size
 
 
 def test_cancel_frees_the_slots_of_the_replicas_that_held_them(triton_server):

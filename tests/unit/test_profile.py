@@ -75,7 +75,8 @@ def test_cpu_platform_keeps_replicas_and_drops_gpus(tmp_path):
 def test_overlay_wins_over_the_base_platform_block(tmp_path):
     path = overlay(tmp_path, """\
         stages: {thinker: {max_batch_size: 32, cuda_graphs: true, memory_fraction: 0.5,
-                           sampling: {temperature: 0.7, stop_token_ids: [1, 2]}}}
+                           sampling: {temperature: 0.7, stop_token_ids: [1, 2]}},
+                 talker: {kv_cache_memory_fraction: 0.6}}
         chunks: {first_chunk_frames: 2, left_context_frames: 12}
         platforms: {cpu: {stages: {talker: {max_queue: 7}}}}
     """)
@@ -83,8 +84,10 @@ def test_overlay_wins_over_the_base_platform_block(tmp_path):
     thinker = cuda["thinker"].parameters
     assert thinker["max_batch_size"] == "32" and thinker["max_seq_len"] == "4096"  # overlay, then cuda block
     assert thinker["cuda_graphs"] == "true" and thinker["memory_fraction"] == "0.5"
+    assert "kv_cache_bytes" not in thinker and "kv_cache_memory_fraction" not in thinker  # null: no budget
     assert json.loads(thinker["sampling_defaults"]) == {"temperature": 0.7, "stop_token_ids": [1, 2]}
     assert cuda["talker"].parameters["max_queue"] == "1024"
+    assert cuda["talker"].parameters["kv_cache_memory_fraction"] == "0.6"
     assert cuda["omni_ensemble"].parameters["first_chunk_frames"] == "2"
     assert cuda["code2wav"].parameters["left_context_frames"] == "12"
     assert render.profile_spec(load_profile(path, "cpu"), MODEL)["talker"].parameters["max_queue"] == "7"
@@ -115,6 +118,12 @@ def test_handoff_goes_to_every_model(tmp_path):
         ("chunks: {left_context: 3}", "chunks: unknown key(s) left_context"),
         ("stages: {thinker: {memory_fraction: 0.8}, talker: {memory_fraction: 0.3}}",
          "GPU 0: memory_fraction of its stage instances adds up to 1.1 (thinker 0.8, talker 0.3)"),
+        ("stages: {talker: {kv_cache_memory_fraction: 1.5}}",
+         "stages.talker.kv_cache_memory_fraction must be in (0, 1]"),
+        ("stages: {thinker: {kv_cache_bytes: 0}}", "stages.thinker.kv_cache_bytes must be an integer >= 1"),
+        ("stages: {thinker: {kv_cache_bytes: 1000, kv_cache_memory_fraction: 0.5}}",
+         "stages.thinker: give kv_cache_bytes or kv_cache_memory_fraction, not both"),
+        ("stages: {code2wav: {kv_cache_bytes: 1000}}", "stages.code2wav: unknown key(s) kv_cache_bytes"),
         ("platforms: {tpu: {}}", "unknown platform(s) tpu"),
         ("dtype: int8", "dtype must be one of"),
         ("handoff: nvlink", "handoff must be one of gpu, cpu, not 'nvlink'"),
