@@ -47,7 +47,7 @@ def plan_slots(max_slots: int, per_slot_bytes: int, budget_bytes: int | None) ->
     fits = budget_bytes // per_slot_bytes
     if fits < 1:
         raise ValueError(f"the KV cache budget of {budget_bytes / 2**20:.1f} MiB holds no slot of "
-                            f"{per_slot_bytes / 2**20:.1f} MiB: raise the budget or lower max_seq_len")  # fmt: skip
+                         f"{per_slot_bytes / 2**20:.1f} MiB: raise the budget or lower max_seq_len")  # fmt: skip
     return KVPlan(min(max_slots, fits), per_slot_bytes, budget_bytes)
 
 

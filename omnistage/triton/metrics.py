@@ -139,6 +139,9 @@ class StageMetrics(MetricsPublisher):
             "responses_total": self.responder.responses_sent,
             "kv_cache_slots": self.kv.slots,
             "kv_cache_bytes": self.kv.cache_bytes,
-            "gpu_memory_peak_bytes": torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0,
+            "gpu_memory_peak_bytes": self._peak_gpu_bytes(),
         }
         return [(f"omni_{self.stage}_{name}", {}, value) for name, value in values.items()]
+
+    def _peak_gpu_bytes(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0

@@ -56,8 +56,8 @@ class OmniModel:
         # a session's stage calls all go to one replica; new sessions to the least loaded (pipeline/replicas.py)
         # finished stage streams wait here until the Responder's next cancellation query (iterator_reaper.py)
         self.reaper = IteratorReaper()
-        self.stages = BlsStageClient(self.reaper, {s: params[f"{s}_models"].split(",") for s in ("thinker", "talker")
-                                                   if params.get(f"{s}_models")})  # fmt: skip
+        replicas = {s: params[f"{s}_models"].split(",") for s in ("thinker", "talker") if params.get(f"{s}_models")}
+        self.stages = BlsStageClient(self.reaper, replicas)
         # At most max_inflight requests run: each holds up to ~3 of the server's Python-backend BLS threads
         # (--backend-config=python,thread-pool-size), and running out of them deadlocks every request at
         # once. Up to max_queue more wait for a turn; beyond that a request is refused at once (503).
