@@ -51,10 +51,11 @@ class IteratorReaper:
         del released  # the last references go here, outside the lock
         return n
 
-    def barrier(self, is_cancelled: Callable[[], bool]) -> bool:
-        """Runs one is_cancelled() query as the barrier and releases what it covers; returns its answer."""
+    def barrier(self, queries: Callable[[], bool]) -> bool:
+        """Runs `queries` (is_cancelled() calls), which returns whether one of them made the round trip
+        (answered False); if one did, releases what was held before they began. Returns that answer."""
         mark = self.mark()
-        cancelled = is_cancelled()
-        if not cancelled:
+        answered = queries()
+        if answered:
             self.release_through(mark)
-        return cancelled
+        return answered

@@ -152,7 +152,7 @@ class Responder:
                 sender.send(data)
             if final and self.reaper is not None and self.reaper.held:
                 # the request's own streams have ended: let their iterators go before it does
-                self.reaper.barrier(sender.is_cancelled)
+                self.reaper.barrier(lambda: not sender.is_cancelled())
             if last is not None:
                 sender.send(last, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             self.responses_sent += 1
@@ -176,8 +176,15 @@ class Responder:
     def _poll_cancellation(self) -> None:
         with self._lock:
             senders = list(self._senders.items())
-        mark = self.reaper.mark() if self.reaper is not None else None
-        answered = False  # a query that made the round trip: the reaper's barrier
+        if self.reaper is None:
+            self._ask_cancelled(senders)
+        else:
+            self.reaper.barrier(lambda: self._ask_cancelled(senders))
+
+    def _ask_cancelled(self, senders) -> bool:
+        """Queries the open requests not yet known cancelled and cancels those whose client left; returns
+        whether one answered False (made the round trip: what the reaper's barrier needs)."""
+        answered = False
         for request_id, (sender, _) in senders:
             if request_id in self._cancelled:
                 continue
@@ -186,5 +193,4 @@ class Responder:
                 self.on_cancel(request_id)
             else:
                 answered = True
-        if answered and mark is not None:
-            self.reaper.release_through(mark)
+        return answered

@@ -43,10 +43,10 @@ def test_barrier_covers_what_was_held_before_the_query_not_during_it():
 
     def query():  # another stream ends while the query is in flight: its cleanup may be queued after it
         reaper.hold(during)
-        return False
+        return True  # it made the round trip
 
     del before
-    assert reaper.barrier(query) is False
+    assert reaper.barrier(query) is True
     assert len(freed) == 1 and reaper.held == 1
     del during
     assert len(freed) == 1  # still held until a later barrier
@@ -59,9 +59,9 @@ def test_a_cancelled_answer_is_no_barrier():
     watch(it, freed)
     reaper.hold(it)
     del it
-    assert reaper.barrier(lambda: True) is True
+    assert reaper.barrier(lambda: False) is False  # is_cancelled() was True: no round trip
     assert freed == [] and reaper.held == 1
-    assert reaper.barrier(lambda: False) is False
+    assert reaper.barrier(lambda: True) is True
     assert len(freed) == 1
 
 
@@ -83,7 +83,7 @@ def test_iterators_are_dropped_on_the_thread_that_ran_the_barrier():
 
     def barrier():
         barrier_thread.append(threading.get_ident())
-        reaper.barrier(lambda: False)
+        reaper.barrier(lambda: True)
 
     t = threading.Thread(target=barrier)
     t.start()

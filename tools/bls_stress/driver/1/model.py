@@ -123,10 +123,11 @@ class TritonPythonModel:
                 last_poll = time.monotonic()
                 with self.lock:
                     senders = list(self.senders.values())
-                mark = REAPER.mark() if REAPER is not None else None
-                answered = [s.is_cancelled() for s in senders]
-                if mark is not None and not all(answered):
-                    REAPER.release_through(mark)
+                queries = lambda: not all([s.is_cancelled() for s in senders])  # noqa: E731 (one answered False)
+                if REAPER is None:
+                    queries()
+                else:
+                    REAPER.barrier(queries)
                 if FREE_PROBE and (PROBE["freed"], PROBE["watched"]) != last_probe:
                     last_probe = (PROBE["freed"], PROBE["watched"])
                     print(f"free probe: {last_probe[0]} of {last_probe[1]} arrays freed", file=sys.stderr, flush=True)
