@@ -156,8 +156,8 @@ class OmniRequest:
         parameters = dict(self.options.thinker_parameters, export_talker=self.options.want_audio)
         for out in self.stages.thinker(self.session, self.inputs, parameters):
             # A failure while handling a response (a talker call that failed) does not leave the loop: the
-            # stream is read to its end (the failure aborted the thinker, so that is soon): a Triton 2.51
-            # response iterator dropped before its final response blocks in its destructor until it comes.
+            # stream is read to its end (the failure aborted the thinker, so that is soon), as a Triton 2.51
+            # BLS stream must be (the Triton StageClient drains one that is left early, triton/bls.py).
             if self.error is None:
                 self._guarded("thinker output", self._on_thinker_output, out)
 

@@ -64,14 +64,14 @@ class StageModel:
                            experts_implementation=self.params.get("experts_implementation") or None)
         self.max_seq_len = int(self.params.get("max_seq_len", 1024))
         # slots: max_batch_size, or fewer where the KV budget (if any) holds fewer (stages/kv_budget.py)
+        max_batch_size = int(self.params.get("max_batch_size", 8))
         text_config = getattr(self.config, f"{self.STAGE}_config").text_config
-        self.kv = plan_slots(int(self.params.get("max_batch_size", 8)),
-                             kv_bytes_per_slot(text_config, self.max_seq_len, self.dtype),
+        self.kv = plan_slots(max_batch_size, kv_bytes_per_slot(text_config, self.max_seq_len, self.dtype),
                              kv_budget_bytes(self.params, self.device))  # fmt: skip
         self.max_slots = self.kv.slots
-        if self.kv.slots < int(self.params.get("max_batch_size", 8)):
-            log.warning("[%s] the KV budget of %.0f MiB holds %d of max_batch_size %s slots of %d tokens",
-                        self.STAGE, self.kv.budget_bytes / 2**20, self.kv.slots, self.params.get("max_batch_size"),
+        if self.max_slots < max_batch_size:
+            log.warning("[%s] the KV budget of %.0f MiB holds %d of max_batch_size %d slots of %d tokens",
+                        self.STAGE, self.kv.budget_bytes / 2**20, self.max_slots, max_batch_size,
                         self.max_seq_len)  # fmt: skip
         self.cuda_graphs = self.params.get("cuda_graphs", "0").lower() in ("1", "true", "on")
         # a deploy profile's sampling defaults, over the stage's built-in ones (validated when rendered)

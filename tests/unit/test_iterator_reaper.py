@@ -38,18 +38,17 @@ def test_barrier_covers_what_was_held_before_the_query_not_during_it():
     before = Iterator()
     watch(before, freed)
     reaper.hold(before)
-    during = Iterator()
-    watch(during, freed)
+    ending = [Iterator()]  # a stream that ends during the query (the list lets it go when held)
+    watch(ending[0], freed)
 
     def query():  # another stream ends while the query is in flight: its cleanup may be queued after it
-        reaper.hold(during)
+        reaper.hold(ending.pop())
         return True  # it made the round trip
 
     del before
     assert reaper.barrier(query) is True
     assert len(freed) == 1 and reaper.held == 1
-    del during
-    assert len(freed) == 1  # still held until a later barrier
+    assert ending == [] and len(freed) == 1  # only the reaper holds it now, until a later barrier
 
 
 def test_a_cancelled_answer_is_no_barrier():

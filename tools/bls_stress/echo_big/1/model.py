@@ -13,8 +13,8 @@ from torch.utils import dlpack
 faulthandler.enable(all_threads=True)
 from omnistage.core.bf16_bytes import to_bf16_bytes
 
-DEVICE = os.environ.get("BLS_STRESS_DEVICE", "cpu")
-BF16_BYTES = os.environ.get("BLS_STRESS_BF16_BYTES", "0") == "1"  # cpu, cuda, or mixed: OUT on the host, STATE on cuda
+DEVICE = os.environ.get("BLS_STRESS_DEVICE", "cpu")  # cpu, cuda, or mixed: OUT on the host, STATE on cuda
+BF16_BYTES = os.environ.get("BLS_STRESS_BF16_BYTES", "0") == "1"
 OUT_DEVICE, STATE_DEVICE = ("cpu", "cuda") if DEVICE == "mixed" else (DEVICE, DEVICE)
 
 
