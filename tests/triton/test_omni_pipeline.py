@@ -163,8 +163,12 @@ def test_disconnect_frees_slots_in_every_stage(triton_server):
     stream = OmniStream(triton_server.grpc_url, oracle.messages("text"), params)
     while not stream.result.audio:
         assert stream.next(timeout=60), stream.result.error
-    metrics = triton_server.metrics()
-    assert gauge(metrics, "omni_thinker_slots_in_use") + gauge(metrics, "omni_talker_slots_in_use") >= 1
+    # the gauges are sampled every 0.25 s by a thread that competes for the GIL: wait for a sample that saw it
+    def held_slots():
+        metrics = triton_server.metrics()
+        return gauge(metrics, "omni_thinker_slots_in_use") + gauge(metrics, "omni_talker_slots_in_use")
+
+    wait_for(lambda: held_slots() >= 1, what="a held slot")
     stream.cancel()
     for stage in ("thinker", "talker"):
         wait_for(lambda: gauge(triton_server.metrics(), f"omni_{stage}_slots_in_use") == 0, what=f"{stage} slots")
