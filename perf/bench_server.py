@@ -23,10 +23,20 @@ ENGINE_STAGES = ("thinker", "talker")  # the stages with a KV cache: max_seq_len
 
 
 def bench_spec(
-    model: str, device: str, engine: dict[str, str] | None = None, stages: dict[str, dict[str, str]] | None = None
+    model: str,
+    device: str,
+    engine: dict[str, str] | None = None,
+    stages: dict[str, dict[str, str]] | None = None,
+    instances: dict[str, int] | None = None,
 ) -> dict:
-    """default_spec with `engine` parameters set on thinker and talker and `stages` per model."""
+    """default_spec with `engine` parameters set on thinker and talker, `stages` per model, and instance
+    counts for the models that can have several (code2wav, omni_ensemble: thinker and talker sessions are
+    pinned, their replicas are separate models)."""
     spec = default_spec(model, device)
+    for name, count in (instances or {}).items():
+        if name not in ("code2wav", "omni_ensemble"):
+            raise ValueError(f"instances: {name} cannot have several instances (only code2wav, omni_ensemble)")
+        spec[name].instances = count
     for name in ENGINE_STAGES:
         spec[name].parameters.update({k: str(v) for k, v in (engine or {}).items()})
     for name, params in (stages or {}).items():
@@ -43,13 +53,14 @@ class BenchServer:
         *,
         engine: dict | None = None,
         stages: dict | None = None,
+        instances: dict | None = None,
         host: str = "127.0.0.1",
         http_port: int = 18200,
         grpc_port: int = 18201,
         metrics_port: int = 18202,
         api_port: int = 18291,
     ):
-        self.spec = bench_spec(model, device, engine, stages)
+        self.spec = bench_spec(model, device, engine, stages, instances)
         self.run_dir, self.host, self.api_port = Path(run_dir), host, api_port
         repo = render_repository(REPO_ROOT / "model_repository", self.run_dir / "model_repository", self.spec)
         gpus = sorted({g for s in self.spec.values() for g in s.gpus}) if device == "cuda" else []

@@ -22,6 +22,8 @@ from pathlib import Path
 from perf import loadgen, workloads
 from perf.bench_server import BenchServer
 from perf.compare import comparison, plot_bench, reference, summary_text
+from perf.gpu_sampler import GpuSampler
+from omnistage.launch.proc_stats import server_cpu_seconds
 
 REPO = Path(__file__).resolve().parents[1]
 FULL_CONFIG = REPO / "perf" / "qwen3_omni_30b_a3b_instruct.config.json"
@@ -153,7 +155,8 @@ class Bench:
         limit = self.budget.slice(a.server_cap_s, keep_for_later=a.bench_min_s)
         t0 = time.monotonic()
         engine = {"max_seq_len": a.max_seq_len}
-        self.report["server"] = {"device": a.device, "engine_overrides": engine, "ready_timeout_s": limit}
+        self.report["server"] = {"device": a.device, "engine_overrides": engine, "instances": a.instances,
+                                 "stage_settings": a.stage_settings, "ready_timeout_s": limit}  # fmt: skip
         b = a.port_base
         try:
             self.server = BenchServer(
@@ -161,6 +164,8 @@ class Bench:
                 a.device,
                 self.tmp / "server",
                 engine=engine,
+                stages=a.stage_settings,
+                instances=a.instances,
                 http_port=b,
                 grpc_port=b + 1,
                 metrics_port=b + 2,
@@ -217,11 +222,15 @@ class Bench:
                     )
                     continue
                 say(f"{name} c={c}: {n} prompts, {limit:.0f}s limit")
+                cpu_before, gpu = self.cpu_seconds(), GpuSampler().start()
                 level = asyncio.run(
                     loadgen.run_level(self.server.api_url, workload, c, n, offset=offset, timeout_s=limit)
                 )
                 offset += n
                 entry = level.summary()
+                entry["gpu_utilization"] = gpu.stop()
+                # per part of the stack over the level: near one core's worth (wall_s) = bound by that part's GIL
+                entry["cpu_seconds"] = {k: round(v - cpu_before.get(k, 0.0), 2) for k, v in self.cpu_seconds().items()}
                 entry["requests"] = [r.to_json() for r in level.records]
                 entry["stage_metrics_after"] = omni_metrics(self.server.triton.metrics_url)
                 result["levels"].append(entry)
@@ -230,6 +239,10 @@ class Bench:
             self.phase(name, "ok", t0)
         except Exception as exc:  # noqa: BLE001
             self.phase(name, "failed", t0, note=f"{type(exc).__name__}: {exc}"[:1000])
+
+    def cpu_seconds(self) -> dict[str, float]:
+        triton, frontend = self.server.triton.process, self.server.frontend
+        return server_cpu_seconds(triton.pid, frontend.pid) if triton and triton.pid else {}
 
     def finish(self) -> None:
         if self.server is not None:
@@ -273,6 +286,24 @@ class Bench:
             )
 
 
+def _instances(text: str) -> dict[str, int]:
+    out = {}
+    for item in filter(None, text.split(",")):
+        model, _, count = item.partition("=")
+        if not count.isdigit() or int(count) < 1:
+            raise argparse.ArgumentTypeError(f"{item!r}: expected MODEL=N with N >= 1")
+        out[model] = int(count)
+    return out
+
+
+def _setting(text: str) -> tuple[str, str, str]:
+    key, eq, value = text.partition("=")
+    model, dot, name = key.partition(".")
+    if not (eq and dot and model and name):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected MODEL.KEY=VALUE")
+    return model, name, value
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     env = os.environ.get
     ap = argparse.ArgumentParser(prog="python -m perf.gpu_bench")
@@ -305,10 +336,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--w2-share", type=float, default=0.3, help="of the time left after the server start")
     ap.add_argument("--w2-prompt-tokens", type=int, default=2500)
     ap.add_argument("--w2-reply-tokens", type=int, default=900, help="= codec frames")
+    ap.add_argument("--instances", type=_instances, default={}, metavar="MODEL=N[,MODEL=N]",
+                    help="instance_group count per model, e.g. code2wav=2,omni_ensemble=2")  # fmt: skip
+    ap.add_argument("--set", dest="stage_settings", type=_setting, action="append", default=[],
+                    metavar="MODEL.KEY=VALUE", help="a model's config parameter, e.g. thinker.max_prefills_per_step=16")  # fmt: skip
     ap.add_argument("--skip-baseline", action="store_true")
     ap.add_argument("--skip-server", action="store_true")
     ap.add_argument("--skip-w2", action="store_true", default=env("PERF_SKIP_W2") == "1")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    settings: dict[str, dict[str, str]] = {}
+    for model, name, value in args.stage_settings:
+        settings.setdefault(model, {})[name] = value
+    args.stage_settings = settings
+    return args
 
 
 def main(argv=None) -> int:

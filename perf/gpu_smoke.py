@@ -86,8 +86,14 @@ def burst(url, n) -> dict:
     wall = time.time() - t0
     ok = [r for r in results if r and not r["error"]]
     mean = lambda k: sum(r[k] for r in ok) / len(ok) if ok else None  # noqa: E731
+    # omni_ensemble's per-request milestones (usage["timeline_ms"]), averaged: where first audio waits
+    timelines = [r["usage"]["timeline_ms"] for r in ok if (r.get("usage") or {}).get("timeline_ms")]
+    milestones = sorted({k for t in timelines for k in t}, key=lambda k: sum(t.get(k, 0) for t in timelines))
+    mean_timeline = {k: round(sum(t[k] for t in timelines if k in t) / sum(k in t for t in timelines), 1)
+                     for k in milestones}  # fmt: skip
     return {"n": n, "ok": len(ok), "wall_s": wall, "req_per_s": len(ok) / wall, "mean_ttfp": mean("ttfp"),
-            "mean_rtf": mean("rtf"), "mean_e2e": mean("e2e"), "errors": [r["error"] for r in results if r and r["error"]][:3]}  # fmt: skip
+            "mean_rtf": mean("rtf"), "mean_e2e": mean("e2e"), "mean_timeline_ms": mean_timeline,
+            "errors": [r["error"] for r in results if r and r["error"]][:3]}  # fmt: skip
 
 
 def watch(server, stop: threading.Event) -> None:
@@ -133,7 +139,7 @@ def smoke_full(run_dir: Path, variant: str, evidence: Path) -> dict:
     stop = threading.Event()
     threading.Thread(target=watch, args=(server, stop), daemon=True).start()
     try:
-        report["single"] = [timed(server.grpc_url, PROMPT, W1) for _ in range(2)]
+        report["single"] = [timed(server.grpc_url, PROMPT, W1) for _ in range(3)]
         report["metrics_after_single"] = stage_metrics(server)
         for n in [int(b) for b in os.environ.get("SMOKE_BURSTS", "16,64").split(",")]:
             report[f"burst_{n}"] = burst(server.grpc_url, n)

@@ -52,6 +52,9 @@ class StageEngine:
         self.steps = 0
         self.last_batch_size = 0
         self.last_step_seconds = 0.0
+        # wall seconds spent in each phase: with the step's host sync, the stage's share of the device
+        self.phase_seconds = {"prefill": 0.0, "decode": 0.0}
+        self.decoded_rows = 0  # sequences over all decode steps (/ decode steps = mean decode batch)
 
     # ---- called from other threads ------------------------------------------------------------------------
     def start(self) -> None:
@@ -85,6 +88,9 @@ class StageEngine:
             "steps": self.steps,
             "last_batch_size": self.last_batch_size,
             "last_step_ms": round(self.last_step_seconds * 1e3, 3),
+            "prefill_seconds": self.phase_seconds["prefill"],
+            "decode_seconds": self.phase_seconds["decode"],
+            "decoded_rows": self.decoded_rows,
         }
 
     def _post(self, kind: str, item: Any) -> None:
@@ -132,6 +138,7 @@ class StageEngine:
         for phase, seqs in (("prefill", prefills), ("decode", decodes)):
             if not seqs:
                 continue
+            t_phase = time.perf_counter()
             try:
                 results = getattr(self.runner, phase)(seqs)
             except Exception as e:  # a failed step fails its sequences, not the engine
@@ -139,6 +146,10 @@ class StageEngine:
                 for seq in seqs:
                     self._end(seq, None, EngineError(f"[{self.name}] {phase} failed: {e}"))
                 continue
+            finally:
+                self.phase_seconds[phase] += time.perf_counter() - t_phase
+            if phase == "decode":
+                self.decoded_rows += len(seqs)
             for r in results:
                 if r.finish_reason is None:
                     if r.output is not None:

@@ -37,6 +37,26 @@ def stub_pids(server_pid: int) -> dict[str, list[int]]:
     return stubs
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds the process has used so far (0 if it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
+
+
+def server_cpu_seconds(server_pid: int, frontend_pid: int | None = None) -> dict[str, float]:
+    """CPU seconds per part of a served stack: tritonserver itself, each model's stubs summed, the frontend.
+    A part that uses about one core's worth over a period is bound by its GIL."""
+    out = {"tritonserver": cpu_seconds(server_pid)}
+    for model, pids in stub_pids(server_pid).items():
+        out[model] = sum(cpu_seconds(p) for p in pids)
+    if frontend_pid is not None:
+        out["openai_frontend"] = cpu_seconds(frontend_pid)
+    return out
+
+
 def _count(path: str) -> int:
     try:
         return len(os.listdir(path))

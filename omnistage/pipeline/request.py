@@ -119,6 +119,10 @@ class OmniRequest:
         # handoff round trips, for usage and, through on_hop(name, seconds), for metrics
         self.hops = {name: HopTimer(functools.partial(on_hop, name) if on_hop else None)
                      for name in ("talker_append", "code2wav")}  # fmt: skip
+        # when each milestone was first reached, ms after the request began (usage["timeline_ms"]): says
+        # where a slow first audio packet spent its time, one request at a time, on any deployment
+        self._t0 = time.perf_counter()
+        self.timeline: dict[str, float] = {}
 
     # ---- public -------------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -141,6 +145,7 @@ class OmniRequest:
             "audio_frames": self.audio_frames,
             "audio_seconds": round(self.audio_frames * FRAME_SECONDS, 3),
             "hops": {name: hop.summary() for name, hop in self.hops.items() if hop.count},
+            "timeline_ms": dict(self.timeline, end=self._ms()),
         }
         reason = "abort" if self.cancelled.is_set() else (self.finish_reason or "stop")
         self.emit(OmniOutput(text=self.detok.flush(), usage=usage), reason, None)
@@ -162,12 +167,14 @@ class OmniRequest:
                 self._guarded("thinker output", self._on_thinker_output, out)
 
     def _on_thinker_output(self, out: dict) -> None:
+        self._mark("thinker_first_output")
         ids = out["token_ids"].tolist() if "token_ids" in out else []
         self.completion_tokens += len(ids)
         if "prompt_tokens" in out:
             self.prompt_tokens = int(out["prompt_tokens"].reshape(-1)[0])
         if "finish_reason" in out:
             self.finish_reason = out["finish_reason"]
+            self._mark("thinker_done")
         if self.options.want_audio and not self.cancelled.is_set():
             self._feed_talker(out)
         text = self.detok.push(ids) if ids else ""
@@ -198,6 +205,7 @@ class OmniRequest:
             inputs["audio_feature_lengths"] = self.inputs["feature_attention_mask"].sum(-1).long()
         parameters = dict(self.options.talker_parameters, speaker=self.options.speaker, text_end=end)
         stream = self.stages.talker(self.session, inputs, parameters)
+        self._mark("talker_started")
         self._talker_thread = threading.Thread(target=self._run_talker, args=(stream,), daemon=True,
                                                name=f"talker-{self.session[:8]}")  # fmt: skip
         self._code2wav_thread = threading.Thread(target=self._run_code2wav, daemon=True,
@@ -212,9 +220,11 @@ class OmniRequest:
             for out in stream:
                 codes = out.get("codes")
                 if codes is not None and codes.shape[0]:
+                    self._mark("talker_first_frames")
                     self._frames.extend(codes.long().cpu().unbind(0))
                     self.audio_frames += codes.shape[0]
                     for window in cutter.push(codes.shape[0]):
+                        self._mark("first_chunk_cut")
                         self._windows.put(window)
             if not self.cancelled.is_set():
                 for window in cutter.finish():
@@ -242,6 +252,15 @@ class OmniRequest:
         with self.hops["code2wav"]:
             audio, self._code2wav_state = self.stages.code2wav(codes, self._code2wav_state)
         self.emit(OmniOutput(audio=audio.float().reshape(-1)), None, None)
+        self._mark("first_audio_sent")
+
+    # ---- timeline ---------------------------------------------------------------------------------------
+    def _ms(self) -> float:
+        return round((time.perf_counter() - self._t0) * 1e3, 1)
+
+    def _mark(self, milestone: str) -> None:
+        if milestone not in self.timeline:  # the first time only; set from three threads, one key each
+            self.timeline[milestone] = self._ms()
 
     # ---- failure ----------------------------------------------------------------------------------------
     def _guarded(self, what: str, step: Callable, *args) -> None:

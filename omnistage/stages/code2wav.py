@@ -164,6 +164,7 @@ class Code2WavRunner:
         self.tail_samples = self.samples_per_frame - len1  # 555
         self.conv_reach = conv_reach_frames(module, self.samples_per_frame, self.tail_samples)  # 10 for Qwen3-Omni
         self.context_frames = self.conv_reach + CONTEXT_MARGIN_FRAMES if context_frames is None else context_frames
+        self.forwards = 0  # forwards run: a batch of chunks with k distinct (n, W, C') shapes takes k
         if self.context_frames < 1:  # a chunk after the first must re-emit the previous chunk's missing tail
             raise ValueError(f"context_frames must be >= 1, got {self.context_frames}")
 
@@ -204,6 +205,7 @@ class Code2WavRunner:
         for key, idx in groups.items():
             group_states = [states[i] for i in idx]
             wav, kv, hidden = self._forward(batches[key], group_states)
+            self.forwards += 1
             first = key[2] * self.samples_per_frame - self.tail_samples if key[2] else 0
             for row, (i, s) in enumerate(zip(idx, group_states)):
                 # Audio: a view of the batch output (the caller copies it out). State: own storage, so one

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from typing import Any, NamedTuple
 
 import triton_python_backend_utils as pb_utils
@@ -44,12 +45,15 @@ class Code2WavModel:
                              f"({self.runner.conv_reach} frames); use null or >= {self.runner.conv_reach}")
         self.max_batch = int(params.get("max_batch_windows", 64))
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.last_batch, self.chunks, self.batches = 0, 0, 0  # written by the worker, read by the metrics thread
+        # written by the worker, read by the metrics thread
+        self.last_batch, self.chunks, self.batches, self.busy_seconds = 0, 0, 0, 0.0
         self.metrics = (MetricsPublisher("code2wav", args.get("model_instance_name", "code2wav"), self._sample)
                         .gauge("omni_code2wav_queue_depth", "chunks waiting for a decode")
                         .gauge("omni_code2wav_batch_size", "chunks in the last decode")
                         .counter("omni_code2wav_chunks_total", "chunks decoded")
-                        .counter("omni_code2wav_batches_total", "decodes run"))  # fmt: skip
+                        .counter("omni_code2wav_batches_total", "decodes run")
+                        .counter("omni_code2wav_forwards_total", "forwards run (one per chunk shape in a decode)")
+                        .counter("omni_code2wav_busy_seconds_total", "seconds spent decoding and sending"))  # fmt: skip
         self.metrics.start()
         self._worker = threading.Thread(target=self._loop, name="code2wav-worker", daemon=True)
         self._worker.start()
@@ -83,6 +87,7 @@ class Code2WavModel:
             if any(item is None for item in batch):
                 return
             self.last_batch, self.chunks, self.batches = len(batch), self.chunks + len(batch), self.batches + 1
+            t0 = time.perf_counter()
             try:
                 decoded = self.runner.decode([p.chunk for p in batch])
                 responses = [output_tensors({"audio": wav.float(), **state_to_tensors(state)}, p.bf16_bytes)
@@ -93,10 +98,13 @@ class Code2WavModel:
                 log.exception("[code2wav] decode failed")
                 for p in batch:
                     send_final(p.sender, error_response(e if isinstance(e, OmniError) else OmniError(str(e))))
+            self.busy_seconds += time.perf_counter() - t0
 
     def _sample(self):
         return [("omni_code2wav_queue_depth", {}, self._queue.qsize()), ("omni_code2wav_batch_size", {}, self.last_batch),
-                ("omni_code2wav_chunks_total", {}, self.chunks), ("omni_code2wav_batches_total", {}, self.batches)]  # fmt: skip
+                ("omni_code2wav_chunks_total", {}, self.chunks), ("omni_code2wav_batches_total", {}, self.batches),
+                ("omni_code2wav_forwards_total", {}, self.runner.forwards),
+                ("omni_code2wav_busy_seconds_total", {}, self.busy_seconds)]  # fmt: skip
 
     def finalize(self) -> None:
         self.metrics.stop()

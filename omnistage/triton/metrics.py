@@ -112,7 +112,13 @@ _STAGE_GAUGES = {
     "kv_cache_bytes": "bytes of the instance's KV cache",
     "gpu_memory_peak_bytes": "peak GPU memory torch allocated in the instance (0 on CPU)",
 }
-_STAGE_COUNTERS = {"steps_total": "engine steps run", "responses_total": "responses sent"}
+_STAGE_COUNTERS = {
+    "steps_total": "engine steps run",
+    "responses_total": "responses sent",
+    "prefill_seconds_total": "seconds the engine spent in prefills",
+    "decode_seconds_total": "seconds the engine spent in decode steps (its busy share: / wall time)",
+    "decode_rows_total": "sequences over all decode steps (/ steps: mean decode batch)",
+}
 
 
 class StageMetrics(MetricsPublisher):
@@ -137,6 +143,9 @@ class StageMetrics(MetricsPublisher):
             "responses_pending": self.responder.active,
             "steps_total": s["steps"],
             "responses_total": self.responder.responses_sent,
+            "prefill_seconds_total": s["prefill_seconds"],
+            "decode_seconds_total": s["decode_seconds"],
+            "decode_rows_total": s["decoded_rows"],
             "kv_cache_slots": self.kv.slots,
             "kv_cache_bytes": self.kv.cache_bytes,
             "gpu_memory_peak_bytes": self._peak_gpu_bytes(),

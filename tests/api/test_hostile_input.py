@@ -1,7 +1,6 @@
 # Hostile requests the frontend itself must refuse with a 4xx OpenAI error, before the backend sees them,
 # keeping the server healthy: oversized bodies (declared or not), deep nesting, non-UTF-8, wrong types,
 # absurd lengths. (Media that only omni_ensemble decodes is covered in tests/triton/test_reliability.py.)
-import httpx
 import pytest
 
 from perf.soak_inputs import BAD_INPUTS, FRONTEND_ONLY

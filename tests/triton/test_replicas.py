@@ -116,7 +116,7 @@ def test_orchestrator_publishes_handoff_ttfp_and_rtf(triton_server):
     time.sleep(1.0)  # and their last observations to be published (every 0.25 s)
     before = triton_server.metrics()
     started = time.perf_counter()
-    params = dict(GREEDY, max_tokens=REPLY, talker_max_tokens=FRAMES, talker_ignore_eos=True)
+    params = dict(GREEDY, max_tokens=REPLY, ignore_eos=True, talker_max_tokens=FRAMES, talker_ignore_eos=True)
     r = OmniStream(triton_server.grpc_url, oracle.messages("text"), params).run()
     elapsed = time.perf_counter() - started
     assert r.error is None, r.error
@@ -138,6 +138,17 @@ def test_orchestrator_publishes_handoff_ttfp_and_rtf(triton_server):
     assert delta("omni_handoff_latency_seconds_count", hop="code2wav") == chunks == 3
     assert delta("omni_handoff_latency_seconds_count", hop="talker_append") == r.usage["hops"]["talker_append"]["count"]
     assert delta("omni_code2wav_chunks_total") == chunks  # summed over the code2wav instances
+    assert 1 <= delta("omni_code2wav_forwards_total") <= chunks  # 3 chunks of 3 shapes: 3 decodes of 1 forward
+    assert 0 < delta("omni_code2wav_busy_seconds_total") < elapsed
+    for stage in ("thinker", "talker"):  # busy time is within the request's time, on one of the two replicas
+        assert 0 < delta(f"omni_{stage}_decode_seconds_total") + delta(f"omni_{stage}_prefill_seconds_total") < elapsed
+    assert delta("omni_thinker_decode_rows_total") == REPLY - 1  # the first reply token comes from the prefill
+    assert delta("omni_talker_decode_rows_total") >= FRAMES - 1
+    # the request's own timeline: milestones in causal order, the orchestrator's first audio before the client's
+    t = r.usage["timeline_ms"]
+    order = ["thinker_first_output", "talker_started", "talker_first_frames", "first_chunk_cut", "first_audio_sent"]
+    assert [t[m] for m in order] == sorted(t[m] for m in order) and t["first_audio_sent"] <= t["end"], t
+    assert t["thinker_done"] <= t["end"] and t["first_audio_sent"] / 1e3 <= first_audio
     sessions = series(after, "omni_replica_sessions")
     assert len(sessions) == 4 and sum(sessions) == 0  # 2 stages x 2 replicas, all sessions released
     assert series(after, "omni_requests_in_flight") == [0]

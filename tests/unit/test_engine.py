@@ -134,3 +134,32 @@ def test_update_runs_on_engine_thread_and_wakes_gated_sequence():
     out.wait("a")
     engine.stop()
     assert seen["thread"] == "test-engine"
+
+
+class SlowRunner(CountingRunner):
+    """Each phase sleeps a known time, so the engine's per-phase seconds can be checked against it."""
+
+    PREFILL_S, DECODE_S = 0.03, 0.01
+
+    def prefill(self, seqs):
+        time.sleep(self.PREFILL_S)
+        return super().prefill(seqs)
+
+    def decode(self, seqs):
+        time.sleep(self.DECODE_S)
+        return super().decode(seqs)
+
+
+def test_stats_count_phase_seconds_and_decoded_rows():
+    runner = SlowRunner()
+    engine, out = make(runner)
+    for name, n in (("a", 3), ("b", 5)):
+        engine.add(Sequence(name, SamplingParams(max_tokens=n), None))
+    out.wait("a", "b")
+    engine.stop()
+    s = engine.stats()
+    decode_steps = len(runner.batches)
+    assert s["decoded_rows"] == sum(len(b) for b in runner.batches) == (3 - 1) + (5 - 1)  # the prefill emits one
+    assert decode_steps * SlowRunner.DECODE_S <= s["decode_seconds"] < decode_steps * SlowRunner.DECODE_S + 0.5
+    # one or two prefill calls (both requests may be admitted in the same step), never counted as decode time
+    assert SlowRunner.PREFILL_S <= s["prefill_seconds"] < 2 * SlowRunner.PREFILL_S + 0.5

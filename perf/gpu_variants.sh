@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# One GPU device call (~6 min): the W1 levels 1 and 64 under several deployments of the same dummy
+# full-size model, each on a fresh server, so that their ratios come from one run on one machine. Each
+# variant writes OUT/<variant>/bench.json (per level: stage busy seconds, CPU seconds per process, GPU
+# utilisation) and one summary line to OUT/variants.log.
+#
+#   source .carry/device/env.sh && bash perf/gpu_variants.sh $OUT [variant ...]
+# Variants: smoke (perf.gpu_smoke: per-request timelines of single requests and bursts), base, prefill16 (thinker/talker max_prefills_per_step 16), scaled (prefill16 + 2 code2wav
+# and 2 omni_ensemble instances), scaled_mps (scaled under the CUDA MPS daemon, when the machine has it).
+set -u
+OUT="${1:?usage: bash perf/gpu_variants.sh OUT_DIR [variant ...]}"
+shift
+VARIANTS=("${@:-smoke base prefill16 scaled scaled_mps}")
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-$(command -v python3 || command -v python)}"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+PREFILL16=(--set thinker.max_prefills_per_step=16 --set talker.max_prefills_per_step=16)
+SCALED=("${PREFILL16[@]}" --instances code2wav=2,omni_ensemble=2)
+
+run_variant() {  # name, then perf.gpu_bench args
+  local name=$1
+  shift
+  PERF_BUDGET_S=${PERF_BUDGET_S:-120} PERF_HARD_LIMIT_S=${PERF_HARD_LIMIT_S:-140} bash perf/gpu_bench.sh "$OUT/$name" \
+    --skip-baseline --skip-w2 --w1-concurrency 1 64 --warmup 3 "$@" > "$OUT/$name.console.log" 2>&1
+  "$PY" - "$OUT/$name/bench.json" "$name" <<'PYEOF' | tee -a "$OUT/variants.log"
+import json, sys
+path, name = sys.argv[1:]
+b = json.load(open(path))
+for lv in b.get("ours", {}).get("w1", {}).get("levels", []):
+    if "throughput_rps" not in lv:
+        print(name, lv)
+        continue
+    m = lv["stage_metrics_after"]
+    print(f"{name} c={lv['concurrency']}: {lv['completed']}/{lv['num_prompts']} {lv['throughput_rps']:.2f} req/s "
+          f"TTFT {lv['ttft_ms']['mean']:.0f} TTFP {lv['ttfp_ms']['mean']:.0f} RTF {lv['rtf']['mean']:.3f} "
+          f"wall {lv['wall_s']:.1f}s cpu {lv.get('cpu_seconds')} gpu {lv.get('gpu_utilization')}")
+PYEOF
+}
+
+for v in ${VARIANTS[@]}; do
+  case $v in
+    smoke)  # gRPC straight to omni_ensemble: single requests and bursts with their mean timelines
+      SMOKE_BURSTS=16,64 timeout 200 "$PY" -m perf.gpu_smoke "$OUT/smoke.json" gpu > "$OUT/smoke.log" 2>&1
+      "$PY" -c "import json,sys; r=json.load(open(sys.argv[1]))['gpu']
+for s in r['single']: print('smoke single', {k: s.get(k) for k in ('ttft','ttfp','e2e')}, s['usage'].get('timeline_ms'))
+for n in (16, 64): print('smoke burst', n, {k: v for k, v in r.get(f'burst_{n}', {}).items() if k != 'errors'})" \
+        "$OUT/smoke.json" 2>&1 | tee -a "$OUT/variants.log" ;;
+    base) run_variant base ;;
+    prefill16) run_variant prefill16 "${PREFILL16[@]}" ;;
+    scaled) run_variant scaled "${SCALED[@]}" ;;
+    scaled_mps)
+      if ! command -v nvidia-cuda-mps-control > /dev/null; then
+        echo "scaled_mps: no nvidia-cuda-mps-control on this machine" | tee -a "$OUT/variants.log"
+        continue
+      fi
+      export CUDA_MPS_PIPE_DIRECTORY=/tmp/omni-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/omni-mps/log
+      mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+      nvidia-cuda-mps-control -d && run_variant scaled_mps "${SCALED[@]}"
+      echo quit | nvidia-cuda-mps-control
+      unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+      ;;
+    *) echo "unknown variant $v" | tee -a "$OUT/variants.log" ;;
+  esac
+done
