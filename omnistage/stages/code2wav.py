@@ -172,13 +172,19 @@ class Code2WavRunner:
         """Samples decode() returns for a chunk of `frames` frames after `position` decoded frames."""
         return frames * self.samples_per_frame - (self.tail_samples if position == 0 else 0)
 
-    def validate(self, codes: torch.Tensor, state: StreamState | None) -> None:
-        """Checks one chunk as decode() does (syncs the device for the value range), so a serving loop can
-        turn away a bad chunk on its own instead of failing the batch it would have joined."""
+    def check(self, codes: torch.Tensor, state: StreamState | None) -> None:
+        """The checks of one chunk that need no device sync (types, shapes, the state's consistency): a
+        serving loop runs them as requests arrive, without waiting for the decode in flight on the device."""
         self._check(codes, state)
-        lo, hi = (int(v) for v in torch.stack([codes.min(), codes.max()]).tolist())
-        if lo < 0 or hi >= self.codebook_size:
-            raise BadRequestError(f"codes must be in [0, {self.codebook_size}), got values in [{lo}, {hi}]")
+
+    def range_errors(self, codes: list[torch.Tensor]) -> list[str | None]:
+        """Per chunk, why its codes are out of range, or None; one device sync for all of them. A serving
+        loop turns the bad chunks of a batch away on their own instead of failing the batch with them."""
+        if not codes:
+            return []
+        bounds = torch.stack([torch.stack([c.min(), c.max()]).to(self.device) for c in codes]).tolist()
+        return [None if lo >= 0 and hi < self.codebook_size
+                else f"codes must be in [0, {self.codebook_size}), got values in [{lo}, {hi}]" for lo, hi in bounds]  # fmt: skip
 
     @torch.inference_mode()
     def decode(self, chunks: list[ChunkIn]) -> list[ChunkOut]:
@@ -190,16 +196,12 @@ class Code2WavRunner:
             except BadRequestError as e:
                 raise BadRequestError(f"code2wav chunk {i}: {e}") from None
             groups[(codes.shape[0], states[-1].kv.shape[3], states[-1].hidden.shape[0])].append(i)
+        # Value ranges with one host sync, before any forward runs.
+        for i, error in enumerate(self.range_errors([codes for codes, _ in chunks])):
+            if error is not None:
+                raise BadRequestError(f"code2wav chunk {i}: {error}")
         batches = {key: torch.stack([chunks[i][0].to(self.device, torch.long) for i in idx])  # [B, n, Q]
                    for key, idx in groups.items()}
-        # Value range of every group with one host sync, before any forward runs.
-        bounds = torch.stack([torch.stack([b.min(), b.max()]) for b in batches.values()]).tolist() if batches else []
-        for idx, (lo, hi) in zip(groups.values(), bounds):
-            for i in idx if lo < 0 or hi >= self.codebook_size else ():
-                lo_i, hi_i = (int(v) for v in torch.stack([chunks[i][0].min(), chunks[i][0].max()]).tolist())
-                if lo_i < 0 or hi_i >= self.codebook_size:
-                    raise BadRequestError(f"code2wav chunk {i}: codes must be in [0, {self.codebook_size}), "
-                                          f"got values in [{lo_i}, {hi_i}]")
 
         out: list[ChunkOut | None] = [None] * len(chunks)
         for key, idx in groups.items():

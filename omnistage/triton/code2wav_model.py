@@ -69,9 +69,12 @@ class Code2WavModel:
                 if "codes" not in inputs:
                     raise BadRequestError("codes is required")
                 state = state_from_tensors(inputs) if PAST_FRAMES in inputs else None
-                chunk = (inputs["codes"].to(self.device), state)
-                self.runner.validate(*chunk)
-                self._queue.put(PendingChunk(chunk, sender, wants_bf16_bytes(request_parameters(request))))
+                # Host-side checks only: anything that touches the device here (a copy, a value check) would
+                # wait for the decode in flight, and execute() calls come one at a time, so every chunk
+                # would queue behind a whole decode and batches would stay small. The worker does the rest.
+                self.runner.check(inputs["codes"], state)
+                self._queue.put(PendingChunk((inputs["codes"], state), sender,
+                                             wants_bf16_bytes(request_parameters(request))))  # fmt: skip
             except Exception as e:
                 send_final(sender, error_response(e if isinstance(e, OmniError) else BadRequestError(str(e))))
         return None
@@ -86,6 +89,9 @@ class Code2WavModel:
                     break
             if any(item is None for item in batch):
                 return
+            batch = self._turn_away_bad_ranges(batch)
+            if not batch:
+                continue
             self.last_batch, self.chunks, self.batches = len(batch), self.chunks + len(batch), self.batches + 1
             t0 = time.perf_counter()
             try:
@@ -99,6 +105,16 @@ class Code2WavModel:
                 for p in batch:
                     send_final(p.sender, error_response(e if isinstance(e, OmniError) else OmniError(str(e))))
             self.busy_seconds += time.perf_counter() - t0
+
+    def _turn_away_bad_ranges(self, batch: list[PendingChunk]) -> list[PendingChunk]:
+        try:
+            errors = self.runner.range_errors([p.chunk[0] for p in batch])
+        except Exception as e:  # e.g. codes on a device this instance cannot read
+            errors = [f"could not read the codes: {e}"] * len(batch)
+        for p, error in zip(batch, errors):
+            if error is not None:
+                send_final(p.sender, error_response(BadRequestError(error)))
+        return [p for p, error in zip(batch, errors) if error is None]
 
     def _sample(self):
         return [("omni_code2wav_queue_depth", {}, self._queue.qsize()), ("omni_code2wav_batch_size", {}, self.last_batch),

@@ -216,3 +216,33 @@ def test_bad_input_is_a_400_and_nothing_breaks(triton_server, messages, paramete
         error = omni(triton_server.grpc_url, messages, parameters).error
     assert error is not None and "[400]" in error and message in error, error
     assert omni(triton_server.grpc_url, oracle.messages("text"), dict(GREEDY, max_tokens=2, modalities="text")).error is None
+
+
+def test_code2wav_turns_away_a_bad_chunk_alone(triton_server):
+    """Chunks sent together may share a decode; one with out-of-range codes gets its own 400 and the others
+    their audio (the value check runs in the worker, per batch, not in execute())."""
+    client = grpcclient.InferenceServerClient(triton_server.grpc_url)
+    responses: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    rng = np.random.default_rng(0)
+    good = rng.integers(0, 2048, size=(6, 16), dtype=np.int64)
+    chunks = {f"c{i}": good for i in range(6)}
+    chunks["bad"] = np.full((6, 16), 4096, dtype=np.int64)
+    for request_id, codes in chunks.items():
+        t = grpcclient.InferInput("codes", list(codes.shape), "INT64")
+        t.set_data_from_numpy(codes)
+        client.async_stream_infer("code2wav", [t], request_id=request_id)
+    audio, errors = {}, {}
+    for _ in chunks:
+        result, error = responses.get(timeout=120)
+        if error is not None:
+            errors[str(error)] = error
+        else:
+            audio[result.get_response().id] = result.as_numpy("audio")
+    client.stop_stream()
+    client.close()
+    assert len(errors) == 1 and sorted(audio) == [f"c{i}" for i in range(6)], (list(errors), sorted(audio))
+    message = next(iter(errors))
+    assert "[400]" in message and "codes must be in [0, 2048)" in message and "4096" in message, message
+    assert all(a.shape == (6 * 1920 - 555,) for a in audio.values())
+    assert all(np.allclose(a, audio["c0"], atol=1e-5) for a in audio.values())  # same codes, same audio, batched or not
