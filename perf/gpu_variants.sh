@@ -5,6 +5,7 @@
 # utilisation) and one summary line to OUT/variants.log.
 #
 #   source .carry/device/env.sh && bash perf/gpu_variants.sh $OUT [variant ...]
+# The device returns few files, so the variants' directories end up in OUT/variants.tar.gz.
 # Variants: smoke (perf.gpu_smoke: per-request timelines of single requests and bursts), base, prefill16 (thinker/talker max_prefills_per_step 16), scaled (prefill16 + 2 code2wav
 # and 2 omni_ensemble instances), scaled_mps (scaled under the CUDA MPS daemon, when the machine has it).
 set -u
@@ -21,8 +22,9 @@ SCALED=("${PREFILL16[@]}" --instances code2wav=2,omni_ensemble=2)
 run_variant() {  # name, then perf.gpu_bench args
   local name=$1
   shift
-  PERF_BUDGET_S=${PERF_BUDGET_S:-120} PERF_HARD_LIMIT_S=${PERF_HARD_LIMIT_S:-140} bash perf/gpu_bench.sh "$OUT/$name" \
-    --skip-baseline --skip-w2 --w1-concurrency 1 64 --warmup 3 "$@" > "$OUT/$name.console.log" 2>&1
+  # budget: up to 100 s for the server to load and capture its graphs, 60 s for the levels, 25 s to stop
+  PERF_BUDGET_S=${PERF_BUDGET_S:-185} PERF_HARD_LIMIT_S=${PERF_HARD_LIMIT_S:-200} bash perf/gpu_bench.sh "$OUT/$name" \
+    --skip-baseline --skip-w2 --w1-concurrency 1 64 --warmup 3 --bench-min-s 60 "$@" > "$OUT/$name.console.log" 2>&1
   "$PY" - "$OUT/$name/bench.json" "$name" <<'PYEOF' | tee -a "$OUT/variants.log"
 import json, sys
 path, name = sys.argv[1:]
@@ -63,3 +65,6 @@ for n in (16, 64): print('smoke burst', n, {k: v for k, v in r.get(f'burst_{n}',
     *) echo "unknown variant $v" | tee -a "$OUT/variants.log" ;;
   esac
 done
+# the device returns few files: one archive of the variants' directories
+dirs=$(cd "$OUT" && ls -d base prefill16 scaled scaled_mps 2> /dev/null)
+[ -n "$dirs" ] && tar czf "$OUT/variants.tar.gz" -C "$OUT" $dirs && (cd "$OUT" && rm -rf $dirs)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..core.sampling import SamplingParams
+from .host_copy import to_device
 
 
 class Sampler:
@@ -46,7 +47,7 @@ class Sampler:
         ban_rows = [i for i, ban in enumerate(banned) for _ in ban]
         if ban_rows:
             cols = [t for ban in banned for t in ban]
-            logits[torch.tensor(ban_rows).to(logits.device), torch.tensor(cols).to(logits.device)] = float("-inf")
+            logits[to_device(ban_rows, logits.device), to_device(cols, logits.device)] = float("-inf")
         if suppress is not None:
             logits[:, suppress] = float("-inf")
         tokens = logits.argmax(dim=-1)
@@ -74,15 +75,15 @@ def _penalise(logits: torch.Tensor, rows: list[int], params: list[SamplingParams
     """transformers' repetition penalty (each seen token once: negative scores times p, positive ones divided
     by p), then OpenAI's presence and frequency penalties (minus presence + frequency x count), on `rows`."""
     device, vocab = logits.device, logits.shape[1]
-    owner = torch.tensor([j for j, hist in enumerate(histories) for _ in hist]).to(device)
-    tokens = torch.tensor([t for hist in histories for t in hist]).to(device)
+    owner = to_device([j for j, hist in enumerate(histories) for _ in hist], device)
+    tokens = to_device([t for hist in histories for t in hist], device)
     ones = torch.ones(tokens.shape, device=device)
     counts = torch.zeros(len(rows), vocab, device=device).index_put_((owner, tokens), ones, accumulate=True)
     seen = counts > 0
-    per_row = torch.tensor([[p.repetition_penalty, p.presence_penalty, p.frequency_penalty] for p in params])
-    repetition, presence, frequency = per_row.to(device).unbind(1)
+    per_row = to_device([[p.repetition_penalty, p.presence_penalty, p.frequency_penalty] for p in params], device)
+    repetition, presence, frequency = per_row.unbind(1)
     repetition, presence, frequency = repetition[:, None], presence[:, None], frequency[:, None]
-    index = torch.tensor(rows).to(device)
+    index = to_device(rows, device)
     scores = logits[index]
     scores = torch.where(seen, torch.where(scores < 0, scores * repetition, scores / repetition), scores)
     scores = torch.where(seen, scores - (presence + frequency * counts), scores)

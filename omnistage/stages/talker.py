@@ -12,6 +12,7 @@ from ..core.engine import StepResult
 from ..core.errors import BadRequestError
 from ..core.scheduler import Sequence
 from .code_predictor import CodePredictor, StaticCodePredictor
+from .host_copy import to_device
 from .kv_cache import SlotKVCache
 from .sampler import Sampler
 from .static_decode import StaticDecoder
@@ -129,9 +130,9 @@ class TalkerRunner:
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> list[StepResult]:
-        slots = torch.tensor([s.slot for s in seqs], device=self.device)
+        slots = to_device([s.slot for s in seqs], self.device)
         states = [self.slots[s.slot] for s in seqs]
-        c0 = torch.tensor([st.c0 for st in states], device=self.device)
+        c0 = to_device([st.c0 for st in states], self.device)
         if self.static_predictor is not None:
             codes, codec_sum = self.static_predictor(self.hidden[slots], c0, [s.params.greedy for s in seqs])
             codes = codes.clone()  # leaves with the response; the next replay overwrites the static buffer
@@ -155,23 +156,32 @@ class TalkerRunner:
         t = self.model
         cond = p.cond
         user = cond.user_rows.to(self.device, self.dtype)
-        is_mm = cond.user_is_mm.to(self.device)
-        user_part = torch.empty(user.shape[0], self.text_config.hidden_size, dtype=self.dtype, device=self.device)
-        if is_mm.any():
-            user_part[is_mm] = t.hidden_projection(user[is_mm])
-        user_part[~is_mm] = t.text_projection(user[~is_mm])
+        # Text-only prompts (known on the host) take no host sync here: a boolean mask or .any() would wait
+        # for a turn on a GPU that the other stage processes share, once per prompt.
+        text_only = p.image_grid_thw is None and p.audio_feature_lengths is None
+        if text_only:
+            user_part = t.text_projection(user)
+        else:
+            is_mm = cond.user_is_mm.to(self.device)
+            user_part = torch.empty(user.shape[0], self.text_config.hidden_size, dtype=self.dtype, device=self.device)
+            if is_mm.any():
+                user_part[is_mm] = t.hidden_projection(user[is_mm])
+            user_part[~is_mm] = t.text_projection(user[~is_mm])
         special = t.text_projection(cond.special_rows.to(self.device, self.dtype))  # [6, D]
         header, (tts_bos, tts_eos, tts_pad) = special[:3], special[3:6]
         first_text = t.text_projection(p.text[0].to(self.device, self.dtype)[None])
         text_side = torch.cat([header, tts_pad.expand(4, -1), tts_bos[None], first_text])
-        codec_ids = torch.tensor(self.codec_prefix + [p.speaker_id] + self.codec_suffix, device=self.device)
+        codec_ids = to_device(self.codec_prefix + [p.speaker_id] + self.codec_suffix, self.device)
         codec_side = torch.cat([torch.zeros_like(header), t.get_input_embeddings()(codec_ids)])
+        embeds = torch.cat([user_part, text_side + codec_side])  # [L, D]
+        if text_only:  # get_rope_index without media: every section counts 0..L-1, delta 0
+            positions = torch.arange(embeds.shape[0], device=self.device).expand(3, -1)
+            return _Prompt(embeds, positions, 0, tts_eos, tts_pad)
         ids = torch.cat([cond.user_ids.to(self.device), torch.full((9,), self.tts_pad_id, device=self.device)])[None]
         positions, deltas = t.get_rope_index(
             ids, _opt(p.image_grid_thw, self.device), None, torch.ones_like(ids), False,
             _opt(p.audio_feature_lengths, self.device), None,
         )  # fmt: skip
-        embeds = torch.cat([user_part, text_side + codec_side])  # [L, D]
         return _Prompt(embeds, positions[:, 0], int(deltas.reshape(-1)[0]), tts_eos, tts_pad)
 
     def _prefill_batch(self, seqs: list[Sequence]) -> list[StepResult]:
@@ -200,7 +210,7 @@ class TalkerRunner:
 
     def _advance(self, seqs: list[Sequence], codes: torch.Tensor, codec_sum: torch.Tensor) -> list[StepResult]:
         """Feeds each frame back with its text row and picks the next frame's codebook 0."""
-        slots = torch.tensor([s.slot for s in seqs], device=self.device)
+        slots = to_device([s.slot for s in seqs], self.device)
         # rows of occupied slots that are not stepping (waiting for text) write at their next free position
         self.decoder.embeds[slots, 0] = codec_sum + self._text_inputs(seqs)
         states = self.slots[: 1 + max(i for i, s in enumerate(self.slots) if s is not None)]

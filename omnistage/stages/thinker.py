@@ -11,6 +11,7 @@ from transformers import DynamicCache
 from ..core.engine import StepResult
 from ..core.errors import BadRequestError
 from ..core.scheduler import Sequence
+from .host_copy import to_device
 from .kv_cache import SlotKVCache
 from .sampler import Sampler
 from .static_decode import StaticDecoder
@@ -79,7 +80,7 @@ class ThinkerRunner:
         self.eos_ids = {config.im_end_token_id, 151643}  # <|im_end|>, <|endoftext|>
         self.accept_layer = config.talker_config.accept_hidden_layer
         t = config.thinker_config
-        self.mm_ids = torch.tensor([t.audio_token_id, t.image_token_id, t.video_token_id], device=self.device)
+        self.mm_ids = torch.tensor([t.audio_token_id, t.image_token_id, t.video_token_id])  # host: see _talker_conditioning
         self.tts_ids = torch.tensor(
             [config.tts_bos_token_id, config.tts_eos_token_id, config.tts_pad_token_id], device=self.device
         )
@@ -121,7 +122,7 @@ class ThinkerRunner:
         states = self.slots[: 1 + max(i for i, s in enumerate(self.slots) if s is not None)]
         self.decoder.step([s.length if s else 0 for s in states], [s.rope_delta if s else 0 for s in states],
                           [s.last_token if s else 0 for s in states])  # fmt: skip
-        slots = torch.tensor([s.slot for s in seqs], device=self.device)
+        slots = to_device([s.slot for s in seqs], self.device)
         tokens = self._sample(self.decoder.logits_out[slots], seqs)
         rows = self._text_rows(tokens, seqs)
         results = []
@@ -151,7 +152,7 @@ class ThinkerRunner:
         deltas = self.model.rope_deltas
         self.slots[seq.slot] = _SlotState(length, int(deltas.reshape(-1)[0]) if deltas is not None else 0, 0)
         token = self._sample(out.logits[:, -1], [seq])
-        talker, tail = self._talker_conditioning(ids[0], out.hidden_states) if p.export_talker else (None, None)
+        talker, tail = self._talker_conditioning(p.input_ids, out.hidden_states) if p.export_talker else (None, None)
         output = ThinkerOutput(talker=talker, prompt_tokens=length, text_rows=tail)
         return self._accept(seq, int(token[0]), output, self._text_rows(token, [seq]))
 
@@ -178,7 +179,7 @@ class ThinkerRunner:
             self.slots[seq.slot] = _SlotState(n, 0, 0)
             talker = tail = None
             if seq.payload.export_talker:
-                talker, tail = self._talker_conditioning(ids[i, :n], [h[i : i + 1, :n] for h in out.hidden_states])
+                talker, tail = self._talker_conditioning(seq.payload.input_ids, [h[i : i + 1, :n] for h in out.hidden_states])
             output = ThinkerOutput(talker=talker, prompt_tokens=n, text_rows=tail)
             results.append(self._accept(seq, token, output, None if rows is None else rows[i : i + 1]))
         return results
@@ -216,23 +217,30 @@ class ThinkerRunner:
     def _talker_conditioning(self, ids: torch.Tensor, hidden_states) -> tuple[TalkerConditioning, torch.Tensor]:
         """What generate() hands the talker, for one prompt: user-turn rows (layer-0 embeddings, or the
         accept-layer hidden state on audio/image/video rows), the assistant header rows, the tts rows,
-        and any prompt rows after the assistant header (spoken before the reply)."""
+        and any prompt rows after the assistant header (spoken before the reply).
+        `ids` are the prompt's token ids on the host: which rows go where is decided there, and the device
+        only gathers. Each host sync here (a boolean mask, nonzero) would wait for a turn on a GPU that
+        the other stage processes share, once per prompt."""
         c = self.config
         embeds, hidden = (hidden_states[0][0], hidden_states[self.accept_layer][0])  # [L, D]
-        pos = torch.arange(ids.numel(), device=ids.device)
+        ids = ids.cpu()
+        pos = torch.arange(ids.numel())
         starts = torch.where(ids == c.im_start_token_id, pos, torch.full_like(pos, -1))
         role = ids[(torch.cummax(starts, 0).values.clamp_min(0) + 1).clamp_max(ids.numel() - 1)]
-        user = role == c.user_token_id
+        user = (role == c.user_token_id).nonzero().squeeze(1)
         is_mm = torch.isin(ids, self.mm_ids)
-        rows = torch.where(is_mm[:, None], hidden, embeds)
         header = ((ids[:-1] == c.im_start_token_id) & (ids[1:] == c.assistant_token_id)).nonzero()
         if header.numel() == 0:
             raise BadRequestError("prompt has no assistant header (<|im_start|>assistant) for the talker")
         a = int(header[-1])
+        user_dev = user.to(self.device, non_blocking=True)
+        user_is_mm = is_mm[user]
+        rows = torch.where(user_is_mm.to(self.device, non_blocking=True)[:, None], hidden.index_select(0, user_dev),
+                           embeds.index_select(0, user_dev))  # fmt: skip
         tts = self.model.get_input_embeddings()(self.tts_ids)
         cond = TalkerConditioning(
-            user_rows=rows[user].float(),
-            user_is_mm=is_mm[user],
+            user_rows=rows.float(),
+            user_is_mm=user_is_mm,
             user_ids=ids[user],
             special_rows=torch.cat([embeds[a : a + 3], tts]).float(),
         )
