@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import operator
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -188,6 +189,18 @@ class Code2WavRunner:
 
     @torch.inference_mode()
     def decode(self, chunks: list[ChunkIn]) -> list[ChunkOut]:
+        out: list[ChunkOut | None] = [None] * len(chunks)
+        for done in self.decode_groups(chunks):
+            for i, result in done:
+                out[i] = result
+        return out
+
+    @torch.inference_mode()  # on a generator function torch enters the mode around each step
+    def decode_groups(self, chunks: list[ChunkIn]) -> Iterator[list[tuple[int, ChunkOut]]]:
+        """decode(), one forward at a time: yields (chunk index, result) for each group of chunks of one
+        shape as soon as its forward is queued, streams' first chunks first (they decide the time to first
+        audio and are the cheapest), so a serving loop can answer them before the rest of the batch.
+        Checks every chunk before any forward runs."""
         states: list[StreamState] = []
         groups: dict[tuple[int, int, int], list[int]] = defaultdict(list)  # (n, W, C') -> chunk indices
         for i, (codes, state) in enumerate(chunks):
@@ -200,21 +213,18 @@ class Code2WavRunner:
         for i, error in enumerate(self.range_errors([codes for codes, _ in chunks])):
             if error is not None:
                 raise BadRequestError(f"code2wav chunk {i}: {error}")
-        batches = {key: torch.stack([chunks[i][0].to(self.device, torch.long) for i in idx])  # [B, n, Q]
-                   for key, idx in groups.items()}
-
-        out: list[ChunkOut | None] = [None] * len(chunks)
-        for key, idx in groups.items():
+        for key in sorted(groups, key=lambda k: (k[1], k[0])):  # least decoded so far first
+            idx = groups[key]
             group_states = [states[i] for i in idx]
-            wav, kv, hidden = self._forward(batches[key], group_states)
+            codes = torch.stack([chunks[i][0].to(self.device, torch.long) for i in idx])  # [B, n, Q]
+            wav, kv, hidden = self._forward(codes, group_states)
             self.forwards += 1
             first = key[2] * self.samples_per_frame - self.tail_samples if key[2] else 0
-            for row, (i, s) in enumerate(zip(idx, group_states)):
-                # Audio: a view of the batch output (the caller copies it out). State: own storage, so one
-                # stream's state does not keep the whole batch alive.
-                new = StreamState(kv[row].clone(), hidden[row].clone(), s.position + key[0])
-                out[i] = (wav[row, first:].float(), new)
-        return out
+            # Audio: a view of the batch output (the caller copies it out). State: own storage, so one
+            # stream's state does not keep the whole batch alive.
+            yield [(i, (wav[row, first:].float(), StreamState(kv[row].clone(), hidden[row].clone(),
+                                                               s.position + key[0])))
+                   for row, (i, s) in enumerate(zip(idx, group_states))]  # fmt: skip
 
     def _forward(self, codes: torch.Tensor, states: list[StreamState]):
         # codes [B, n, Q]; states share W and C'.

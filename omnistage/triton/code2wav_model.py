@@ -94,16 +94,20 @@ class Code2WavModel:
                 continue
             self.last_batch, self.chunks, self.batches = len(batch), self.chunks + len(batch), self.batches + 1
             t0 = time.perf_counter()
+            answered: set[int] = set()
             try:
-                decoded = self.runner.decode([p.chunk for p in batch])
-                responses = [output_tensors({"audio": wav.float(), **state_to_tensors(state)}, p.bf16_bytes)
-                             for (wav, state), p in zip(decoded, batch)]  # fmt: skip
-                for p, tensors in zip(batch, responses):
-                    send_final(p.sender, pb_utils.InferenceResponse(output_tensors=tensors))
+                # each group of one shape is answered as soon as it is decoded, streams' first chunks first
+                for done in self.runner.decode_groups([p.chunk for p in batch]):
+                    responses = [(i, output_tensors({"audio": wav.float(), **state_to_tensors(state)},
+                                                    batch[i].bf16_bytes)) for i, (wav, state) in done]  # fmt: skip
+                    for i, tensors in responses:
+                        send_final(batch[i].sender, pb_utils.InferenceResponse(output_tensors=tensors))
+                        answered.add(i)
             except Exception as e:
                 log.exception("[code2wav] decode failed")
-                for p in batch:
-                    send_final(p.sender, error_response(e if isinstance(e, OmniError) else OmniError(str(e))))
+                for i, p in enumerate(batch):
+                    if i not in answered:
+                        send_final(p.sender, error_response(e if isinstance(e, OmniError) else OmniError(str(e))))
             self.busy_seconds += time.perf_counter() - t0
 
     def _turn_away_bad_ranges(self, batch: list[PendingChunk]) -> list[PendingChunk]:

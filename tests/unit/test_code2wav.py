@@ -197,3 +197,15 @@ def test_state_round_trip_bf16():
         state_from_tensors({PAST_HIDDEN: wire[PAST_HIDDEN], PAST_FRAMES: wire[PAST_FRAMES]})
     with pytest.raises(BadRequestError, match=PAST_FRAMES):
         state_from_tensors({**wire, PAST_FRAMES: torch.tensor([1.0])})
+
+
+def test_decode_groups_answers_first_chunks_first(deep):
+    codes = random_codes(40, seed=9)
+    [(_, state)] = deep.decode([(codes[:8], None)])
+    batch = [(codes[8:20], state), (codes[:4], None), (codes[8:20], state), (codes[:6], None)]
+    groups = list(deep.decode_groups(batch))
+    assert [sorted(i for i, _ in g) for g in groups] == [[1], [3], [0, 2]]  # new streams first, shorter first
+    together = deep.decode(batch)
+    for g in groups:
+        for i, (audio, st) in g:
+            assert torch.equal(audio, together[i][0]) and st.position == together[i][1].position
