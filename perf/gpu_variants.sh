@@ -6,8 +6,10 @@
 #
 #   source .carry/device/env.sh && bash perf/gpu_variants.sh $OUT [variant ...]
 # The device returns few files, so the variants' directories end up in OUT/variants.tar.gz.
-# Variants: smoke (perf.gpu_smoke: per-request timelines of single requests and bursts), base, prefill16 (thinker/talker max_prefills_per_step 16), scaled (prefill16 + 2 code2wav
-# and 2 omni_ensemble instances), scaled_mps (scaled under the CUDA MPS daemon, when the machine has it).
+# Variants: smoke (perf.gpu_smoke: per-request timelines of single requests and bursts), base (the cuda
+# profile as it is), prefill16 (thinker/talker max_prefills_per_step 16, the cuda default since 83dea47),
+# scaled (prefill16 + 2 code2wav and 2 omni_ensemble instances), scaled_mps (scaled under the CUDA MPS
+# daemon, when the machine has it), gpu_inputs (prefill16 with the profile's gpu_inputs: true).
 set -u
 OUT="${1:?usage: bash perf/gpu_variants.sh OUT_DIR [variant ...]}"
 shift
@@ -18,6 +20,9 @@ PY="${PYTHON:-$(command -v python3 || command -v python)}"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 PREFILL16=(--set thinker.max_prefills_per_step=16 --set talker.max_prefills_per_step=16)
 SCALED=("${PREFILL16[@]}" --instances code2wav=2,omni_ensemble=2)
+# the profile's gpu_inputs: true (CUDA inputs stay on the device instead of the Python backend's host copy)
+GPU_INPUTS=("${PREFILL16[@]}" --set thinker.FORCE_CPU_ONLY_INPUT_TENSORS=no --set talker.FORCE_CPU_ONLY_INPUT_TENSORS=no
+            --set code2wav.FORCE_CPU_ONLY_INPUT_TENSORS=no)
 
 run_variant() {  # name, then perf.gpu_bench args
   local name=$1
@@ -51,6 +56,7 @@ for n in (16, 64): print('smoke burst', n, {k: v for k, v in r.get(f'burst_{n}',
     base) run_variant base ;;
     prefill16) run_variant prefill16 "${PREFILL16[@]}" ;;
     scaled) run_variant scaled "${SCALED[@]}" ;;
+    gpu_inputs) run_variant gpu_inputs "${GPU_INPUTS[@]}" ;;
     scaled_mps)
       if ! command -v nvidia-cuda-mps-control > /dev/null; then
         echo "scaled_mps: no nvidia-cuda-mps-control on this machine" | tee -a "$OUT/variants.log"
@@ -66,5 +72,5 @@ for n in (16, 64): print('smoke burst', n, {k: v for k, v in r.get(f'burst_{n}',
   esac
 done
 # the device returns few files: one archive of the variants' directories
-dirs=$(cd "$OUT" && ls -d base prefill16 scaled scaled_mps 2> /dev/null)
+dirs=$(cd "$OUT" && ls -d base prefill16 scaled scaled_mps gpu_inputs 2> /dev/null)
 [ -n "$dirs" ] && tar czf "$OUT/variants.tar.gz" -C "$OUT" $dirs && (cd "$OUT" && rm -rf $dirs)

@@ -30,7 +30,8 @@ _KEYS = {
     "omni_ensemble": {"replicas", "max_inflight", "max_queue", "max_audio_seconds", "max_image_pixels", "max_media_items"},
 }
 _KEYS["talker"] = _KEYS["thinker"]
-_TOP_KEYS = {"base", "description", "platform", "dtype", "handoff", "model", "stages", "chunks", "platforms"}
+_TOP_KEYS = {"base", "description", "platform", "dtype", "handoff", "gpu_inputs", "model", "stages", "chunks",
+             "platforms"}  # fmt: skip
 _CHUNK_KEYS = {"first_chunk_frames", "chunk_frames", "left_context_frames"}
 
 
@@ -63,6 +64,9 @@ class Profile:
     model: str | None = None
     sources: tuple[Path, ...] = ()  # files merged, base first
     handoff: str = "gpu"  # where stage outputs travel between stages: as CUDA tensors, or copied to the host
+    # whether the GPU stages take their inputs where they arrive (CUDA tensors stay on the device) instead of
+    # the Python backend's default of copying every input to the host first (FORCE_CPU_ONLY_INPUT_TENSORS)
+    gpu_inputs: bool = False
 
 
 def replica_names(stage: str, replicas: int) -> list[str]:
@@ -146,8 +150,12 @@ def _validate(raw: dict, platform: str, gpu_count: int | None, sources: tuple[Pa
     handoff = raw.get("handoff") or "gpu"
     if handoff not in HANDOFFS:
         raise ProfileError(f"handoff must be one of {', '.join(HANDOFFS)}, not {handoff!r}")
+    gpu_inputs = raw.get("gpu_inputs", False)
+    if not isinstance(gpu_inputs, bool):
+        raise ProfileError(f"gpu_inputs must be true or false, not {gpu_inputs!r}")
     model = raw.get("model")
-    return Profile(platform, dtype, stages, chunks, str(model) if model is not None else None, sources, handoff)
+    return Profile(platform, dtype, stages, chunks, str(model) if model is not None else None, sources, handoff,
+                   gpu_inputs)  # fmt: skip
 
 
 def _int(where: str, value, low: int = 1) -> int:

@@ -64,6 +64,8 @@ def profile_spec(profile: Profile, model_path: str | None = None) -> dict[str, M
     for stage in (*ENGINE_STAGES, "code2wav"):
         plan = profile.stages[stage]
         params = {**common, **_stage_parameters(plan.settings)}
+        if cuda and profile.gpu_inputs:  # read by the Python backend itself: inputs stay where they arrive
+            params["FORCE_CPU_ONLY_INPUT_TENSORS"] = "no"
         if stage == "code2wav":  # max_batch_size is the engine's, not Triton's (see ModelSpec)
             if "max_batch_size" in params:
                 params["max_batch_windows"] = params.pop("max_batch_size")

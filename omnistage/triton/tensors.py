@@ -1,6 +1,8 @@
 # Conversions between Triton Python-backend tensors and torch. GPU tensors cross through DLPack and stay
-# on the device; CPU tensors go through numpy (the 2.51 stub needs numpy<2 for that path), except in
-# responses to omni_ensemble's BLS calls, where they travel as BF16 views of their bytes (core/bf16_bytes.py).
+# on the device as outputs; as inputs, the Python backend first copies them to the host unless the model
+# sets FORCE_CPU_ONLY_INPUT_TENSORS "no" (the profile's `gpu_inputs`), and to_torch() takes either. CPU
+# tensors go through numpy (the 2.51 stub needs numpy<2 for that path), except in responses to
+# omni_ensemble's BLS calls, where they travel as BF16 views of their bytes (core/bf16_bytes.py).
 from __future__ import annotations
 
 import json

@@ -99,6 +99,18 @@ def test_handoff_goes_to_every_model(tmp_path):
     assert {name: s.parameters["handoff"] for name, s in spec.items()} == dict.fromkeys(spec, "cpu")
 
 
+def test_gpu_inputs_keeps_cuda_stage_inputs_on_the_device(tmp_path):
+    key = "FORCE_CPU_ONLY_INPUT_TENSORS"  # the Python backend's own parameter (default: copy to the host)
+    assert not any(key in s.parameters for s in render.default_spec(MODEL, "cuda").values())
+    path = overlay(tmp_path, "gpu_inputs: true\n")
+    spec = render.profile_spec(load_profile(path, "cuda"), MODEL)
+    assert {name: s.parameters.get(key) for name, s in spec.items()} == {
+        "thinker": "no", "talker": "no", "code2wav": "no", "omni_ensemble": None}  # fmt: skip
+    assert parsed("code2wav", spec["code2wav"]).parameters[key].string_value == "no"
+    cpu = render.profile_spec(load_profile(path, "cpu"), MODEL)  # host tensors only: nothing to keep
+    assert not any(key in s.parameters for s in cpu.values())
+
+
 @pytest.mark.parametrize(
     "text, error",
     [
@@ -127,6 +139,7 @@ def test_handoff_goes_to_every_model(tmp_path):
         ("platforms: {tpu: {}}", "unknown platform(s) tpu"),
         ("dtype: int8", "dtype must be one of"),
         ("handoff: nvlink", "handoff must be one of gpu, cpu, not 'nvlink'"),
+        ("gpu_inputs: 'no'", "gpu_inputs must be true or false, not 'no'"),
         ("stage: {}", "unknown key(s) stage"),
     ],
 )
