@@ -19,11 +19,11 @@ import time
 import urllib.request
 from pathlib import Path
 
+from omnistage.launch.proc_stats import server_cpu_seconds
 from perf import loadgen, workloads
 from perf.bench_server import BenchServer
 from perf.compare import comparison, plot_bench, reference, summary_text
 from perf.gpu_sampler import GpuSampler
-from omnistage.launch.proc_stats import server_cpu_seconds
 
 REPO = Path(__file__).resolve().parents[1]
 FULL_CONFIG = REPO / "perf" / "qwen3_omni_30b_a3b_instruct.config.json"
