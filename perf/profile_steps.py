@@ -1,6 +1,7 @@
 # Where one decode step's GPU time goes: the thinker decode step and the talker frame, eager (graphs
 # replay the same kernels), under torch.profiler, at batch 1 and 64 on the full-size config with dummy
-# weights. Writes the top kernels by CUDA time per case as JSON to argv[1].
+# weights; and one prefill call of 1 and 16 prompts per stage, with its wall time next to its kernel time
+# (wall far above kernels = host-bound). Writes the top kernels by CUDA time per case as JSON to argv[1].
 #
 #   python -m perf.profile_steps out.json [--experts grouped_mm]
 from __future__ import annotations
@@ -15,9 +16,10 @@ from omnistage.core.sampling import SamplingParams
 from omnistage.models.checkpoint import load_config, load_stage
 from omnistage.stages.talker import TalkerRunner
 from omnistage.stages.thinker import ThinkerRunner
-from perf.stage_timing import decode_times, free, running, talker_prompts, thinker_prompts
+from perf.stage_timing import decode_times, free, release, running, talker_prompts, thinker_prompts, timed
 
 BATCHES = (1, 64)
+PREFILLS = (1, 16)  # 16: the cuda profile's max_prefills_per_step
 
 
 def top_kernels(fn, n: int = 15) -> dict:
@@ -32,6 +34,19 @@ def top_kernels(fn, n: int = 15) -> dict:
     return {"cuda_ms": round(total / 1e3, 2), "kernels": sum(e.count for e in events),
             "top": [{"name": e.key[:90], "ms": round(e.self_device_time_total / 1e3, 3), "count": e.count}
                     for e in events[:n]]}  # fmt: skip
+
+
+def prefill_profile(runner, seqs, measure=None, sizes=PREFILLS) -> dict:
+    """One prefill call of b prompts per size: its top kernels (CUDA time) and its wall time. The W1 sweep
+    of 2026-12-03 found the talker's prefills costing ~26 ms per prompt whatever the batch (perf/README.md)."""
+    measure = measure or top_kernels
+    out = {}
+    for b in sizes:
+        release(runner, seqs)
+        call = lambda b=b: runner.prefill(seqs[:b])  # noqa: E731
+        out[b] = dict(measure(call), wall_ms=timed(call, repeat=2))
+    release(runner, seqs)
+    return out
 
 
 def main() -> None:
@@ -50,7 +65,9 @@ def main() -> None:
     thinker = ThinkerRunner(
         load_stage(source, "thinker", dtype, dev, experts_implementation=args.experts), config, **kw
     )
-    seqs = [running(i, params, p) for i, p in enumerate(thinker_prompts(config, 150, max(BATCHES)))]
+    # export_talker: the served path, which also builds the talker's conditioning per prompt
+    seqs = [running(i, params, p) for i, p in enumerate(thinker_prompts(config, 150, max(BATCHES), True))]
+    report.update({f"thinker_prefill_n{b}": v for b, v in prefill_profile(thinker, seqs).items()})
     decoded, _ = decode_times(thinker, seqs, 8, measure=top_kernels, batches=BATCHES)
     report.update({f"thinker_decode_b{b}": v for b, v in decoded.items()})
     del thinker, seqs
@@ -58,6 +75,7 @@ def main() -> None:
 
     talker = TalkerRunner(load_stage(source, "talker", dtype, dev, experts_implementation=args.experts), config, **kw)
     seqs = [running(i, params, p) for i, p in enumerate(talker_prompts(config, 150, max(BATCHES)))]
+    report.update({f"talker_prefill_n{b}": v for b, v in prefill_profile(talker, seqs).items()})
     framed, _ = decode_times(talker, seqs, 8, measure=top_kernels, batches=BATCHES)
     report.update({f"talker_frame_b{b}": v for b, v in framed.items()})
     print(json.dumps(report, indent=1), flush=True)
