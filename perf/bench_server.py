@@ -137,6 +137,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-batch-size", type=int, help="thinker and talker slots (default: render's)")
     ap.add_argument(
         "--set",
+        type=stage_setting,
         action="append",
         default=[],
         metavar="MODEL.KEY=VALUE",
@@ -152,16 +153,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def stage_setting(text: str) -> tuple[str, str, str]:
+    """argparse type of --set MODEL.KEY=VALUE: (model, key, value)."""
+    key, eq, value = text.partition("=")
+    model, dot, name = key.partition(".")
+    if not (eq and dot and model and name):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected MODEL.KEY=VALUE")
+    return model, name, value
+
+
+def by_model(settings: list[tuple[str, str, str]]) -> dict[str, dict[str, str]]:
+    """--set values as model -> {key: value} (the `stages` of bench_spec); a later one wins."""
+    out: dict[str, dict[str, str]] = {}
+    for model, name, value in settings:
+        out.setdefault(model, {})[name] = value
+    return out
+
+
 def overrides(args) -> tuple[dict, dict]:
     engine = {k: v for k, v in (("max_seq_len", args.max_seq_len), ("max_batch_size", args.max_batch_size)) if v}
-    stages: dict[str, dict] = {}
-    for item in args.set:
-        key, _, value = item.partition("=")
-        model, _, name = key.partition(".")
-        if not name or not _:
-            raise SystemExit(f"--set {item!r}: expected MODEL.KEY=VALUE")
-        stages.setdefault(model, {})[name] = value
-    return engine, stages
+    return engine, by_model(args.set)
 
 
 def main(argv=None) -> int:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from omnistage.launch.proc_stats import server_cpu_seconds
 from perf import loadgen, workloads
-from perf.bench_server import BenchServer
+from perf.bench_server import BenchServer, by_model, stage_setting
 from perf.compare import comparison, plot_bench, reference, summary_text
 from perf.gpu_sampler import GpuSampler
 
@@ -296,14 +296,6 @@ def _instances(text: str) -> dict[str, int]:
     return out
 
 
-def _setting(text: str) -> tuple[str, str, str]:
-    key, eq, value = text.partition("=")
-    model, dot, name = key.partition(".")
-    if not (eq and dot and model and name):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected MODEL.KEY=VALUE")
-    return model, name, value
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     env = os.environ.get
     ap = argparse.ArgumentParser(prog="python -m perf.gpu_bench")
@@ -338,16 +330,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--w2-reply-tokens", type=int, default=900, help="= codec frames")
     ap.add_argument("--instances", type=_instances, default={}, metavar="MODEL=N[,MODEL=N]",
                     help="instance_group count per model, e.g. code2wav=2,omni_ensemble=2")  # fmt: skip
-    ap.add_argument("--set", dest="stage_settings", type=_setting, action="append", default=[],
+    ap.add_argument("--set", dest="stage_settings", type=stage_setting, action="append", default=[],
                     metavar="MODEL.KEY=VALUE", help="a model's config parameter, e.g. thinker.max_prefills_per_step=16")  # fmt: skip
     ap.add_argument("--skip-baseline", action="store_true")
     ap.add_argument("--skip-server", action="store_true")
     ap.add_argument("--skip-w2", action="store_true", default=env("PERF_SKIP_W2") == "1")
     args = ap.parse_args(argv)
-    settings: dict[str, dict[str, str]] = {}
-    for model, name, value in args.stage_settings:
-        settings.setdefault(model, {})[name] = value
-    args.stage_settings = settings
+    args.stage_settings = by_model(args.stage_settings)
     return args
 
 

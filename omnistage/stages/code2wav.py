@@ -196,11 +196,12 @@ class Code2WavRunner:
         return out
 
     @torch.inference_mode()  # on a generator function torch enters the mode around each step
-    def decode_groups(self, chunks: list[ChunkIn]) -> Iterator[list[tuple[int, ChunkOut]]]:
+    def decode_groups(self, chunks: list[ChunkIn], check_ranges: bool = True) -> Iterator[list[tuple[int, ChunkOut]]]:
         """decode(), one forward at a time: yields (chunk index, result) for each group of chunks of one
         shape as soon as its forward is queued, streams' first chunks first (they decide the time to first
         audio and are the cheapest), so a serving loop can answer them before the rest of the batch.
-        Checks every chunk before any forward runs."""
+        Checks every chunk before any forward runs; check_ranges=False skips the value ranges (and their
+        device sync) for a caller that has just run range_errors() on these chunks."""
         states: list[StreamState] = []
         groups: dict[tuple[int, int, int], list[int]] = defaultdict(list)  # (n, W, C') -> chunk indices
         for i, (codes, state) in enumerate(chunks):
@@ -210,7 +211,7 @@ class Code2WavRunner:
                 raise BadRequestError(f"code2wav chunk {i}: {e}") from None
             groups[(codes.shape[0], states[-1].kv.shape[3], states[-1].hidden.shape[0])].append(i)
         # Value ranges with one host sync, before any forward runs.
-        for i, error in enumerate(self.range_errors([codes for codes, _ in chunks])):
+        for i, error in enumerate(self.range_errors([codes for codes, _ in chunks]) if check_ranges else ()):
             if error is not None:
                 raise BadRequestError(f"code2wav chunk {i}: {error}")
         for key in sorted(groups, key=lambda k: (k[1], k[0])):  # least decoded so far first

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 
-def to_device(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+def to_device(values, device: torch.device) -> torch.Tensor:
     """A list (or CPU tensor) as a tensor on `device`, copied without waiting for the device."""
-    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    host = values if isinstance(values, torch.Tensor) else torch.tensor(values)
     return host.to(device, non_blocking=True)

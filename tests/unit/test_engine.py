@@ -67,13 +67,19 @@ def make(runner, slots=4):
     return engine, out
 
 
-def test_batches_all_running_sequences_and_finishes_each():
-    runner = CountingRunner()
+def serve_a3_b5(runner):
+    """Requests a (3 tokens) and b (5 tokens) through a fresh engine, to the end; the engine is stopped."""
     engine, out = make(runner)
     for name, n in (("a", 3), ("b", 5)):
         engine.add(Sequence(name, SamplingParams(max_tokens=n), None))
     out.wait("a", "b")
     engine.stop()
+    return engine, out
+
+
+def test_batches_all_running_sequences_and_finishes_each():
+    runner = CountingRunner()
+    engine, out = serve_a3_b5(runner)
     assert out.outputs("a") == [1, 2, 3] and out.outputs("b") == [1, 2, 3, 4, 5]
     assert out.done == {"a": "length", "b": "length"}
     assert ["a", "b"] in runner.batches  # one decode step served both
@@ -152,11 +158,7 @@ class SlowRunner(CountingRunner):
 
 def test_stats_count_phase_seconds_and_decoded_rows():
     runner = SlowRunner()
-    engine, out = make(runner)
-    for name, n in (("a", 3), ("b", 5)):
-        engine.add(Sequence(name, SamplingParams(max_tokens=n), None))
-    out.wait("a", "b")
-    engine.stop()
+    engine, _ = serve_a3_b5(runner)
     s = engine.stats()
     decode_steps = len(runner.batches)
     assert s["decoded_rows"] == sum(len(b) for b in runner.batches) == (3 - 1) + (5 - 1)  # the prefill emits one
