@@ -1,13 +1,18 @@
 # Where one decode step's GPU time goes: the thinker decode step and the talker frame, eager (graphs
 # replay the same kernels), under torch.profiler, at batch 1 and 64 on the full-size config with dummy
 # weights; and one prefill call of 1 and 16 prompts per stage, with its wall time next to its kernel time
-# (wall far above kernels = host-bound). Writes the top kernels by CUDA time per case as JSON to argv[1].
+# (wall far above kernels = host-bound); then the same decode steps as served (CUDA graphs): wall time
+# per step beside the kernel time inside it, where the gap is host work and launch gaps. Writes the top
+# kernels by CUDA time per case as JSON to argv[1], and with --trace-dir a Chrome trace of the graphed
+# batch-1 steps (thinker token, talker frame).
 #
-#   python -m perf.profile_steps out.json [--experts grouped_mm]
+#   python -m perf.profile_steps out.json [--experts grouped_mm] [--trace-dir DIR]
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -36,6 +41,34 @@ def top_kernels(fn, n: int = 15) -> dict:
                     for e in events[:n]]}  # fmt: skip
 
 
+def with_wall(fn, measure=top_kernels) -> dict:
+    return dict(measure(fn), wall_ms=timed(fn, repeat=5))
+
+
+def traced(path: str | None, fn) -> None:
+    """A Chrome trace (host ops and kernels) of one call, gzipped, for chrome://tracing or Perfetto."""
+    if path is None:
+        return
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(path)
+    subprocess.run(["gzip", "-f", path], check=False)
+
+
+def graphed_decode(runner, seqs, name: str, trace_dir: str | None) -> dict:
+    """The served decode step (graphs captured) at each batch size: kernels inside it and its wall time."""
+    runner.capture_graphs()
+    out, _ = decode_times(runner, seqs, 8, measure=with_wall, batches=BATCHES)
+    release(runner, seqs)
+    runner.prefill(seqs[:1])
+    traced(trace_dir and os.path.join(trace_dir, f"{name}_graphs_b1.json"), lambda: runner.decode(seqs[:1]))
+    release(runner, seqs)
+    return {f"{name}_graphs_b{b}": v for b, v in out.items()}
+
+
 def prefill_profile(runner, seqs, measure=None, sizes=PREFILLS) -> dict:
     """One prefill call of b prompts per size: its top kernels (CUDA time) and its wall time. The W1 sweep
     of 2026-12-03 found the talker's prefills costing ~26 ms per prompt whatever the batch (perf/README.md)."""
@@ -54,6 +87,7 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--config", default="perf/qwen3_omni_30b_a3b_instruct.config.json")
     ap.add_argument("--experts", default="grouped_mm")
+    ap.add_argument("--trace-dir", default=None)
     args = ap.parse_args()
     source, dev, dtype = f"dummy:{args.config}", torch.device("cuda", 0), torch.bfloat16
     config = load_config(source)
@@ -70,7 +104,13 @@ def main() -> None:
     report.update({f"thinker_prefill_n{b}": v for b, v in prefill_profile(thinker, seqs).items()})
     decoded, _ = decode_times(thinker, seqs, 8, measure=top_kernels, batches=BATCHES)
     report.update({f"thinker_decode_b{b}": v for b, v in decoded.items()})
-    del thinker, seqs
+    release(thinker, seqs)
+    model = thinker.model
+    del thinker
+    free()
+    graphed = ThinkerRunner(model, config, **dict(kw, cuda_graphs=True))
+    report.update(graphed_decode(graphed, seqs, "thinker_decode", args.trace_dir))
+    del graphed, seqs, model
     free()
 
     talker = TalkerRunner(load_stage(source, "talker", dtype, dev, experts_implementation=args.experts), config, **kw)
@@ -78,6 +118,12 @@ def main() -> None:
     report.update({f"talker_prefill_n{b}": v for b, v in prefill_profile(talker, seqs).items()})
     framed, _ = decode_times(talker, seqs, 8, measure=top_kernels, batches=BATCHES)
     report.update({f"talker_frame_b{b}": v for b, v in framed.items()})
+    release(talker, seqs)
+    model = talker.model
+    del talker
+    free()
+    graphed = TalkerRunner(model, config, **dict(kw, cuda_graphs=True))
+    report.update(graphed_decode(graphed, seqs, "talker_frame", args.trace_dir))
     print(json.dumps(report, indent=1), flush=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)

@@ -67,7 +67,7 @@ def load_stage(source, stage: str, dtype=torch.bfloat16, device="cpu", seed: int
                attn_implementation: str | None = None, experts_implementation: str | None = None):
     """Returns the eval-mode transformers module of one stage: thinker -> ThinkerForConditionalGeneration,
     talker -> TalkerForConditionalGeneration (with its code predictor), code2wav -> Code2Wav."""
-    from omnistage.models import experts
+    from omnistage.models import attention, experts
     from omnistage.models.random_init import init_random_weights_, make_code2wav_audible_
     from omnistage.models.skeleton import empty_stage
     from omnistage.models.weights import load_prefixed_
@@ -86,4 +86,6 @@ def load_stage(source, stage: str, dtype=torch.bfloat16, device="cpu", seed: int
             make_code2wav_audible_(model, stage_seed(seed, stage))
     else:
         load_prefixed_(model, Path(source), stage)
+    if attn_implementation is None and stage != "code2wav":
+        attention.use_for_text_decoders(model)  # grouped-query decode steps without repeat_kv's copies
     return model.eval().requires_grad_(False)

@@ -1,15 +1,18 @@
-# Small host values (slot indices, token histories, banned ids) onto the device without a stream sync.
-# torch.tensor(values, device=cuda) and a plain .to(cuda) synchronise the stream after the copy: the host
-# waits for every kernel queued before it. Several of those per engine step stall the launch pipeline,
+# Host values (slot indices, token histories, banned ids, prompt rows) onto the device without a stream
+# sync. torch.tensor(values, device=cuda) and a plain .to(cuda) synchronise the stream after the copy: the
+# host waits for every kernel queued before it. Several of those per engine step stall the launch pipeline,
 # and on a GPU shared by the stage processes each stall also hands the GPU to another process for a time
-# slice. non_blocking=True leaves the ordering to the stream (the copy runs before later kernels), which
-# is all these values need; torch keeps a pageable source valid until the copy has been staged.
+# slice. An asynchronous copy from pageable memory is no cure either: the driver may synchronise the
+# stream to stage it (CUDA's API sync rules), so the values go through pinned memory first. torch's
+# caching host allocator keeps a pinned block until the copy that reads it has run.
 from __future__ import annotations
 
 import torch
 
 
 def to_device(values, device: torch.device) -> torch.Tensor:
-    """A list (or CPU tensor) as a tensor on `device`, copied without waiting for the device."""
+    """A list or tensor as a tensor on `device`, copied without waiting for the device."""
     host = values if isinstance(values, torch.Tensor) else torch.tensor(values)
+    if torch.device(device).type == "cuda" and host.device.type == "cpu" and not host.is_pinned():
+        host = host.pin_memory()
     return host.to(device, non_blocking=True)

@@ -155,21 +155,21 @@ class TalkerRunner:
         p: TalkerPrompt = seq.payload
         t = self.model
         cond = p.cond
-        user = cond.user_rows.to(self.device, self.dtype)
+        user = to_device(cond.user_rows, self.device).to(self.dtype)
         # Text-only prompts (known on the host) take no host sync here: a boolean mask or .any() would wait
         # for a turn on a GPU that the other stage processes share, once per prompt.
         text_only = p.image_grid_thw is None and p.audio_feature_lengths is None
         if text_only:
             user_part = t.text_projection(user)
         else:
-            is_mm = cond.user_is_mm.to(self.device)
+            is_mm = to_device(cond.user_is_mm, self.device)
             user_part = torch.empty(user.shape[0], self.text_config.hidden_size, dtype=self.dtype, device=self.device)
             if is_mm.any():
                 user_part[is_mm] = t.hidden_projection(user[is_mm])
             user_part[~is_mm] = t.text_projection(user[~is_mm])
-        special = t.text_projection(cond.special_rows.to(self.device, self.dtype))  # [6, D]
+        special = t.text_projection(to_device(cond.special_rows, self.device).to(self.dtype))  # [6, D]
         header, (tts_bos, tts_eos, tts_pad) = special[:3], special[3:6]
-        first_text = t.text_projection(p.text[0].to(self.device, self.dtype)[None])
+        first_text = t.text_projection(to_device(p.text[0], self.device).to(self.dtype)[None])
         text_side = torch.cat([header, tts_pad.expand(4, -1), tts_bos[None], first_text])
         codec_ids = to_device(self.codec_prefix + [p.speaker_id] + self.codec_suffix, self.device)
         codec_side = torch.cat([torch.zeros_like(header), t.get_input_embeddings()(codec_ids)])
@@ -245,7 +245,7 @@ class TalkerRunner:
                 out[i] = state.tts_eos if state.frames == len(text) else state.tts_pad
         if speaking:
             raw = torch.stack([seqs[i].payload.text[self.slots[seqs[i].slot].frames] for i in speaking])
-            out[speaking] = self.model.text_projection(raw.to(self.device, self.dtype))
+            out[speaking] = self.model.text_projection(to_device(raw, self.device).to(self.dtype))
         return out
 
     def _pick_c0(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

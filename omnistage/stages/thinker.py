@@ -134,7 +134,7 @@ class ThinkerRunner:
     # ---- internals ----------------------------------------------------------------------------------------
     def _prefill_one(self, seq: Sequence) -> StepResult:
         p: ThinkerPrompt = seq.payload
-        ids = p.input_ids.to(self.device)[None]
+        ids = to_device(p.input_ids, self.device)[None]
         past = DynamicCache(config=self.text_config)
         self.model.rope_deltas = None  # module-level state in transformers; recomputed from this prompt
         out = self.model(
@@ -165,7 +165,7 @@ class ThinkerRunner:
         mask = torch.zeros_like(ids)
         for i, (seq, n) in enumerate(zip(seqs, lengths)):
             ids[i, :n], mask[i, :n] = seq.payload.input_ids, 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
+        ids, mask = to_device(ids, self.device), to_device(mask, self.device)
         export = any(s.payload.export_talker for s in seqs)
         past = DynamicCache(config=self.text_config)
         out = self.model.model(input_ids=ids, attention_mask=mask, past_key_values=past, use_cache=True,
