@@ -9,7 +9,8 @@
 # Variants: smoke (perf.gpu_smoke: per-request timelines of single requests and bursts), base (the cuda
 # profile as it is), prefill16 (thinker/talker max_prefills_per_step 16, the cuda default since 83dea47),
 # scaled (prefill16 + 2 code2wav and 2 omni_ensemble instances), scaled_mps (scaled under the CUDA MPS
-# daemon, when the machine has it), gpu_inputs (prefill16 with the profile's gpu_inputs: true).
+# daemon, when the machine has it), mps (base under CUDA MPS), gpu_inputs (prefill16 with the profile's
+# gpu_inputs: true).
 set -u
 OUT="${1:?usage: bash perf/gpu_variants.sh OUT_DIR [variant ...]}"
 shift
@@ -45,6 +46,18 @@ for lv in b.get("ours", {}).get("w1", {}).get("levels", []):
 PYEOF
 }
 
+under_mps() {  # run_variant's arguments, with a CUDA MPS daemon of its own running (when the machine has one)
+  if ! command -v nvidia-cuda-mps-control > /dev/null; then
+    echo "$1: no nvidia-cuda-mps-control on this machine" | tee -a "$OUT/variants.log"
+    return
+  fi
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/omni-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/omni-mps/log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d && run_variant "$@"
+  echo quit | nvidia-cuda-mps-control
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+}
+
 for v in ${VARIANTS[@]}; do
   case $v in
     smoke)  # gRPC straight to omni_ensemble: single requests and bursts with their mean timelines
@@ -57,20 +70,11 @@ for n in (16, 64): print('smoke burst', n, {k: v for k, v in r.get(f'burst_{n}',
     prefill16) run_variant prefill16 "${PREFILL16[@]}" ;;
     scaled) run_variant scaled "${SCALED[@]}" ;;
     gpu_inputs) run_variant gpu_inputs "${GPU_INPUTS[@]}" ;;
-    scaled_mps)
-      if ! command -v nvidia-cuda-mps-control > /dev/null; then
-        echo "scaled_mps: no nvidia-cuda-mps-control on this machine" | tee -a "$OUT/variants.log"
-        continue
-      fi
-      export CUDA_MPS_PIPE_DIRECTORY=/tmp/omni-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/omni-mps/log
-      mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-      nvidia-cuda-mps-control -d && run_variant scaled_mps "${SCALED[@]}"
-      echo quit | nvidia-cuda-mps-control
-      unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-      ;;
+    mps) under_mps mps ;;
+    scaled_mps) under_mps scaled_mps "${SCALED[@]}" ;;
     *) echo "unknown variant $v" | tee -a "$OUT/variants.log" ;;
   esac
 done
 # the device returns few files: one archive of the variants' directories
-dirs=$(cd "$OUT" && ls -d base prefill16 scaled scaled_mps gpu_inputs 2> /dev/null)
+dirs=$(cd "$OUT" && ls -d base prefill16 scaled mps scaled_mps gpu_inputs 2> /dev/null)
 [ -n "$dirs" ] && tar czf "$OUT/variants.tar.gz" -C "$OUT" $dirs && (cd "$OUT" && rm -rf $dirs)

@@ -18,6 +18,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from omnistage.core.sampling import SamplingParams
+from omnistage.models import fused_ops
 from omnistage.models.checkpoint import load_config, load_stage
 from omnistage.stages.talker import TalkerRunner
 from omnistage.stages.thinker import ThinkerRunner
@@ -88,6 +89,7 @@ def main() -> None:
     ap.add_argument("--config", default="perf/qwen3_omni_30b_a3b_instruct.config.json")
     ap.add_argument("--experts", default="grouped_mm")
     ap.add_argument("--trace-dir", default=None)
+    ap.add_argument("--no-fused", action="store_true", help="keep transformers' RMSNorm and rotary ops")
     args = ap.parse_args()
     source, dev, dtype = f"dummy:{args.config}", torch.device("cuda", 0), torch.bfloat16
     config = load_config(source)
@@ -96,9 +98,12 @@ def main() -> None:
     report = {"weights": "dummy random bf16", "model": "full-size Qwen3-Omni-30B-A3B config", "experts": args.experts,
               "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}  # fmt: skip
 
-    thinker = ThinkerRunner(
-        load_stage(source, "thinker", dtype, dev, experts_implementation=args.experts), config, **kw
-    )
+    def load(stage):
+        model = load_stage(source, stage, dtype, dev, experts_implementation=args.experts)
+        report[f"{stage}_fused_norms"] = 0 if args.no_fused else fused_ops.install(model)
+        return model
+
+    thinker = ThinkerRunner(load("thinker"), config, **kw)
     # export_talker: the served path, which also builds the talker's conditioning per prompt
     seqs = [running(i, params, p) for i, p in enumerate(thinker_prompts(config, 150, max(BATCHES), True))]
     report.update({f"thinker_prefill_n{b}": v for b, v in prefill_profile(thinker, seqs).items()})
@@ -113,7 +118,7 @@ def main() -> None:
     del graphed, seqs, model
     free()
 
-    talker = TalkerRunner(load_stage(source, "talker", dtype, dev, experts_implementation=args.experts), config, **kw)
+    talker = TalkerRunner(load("talker"), config, **kw)
     seqs = [running(i, params, p) for i, p in enumerate(talker_prompts(config, 150, max(BATCHES)))]
     report.update({f"talker_prefill_n{b}": v for b, v in prefill_profile(talker, seqs).items()})
     framed, _ = decode_times(talker, seqs, 8, measure=top_kernels, batches=BATCHES)

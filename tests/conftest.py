@@ -1,6 +1,12 @@
 # Shared by every test directory: the `gpu` marker (skipped where torch sees no CUDA device) and
 # the tiny random-weight checkpoint, made once per session.
+import os
+
 import pytest
+
+# Triton kernels (omnistage/models/fused_ops.py) run in Triton's CPU interpreter here; set before any import
+# of them, since @triton.jit reads it when a kernel is defined
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_configure(config):

@@ -25,7 +25,7 @@ STAGES = (*ENGINE_STAGES, "code2wav", "omni_ensemble")
 _PLACED = {"devices", "replicas", "cuda_graphs", "memory_fraction"}
 _KEYS = {
     "thinker": _PLACED | {"max_batch_size", "max_seq_len", "max_queue", "max_prefills_per_step", "sampling",
-                          "experts_implementation", "kv_cache_bytes", "kv_cache_memory_fraction"},  # fmt: skip
+                          "experts_implementation", "fused_kernels", "kv_cache_bytes", "kv_cache_memory_fraction"},  # fmt: skip
     "code2wav": _PLACED | {"max_batch_size"},
     "omni_ensemble": {"replicas", "max_inflight", "max_queue", "max_audio_seconds", "max_image_pixels", "max_media_items"},
 }
@@ -193,8 +193,9 @@ def _stage(name: str, raw: dict, platform: str, gpu_count: int | None) -> StageP
         if settings.get("max_prefills_per_step", 1) > settings["max_batch_size"]:
             raise ProfileError(f"{where}.max_prefills_per_step exceeds max_batch_size ({settings['max_batch_size']})")
         settings["sampling"] = _sampling(where, settings.get("sampling") or {}, settings["max_seq_len"])
-    if "cuda_graphs" in settings and not isinstance(settings["cuda_graphs"], bool):
-        raise ProfileError(f"{where}.cuda_graphs must be true or false, got {settings['cuda_graphs']!r}")
+    for key in ("cuda_graphs", "fused_kernels"):
+        if key in settings and not isinstance(settings[key], bool):
+            raise ProfileError(f"{where}.{key} must be true or false, got {settings[key]!r}")
     for key in ("memory_fraction", "kv_cache_memory_fraction"):
         fraction = settings.get(key)
         if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))

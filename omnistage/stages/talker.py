@@ -16,6 +16,7 @@ from .host_copy import to_device
 from .kv_cache import SlotKVCache
 from .sampler import Sampler
 from .static_decode import StaticDecoder
+from .static_prefill import StaticPrefill
 from .thinker import TalkerConditioning
 
 
@@ -49,6 +50,7 @@ class _Prompt:
     rope_delta: int
     tts_eos: torch.Tensor  # [D]
     tts_pad: torch.Tensor  # [D]
+    text_only: bool  # positions are 0..L-1 in every MRoPE section
 
 
 @dataclass
@@ -63,7 +65,7 @@ class _SlotState:
 
 class TalkerRunner:
     def __init__(self, model, config, *, max_slots: int, max_seq_len: int, device, dtype, seed: int = 0,
-                 cuda_graphs: bool = False):  # fmt: skip
+                 cuda_graphs: bool = False, max_prefills: int = 16):  # fmt: skip
         self.model, self.config, self.device, self.dtype = (model, config, torch.device(device), dtype)
         tc = config.talker_config
         text = tc.text_config
@@ -81,6 +83,9 @@ class TalkerRunner:
         self.predictor = CodePredictor(model, self.device, dtype)
         self.decoder = StaticDecoder("talker", model.model, self.cache, model.codec_head, text.vocab_size, None,
                                      cuda_graphs=cuda_graphs)  # fmt: skip
+        # text-only prompts of up to 512 rows (W1's are ~160) prefill from static buffers (graphs on CUDA)
+        self.static_prefill = StaticPrefill("talker", model.model, self.cache, max_rows=min(max_prefills, max_slots),
+                                            max_tokens=512, cuda_graphs=cuda_graphs)  # fmt: skip
         # with graphs requested, residual codebooks are picked in-graph (on CPU the same code runs eagerly);
         # without, per-request generators keep seeded sampling reproducible
         self.static_predictor = (
@@ -125,6 +130,7 @@ class TalkerRunner:
     @torch.inference_mode()
     def capture_graphs(self) -> None:
         self.decoder.capture_all()
+        self.static_prefill.capture_all()
         if self.static_predictor is not None:
             self.static_predictor.capture_all()
 
@@ -176,19 +182,33 @@ class TalkerRunner:
         embeds = torch.cat([user_part, text_side + codec_side])  # [L, D]
         if text_only:  # get_rope_index without media: every section counts 0..L-1, delta 0
             positions = torch.arange(embeds.shape[0], device=self.device).expand(3, -1)
-            return _Prompt(embeds, positions, 0, tts_eos, tts_pad)
+            return _Prompt(embeds, positions, 0, tts_eos, tts_pad, True)
         ids = torch.cat([cond.user_ids.to(self.device), torch.full((9,), self.tts_pad_id, device=self.device)])[None]
         positions, deltas = t.get_rope_index(
             ids, _opt(p.image_grid_thw, self.device), None, torch.ones_like(ids), False,
             _opt(p.audio_feature_lengths, self.device), None,
         )  # fmt: skip
-        return _Prompt(embeds, positions[:, 0], int(deltas.reshape(-1)[0]), tts_eos, tts_pad)
+        return _Prompt(embeds, positions[:, 0], int(deltas.reshape(-1)[0]), tts_eos, tts_pad, False)
 
     def _prefill_batch(self, seqs: list[Sequence]) -> list[StepResult]:
-        """One forward for all prompts of the step, right-padded (causal attention never looks right, so
-        each row's first L_i positions are its own prompt's); a lone prompt runs unpadded, as generate()."""
         prompts = [self._prompt(s) for s in seqs]
         lengths = [p.embeds.shape[0] for p in prompts]
+        if all(p.text_only for p in prompts) and self.static_prefill.fits(len(seqs), max(lengths)):
+            hidden = self.static_prefill.run([p.embeds for p in prompts], [s.slot for s in seqs])
+        else:
+            hidden = self._prefill_eager(seqs, prompts, lengths)
+        self.hidden[to_device([s.slot for s in seqs], self.device)] = hidden
+        tokens = self._pick_c0(self.model.codec_head(hidden), seqs).tolist()
+        results = []
+        for seq, p, n, token in zip(seqs, prompts, lengths, tokens):
+            state = self.slots[seq.slot] = _SlotState(n, p.rope_delta, 0, p.tts_eos, p.tts_pad)
+            results.append(self._accept(seq, state, token, None))
+        return results
+
+    def _prefill_eager(self, seqs: list[Sequence], prompts: list[_Prompt], lengths: list[int]) -> torch.Tensor:
+        """One transformers forward for all prompts of the step (any media), right-padded (causal attention
+        never looks right, so each row's first L_i positions are its own prompt's); a lone prompt runs
+        unpadded, as generate(). Loads the slots' K/V and returns each prompt's last hidden state [n, D]."""
         batch, width = len(seqs), max(lengths)
         embeds = torch.zeros(batch, width, self.text_config.hidden_size, dtype=self.dtype, device=self.device)
         positions = torch.zeros(3, batch, width, dtype=torch.long, device=self.device)
@@ -198,15 +218,9 @@ class TalkerRunner:
         past = DynamicCache(config=self.text_config)
         out = self.model.model(inputs_embeds=embeds, position_ids=positions, attention_mask=mask if batch > 1 else None,
                                past_key_values=past, use_cache=True)  # fmt: skip
-        hidden = out.last_hidden_state[torch.arange(batch), torch.tensor(lengths) - 1]  # [B, D]
-        tokens = self._pick_c0(self.model.codec_head(hidden), seqs).tolist()
-        results = []
-        for i, (seq, p, n, token) in enumerate(zip(seqs, prompts, lengths, tokens)):
+        for i, (seq, n) in enumerate(zip(seqs, lengths)):
             self.cache.load_prefill(seq.slot, past, row=i, length=n)
-            state = self.slots[seq.slot] = _SlotState(n, p.rope_delta, 0, p.tts_eos, p.tts_pad)
-            self.hidden[seq.slot] = hidden[i]
-            results.append(self._accept(seq, state, token, None))
-        return results
+        return out.last_hidden_state[torch.arange(batch), torch.tensor(lengths) - 1]  # [B, D]
 
     def _advance(self, seqs: list[Sequence], codes: torch.Tensor, codec_sum: torch.Tensor) -> list[StepResult]:
         """Feeds each frame back with its text row and picks the next frame's codebook 0."""

@@ -15,6 +15,7 @@ from .host_copy import to_device
 from .kv_cache import SlotKVCache
 from .sampler import Sampler
 from .static_decode import StaticDecoder
+from .static_prefill import StaticPrefill
 
 
 @dataclass
@@ -65,7 +66,7 @@ class _SlotState:
 
 class ThinkerRunner:
     def __init__(self, model, config, *, max_slots: int, max_seq_len: int, device, dtype, seed: int = 0,
-                 cuda_graphs: bool = False):  # fmt: skip
+                 cuda_graphs: bool = False, max_prefills: int = 16):  # fmt: skip
         self.model, self.config, self.device, self.dtype = (model, config, torch.device(device), dtype)
         text = config.thinker_config.text_config
         self.text_config = text
@@ -76,6 +77,9 @@ class ThinkerRunner:
         self.slots: list[_SlotState | None] = [None] * max_slots
         self.decoder = StaticDecoder("thinker", model.model, self.cache, model.lm_head, text.vocab_size,
                                      model.get_input_embeddings(), cuda_graphs=cuda_graphs)  # fmt: skip
+        # text-only prompts of up to 512 tokens (W1's are ~150) prefill from static buffers (graphs on CUDA)
+        self.static_prefill = StaticPrefill("thinker", model.model, self.cache, max_rows=min(max_prefills, max_slots),
+                                            max_tokens=512, cuda_graphs=cuda_graphs)  # fmt: skip
         self.sampler = Sampler(self.device, seed)
         self.eos_ids = {config.im_end_token_id, 151643}  # <|im_end|>, <|endoftext|>
         self.accept_layer = config.talker_config.accept_hidden_layer
@@ -108,13 +112,17 @@ class ThinkerRunner:
     def prefill(self, seqs: list[Sequence]) -> list[StepResult]:
         # text-only prompts of one step share a forward (right-padded); a multimodal one runs alone
         text = [s for s in seqs if s.payload.is_text_only]
-        results = self._prefill_text(text) if len(text) > 1 else []
+        if text and self.static_prefill.fits(len(text), max(int(s.payload.input_ids.numel()) for s in text)):
+            results = self._prefill_static(text)
+        else:
+            results = self._prefill_text(text) if len(text) > 1 else []
         batched = {id(r.seq) for r in results}
         return results + [self._prefill_one(s) for s in seqs if id(s) not in batched]
 
     @torch.inference_mode()
     def capture_graphs(self) -> None:
         self.decoder.capture_all()
+        self.static_prefill.capture_all()
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> list[StepResult]:
@@ -152,9 +160,30 @@ class ThinkerRunner:
         deltas = self.model.rope_deltas
         self.slots[seq.slot] = _SlotState(length, int(deltas.reshape(-1)[0]) if deltas is not None else 0, 0)
         token = self._sample(out.logits[:, -1], [seq])
-        talker, tail = self._talker_conditioning(p.input_ids, out.hidden_states) if p.export_talker else (None, None)
+        talker = tail = None
+        if p.export_talker:
+            talker, tail = self._talker_conditioning(p.input_ids, out.hidden_states[0][0], out.hidden_states[self.accept_layer][0])
         output = ThinkerOutput(talker=talker, prompt_tokens=length, text_rows=tail)
         return self._accept(seq, int(token[0]), output, self._text_rows(token, [seq]))
+
+    def _prefill_static(self, seqs: list[Sequence]) -> list[StepResult]:
+        """Text-only prompts through the static prefill (stages/static_prefill.py). The talker's conditioning
+        of a text-only prompt needs only its input embeddings (no audio/image rows take hidden states)."""
+        embed = self.model.get_input_embeddings()
+        embeds = [embed(to_device(s.payload.input_ids, self.device)) for s in seqs]
+        last = self.static_prefill.run(embeds, [s.slot for s in seqs])
+        tokens = self._sample(self.model.lm_head(last), seqs)
+        rows = self._text_rows(tokens, seqs)
+        results = []
+        for i, (seq, e, token) in enumerate(zip(seqs, embeds, tokens.tolist())):
+            n = e.shape[0]
+            self.slots[seq.slot] = _SlotState(n, 0, 0)
+            talker = tail = None
+            if seq.payload.export_talker:
+                talker, tail = self._talker_conditioning(seq.payload.input_ids, e, e)
+            output = ThinkerOutput(talker=talker, prompt_tokens=n, text_rows=tail)
+            results.append(self._accept(seq, token, output, None if rows is None else rows[i : i + 1]))
+        return results
 
     def _prefill_text(self, seqs: list[Sequence]) -> list[StepResult]:
         """Several text-only prompts in one forward of the text model. Right padding: each row's first
@@ -179,7 +208,8 @@ class ThinkerRunner:
             self.slots[seq.slot] = _SlotState(n, 0, 0)
             talker = tail = None
             if seq.payload.export_talker:
-                talker, tail = self._talker_conditioning(seq.payload.input_ids, [h[i : i + 1, :n] for h in out.hidden_states])
+                hs = out.hidden_states
+                talker, tail = self._talker_conditioning(seq.payload.input_ids, hs[0][i, :n], hs[self.accept_layer][i, :n])
             output = ThinkerOutput(talker=talker, prompt_tokens=n, text_rows=tail)
             results.append(self._accept(seq, token, output, None if rows is None else rows[i : i + 1]))
         return results
@@ -214,15 +244,15 @@ class ThinkerRunner:
             output.text_rows = row if output.text_rows is None else torch.cat([output.text_rows, row])
         return StepResult(seq, output, "length" if seq.num_generated >= seq.params.max_tokens else None)
 
-    def _talker_conditioning(self, ids: torch.Tensor, hidden_states) -> tuple[TalkerConditioning, torch.Tensor]:
+    def _talker_conditioning(self, ids: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor
+                             ) -> tuple[TalkerConditioning, torch.Tensor]:  # fmt: skip
         """What generate() hands the talker, for one prompt: user-turn rows (layer-0 embeddings, or the
         accept-layer hidden state on audio/image/video rows), the assistant header rows, the tts rows,
         and any prompt rows after the assistant header (spoken before the reply).
         `ids` are the prompt's token ids on the host: which rows go where is decided there, and the device
         only gathers. Each host sync here (a boolean mask, nonzero) would wait for a turn on a GPU that
         the other stage processes share, once per prompt."""
-        c = self.config
-        embeds, hidden = (hidden_states[0][0], hidden_states[self.accept_layer][0])  # [L, D]
+        c = self.config  # embeds: layer-0 input embeddings [L, D]; hidden: the accept layer's hidden states
         ids = ids.cpu()
         pos = torch.arange(ids.numel())
         starts = torch.where(ids == c.im_start_token_id, pos, torch.full_like(pos, -1))

@@ -14,6 +14,7 @@ from ..core.engine import StageEngine
 from ..core.errors import PROBE_ACTION, BadRequestError, OmniError
 from ..core.sampling import SamplingParams
 from ..core.scheduler import Scheduler, Sequence
+from ..models import fused_ops
 from ..models.checkpoint import load_config, load_stage
 from ..stages.kv_budget import kv_budget_bytes, kv_bytes_per_slot, plan_slots
 from .logs import setup_logging, stop_fault_reports
@@ -74,13 +75,16 @@ class StageModel:
                         self.STAGE, self.kv.budget_bytes / 2**20, self.max_slots, max_batch_size,
                         self.max_seq_len)  # fmt: skip
         self.cuda_graphs = self.params.get("cuda_graphs", "0").lower() in ("1", "true", "on")
+        self.max_prefills = int(self.params.get("max_prefills_per_step", 4))
+        if self.device.type == "cuda" and self.params.get("fused_kernels", "false").lower() in ("1", "true", "on"):
+            log.info("[%s] fused RMSNorm/rotary kernels on %d norms", self.STAGE, fused_ops.install(model))
         # a deploy profile's sampling defaults, over the stage's built-in ones (validated when rendered)
         self.sampling_overrides = json.loads(self.params.get("sampling_defaults") or "{}")
         runner = self.build_runner(model)
         if hasattr(runner, "capture_graphs"):  # before serving: capture needs the device to itself
             runner.capture_graphs()
         self.responder = Responder(self.STAGE, self.encode, self._cancel)
-        scheduler = Scheduler(self.max_slots, int(self.params.get("max_prefills_per_step", 4)),
+        scheduler = Scheduler(self.max_slots, self.max_prefills,
                               int(self.params.get("max_queue", 1024)))  # fmt: skip
         self.engine = StageEngine(self.STAGE, runner, scheduler, self.responder.emit)
         self.responder.start()

@@ -36,7 +36,7 @@ def test_base_profile_is_the_default_layout(platform):
         p = spec[name].parameters
         assert p["max_batch_size"] == ("64" if cuda else "8") and p["max_seq_len"] == ("4096" if cuda else "1024")
         assert p["dtype"] == ("bfloat16" if cuda else "float32") and p["cuda_graphs"] == ("true" if cuda else "false")
-        assert ("experts_implementation" in p) == cuda
+        assert ("experts_implementation" in p) == cuda and p["fused_kernels"] == ("true" if cuda else "false")
     assert spec["code2wav"].parameters["max_batch_windows"] == "64"
     omni = spec["omni_ensemble"].parameters
     assert (omni["first_chunk_frames"], omni["chunk_frames"], omni["max_inflight"]) == ("4", "25", "128")
@@ -122,6 +122,7 @@ def test_gpu_inputs_keeps_cuda_stage_inputs_on_the_device(tmp_path):
         ("stages: {thinker: {replicas: 0}}", "stages.thinker.replicas must be an integer >= 1, got 0"),
         ("stages: {thinker: {max_batch_size: 2, max_prefills_per_step: 4}}", "max_prefills_per_step exceeds"),
         ("stages: {thinker: {cuda_graphs: 'yes'}}", "cuda_graphs must be true or false"),
+        ("stages: {talker: {fused_kernels: 1}}", "talker.fused_kernels must be true or false"),
         ("stages: {talker: {sampling: {temprature: 0.5}}}", "stages.talker.sampling: got an unexpected keyword argument 'temprature'"),
         ("stages: {talker: {sampling: {top_p: 0}}}", "stages.talker.sampling: top_p must be in (0, 1]"),
         ("chunks: {chunk_frames: 0}", "chunks.chunk_frames must be an integer >= 1, got 0"),

@@ -1,5 +1,6 @@
 # The graph-capturable decode path (static buffers, batches padded to buckets, context read up to a
-# bucket, residual codebooks picked in-graph) gives what generate() gives. CUDA graphs themselves only
+# bucket, residual codebooks picked in-graph) and the talker's static prefill (rows and tokens padded to
+# buckets) give what generate() gives. CUDA graphs themselves only
 # exist on a GPU (perf/graph_check.py compares graph and eager there); here the same functions run eagerly.
 import torch
 
@@ -32,12 +33,17 @@ def test_padded_static_path_matches_generate(hf_model, processor):
 
     thinker = ThinkerRunner(hf_model.thinker, hf_model.config, **kw)
     pad_to_buckets(thinker.decoder, [4, 8], [256, 512])  # slot 2 runs as 4 rows reading 256 positions
+    thinker.static_prefill.row_buckets, thinker.static_prefill.token_buckets = [2], [64, 512]  # 2 rows x 512
+    thinker._prefill_one = thinker._prefill_text = None  # a text prompt must take the static prefill
     prompt = ThinkerPrompt(inputs["input_ids"][0], export_talker=True)
     out, _ = run_thinker(thinker, running("t", SamplingParams(max_tokens=REPLY), prompt, slot=2))
     assert out.token_ids == want_text
 
     talker = TalkerRunner(hf_model.talker, hf_model.config, **kw)
     pad_to_buckets(talker.decoder, [8], [512])
+    # the prompt prefills as row 0 of 4 (rows 1-3 repeat it into the same slot), right-padded to 512 tokens
+    talker.static_prefill.row_buckets, talker.static_prefill.token_buckets = [4], [512]
+    talker._prefill_eager = None  # a text prompt must not take the eager path
     hidden = hf_model.config.talker_config.text_config.hidden_size
     talker.static_predictor = StaticCodePredictor(talker.predictor, 8, hidden, cuda_graphs=False)
     talker.static_predictor.buckets = [4, 8]

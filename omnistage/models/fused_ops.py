@@ -1,0 +1,126 @@
+# Triton kernels for the two most frequent small ops of a decode step, RMSNorm and the rotary embedding of
+# q and k, each one kernel where transformers runs 6-10. A talker frame (talker step + 15 code-predictor
+# sub-steps) ran ~7000 kernels on the H200, 396 RMSNorms among them, at ~2 us each: kernel count, not
+# bandwidth, set its time (perf/README.md, 2026-12-03 profile). Both kernels round like transformers'
+# bf16 code (to the input dtype before the weight; each product rounded before the sum), so they
+# replace it without changing results beyond the last bit of rsqrt.
+#
+# install(model) swaps the forward of the model's text RMSNorm modules and, once per process, the
+# modeling module's apply_rotary_pos_emb; both fall back to transformers' own code for CPU tensors, so
+# only CUDA steps change. Without the triton package, install() leaves everything as it is.
+from __future__ import annotations
+
+import logging
+import types
+
+import torch
+from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as modeling
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: nothing to fuse
+    triton = None
+
+log = logging.getLogger(__name__)
+# the decoder stacks' norms (thinker and talker text models, code predictor); all share transformers' formula
+NORM_CLASSES = ("Qwen3OmniMoeThinkerTextRMSNorm", "Qwen3OmniMoeTextRMSNorm", "Qwen3OmniMoeRMSNorm")
+_original_rope = modeling.apply_rotary_pos_emb
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        keep = cols < n_cols
+        x = tl.load(x_ptr + row * n_cols + cols, mask=keep, other=0.0).to(tl.float32)
+        variance = tl.sum(x * x, axis=0) / n_cols
+        normed = (x * (1.0 / tl.sqrt_rn(variance + eps))).to(x_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=keep, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * n_cols + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=keep)
+
+    @triton.jit
+    def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, q_rows, heads_q, heads_k, seq,
+                     qs_b, qs_h, qs_t, ks_b, ks_h, ks_t, cs_b, cs_t, HALF: tl.constexpr):  # fmt: skip
+        # one program per (batch, head, position) row of q, then of k; last dims are contiguous
+        row = tl.program_id(0).to(tl.int64)
+        is_q = row < q_rows
+        r = tl.where(is_q, row, row - q_rows)
+        heads = tl.where(is_q, heads_q, heads_k)
+        b, h, t = r // (heads * seq), (r // seq) % heads, r % seq
+        offset = tl.where(is_q, b * qs_b + h * qs_h + t * qs_t, b * ks_b + h * ks_h + t * ks_t)
+        src = tl.where(is_q, q_ptr, k_ptr)
+        dst = tl.where(is_q, qo_ptr, ko_ptr)
+        i = tl.arange(0, HALF)
+        x1 = tl.load(src + offset + i).to(tl.float32)
+        x2 = tl.load(src + offset + HALF + i).to(tl.float32)
+        c = cos_ptr + b * cs_b + t * cs_t
+        s = sin_ptr + b * cs_b + t * cs_t
+        dt = qo_ptr.dtype.element_ty
+        c1, c2 = tl.load(c + i).to(tl.float32), tl.load(c + HALF + i).to(tl.float32)
+        s1, s2 = tl.load(s + i).to(tl.float32), tl.load(s + HALF + i).to(tl.float32)
+        # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1), each product rounded as in bf16 torch
+        lo = (x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)
+        hi = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
+        tl.store(dst + offset + i, lo.to(dt))
+        tl.store(dst + offset + HALF + i, hi.to(dt))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm in one kernel: weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)."""
+    n = x.shape[-1]
+    x2 = x.contiguous().view(-1, n)
+    out = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, n, eps, BLOCK=triton.next_power_of_2(n))
+    return out.view(x.shape)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """transformers' apply_rotary_pos_emb (unsqueeze_dim=1) for q [B, Hq, T, D], k [B, Hk, T, D] with
+    contiguous last dims and cos/sin [B or 1, T, D], in one kernel."""
+    batch, heads_q, seq, dim = q.shape
+    heads_k = k.shape[1]
+    cos, sin = cos.expand(batch, seq, dim).contiguous(), sin.expand(batch, seq, dim).contiguous()
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    q_rows = batch * heads_q * seq
+    _rope_kernel[(q_rows + batch * heads_k * seq,)](
+        q, k, cos, sin, q_out, k_out, q_rows, heads_q, heads_k, seq, *q.stride()[:3], *k.stride()[:3],
+        *cos.stride()[:2], HALF=dim // 2,
+    )  # fmt: skip
+    return q_out, k_out
+
+
+def _fusable(*tensors: torch.Tensor) -> bool:
+    return all(t.is_cuda and t.stride(-1) == 1 for t in tensors)
+
+
+def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    if not hidden_states.is_cuda:
+        return type(self).forward(self, hidden_states)
+    return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+def _rope_forward(q, k, cos, sin, unsqueeze_dim=1):
+    if unsqueeze_dim != 1 or q.dim() != 4 or q.shape[-1] % 2 or not _fusable(q, k, cos, sin):
+        return _original_rope(q, k, cos, sin, unsqueeze_dim)
+    return rope(q, k, cos, sin)
+
+
+def available() -> bool:
+    return triton is not None
+
+
+def install(model: torch.nn.Module) -> int:
+    """Fused RMSNorm on the model's decoder norms and fused rotary embedding in the modeling module; returns
+    how many norms were swapped (0 without triton)."""
+    if triton is None:
+        log.warning("fused kernels requested but the triton package is missing: transformers' ops stay")
+        return 0
+    modeling.apply_rotary_pos_emb = _rope_forward
+    swapped = 0
+    for module in model.modules():
+        if type(module).__name__ in NORM_CLASSES:
+            module.forward = types.MethodType(_norm_forward, module)
+            swapped += 1
+    return swapped

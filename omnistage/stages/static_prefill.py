@@ -1,0 +1,92 @@
+# Prefill of fresh slots from static buffers, replayed as a CUDA graph per (rows, tokens) bucket. An eager
+# prefill is host-bound on the GPU: the talker's ran ~1400 kernels in 5 ms of GPU time but took 74 ms
+# to launch them, one prompt or sixteen (perf/README.md, 2026-12-03 profile), and at 64 concurrent W1
+# requests the talker spent a third of its time there. A slot's prompt always starts at position 0 (no
+# prefix cache), so attention is causal self-attention over the new tokens alone: each layer writes its
+# K/V into the slots and attends to the tokens it was given. Rows are right-padded to the bucket's tokens
+# (causal attention never looks right, and the positions past a prompt are overwritten by its decode
+# steps before anything reads them); padding rows repeat row 0, writing the same values to the same slot.
+# Text-only prompts only: their MRoPE positions are 0..L-1 in every section.
+from __future__ import annotations
+
+import torch
+
+from .cuda_graphs import GraphBank, batch_buckets, bucket_for, length_buckets
+from .host_copy import to_device
+from .kv_cache import SlotKVCache
+
+
+class StaticPrefill:
+    def __init__(self, name: str, text_model, cache: SlotKVCache, *, max_rows: int, max_tokens: int,
+                 cuda_graphs: bool):  # fmt: skip
+        self.text_model, self.cache = text_model, cache
+        device, dtype = cache.k[0].device, cache.k[0].dtype
+        hidden = text_model.norm.weight.shape[0]
+        self.max_rows, self.max_tokens = max_rows, min(max_tokens, cache.max_len)
+        self.bank = GraphBank(f"{name}_prefill", device, cuda_graphs)
+        # without graphs, exact sizes (no padding to pay for); the CPU tests drive this same code
+        self.row_buckets = batch_buckets(max_rows) if self.bank.enabled else None
+        self.token_buckets = length_buckets(self.max_tokens, smallest=64) if self.bank.enabled else None
+        self.embeds = torch.zeros(max_rows, self.max_tokens, hidden, dtype=dtype, device=device)
+        self.slots = torch.zeros(max_rows, dtype=torch.long, device=device)
+        self.last = torch.zeros(max_rows, dtype=torch.long, device=device)  # each row's last prompt position
+        self.hidden_out = torch.zeros(max_rows, hidden, dtype=dtype, device=device)
+
+    def fits(self, rows: int, tokens: int) -> bool:
+        return rows <= self.max_rows and tokens <= self.max_tokens
+
+    def shape_for(self, rows: int, tokens: int) -> tuple[int, int]:
+        if self.row_buckets is None:
+            return rows, tokens
+        return bucket_for(rows, self.row_buckets), bucket_for(tokens, self.token_buckets)
+
+    def run(self, embeds: list[torch.Tensor], slots: list[int]) -> torch.Tensor:
+        """embeds: per prompt [L_i, D] on the device; slots: where each prompt's K/V goes. Returns the normed
+        hidden state at each prompt's last position, [n, D] (a view of a static buffer: copy to keep)."""
+        n, lengths = len(embeds), [e.shape[0] for e in embeds]
+        rows, tokens = self.shape_for(n, max(lengths))
+        pad = rows - n
+        for i, e in enumerate(embeds):
+            self.embeds[i, : e.shape[0]].copy_(e)
+        if pad:
+            self.embeds[n:rows, :tokens].copy_(self.embeds[:1, :tokens].expand(pad, -1, -1))
+        index = to_device([slots + slots[:1] * pad, [x - 1 for x in lengths + lengths[:1] * pad]], self.slots.device)
+        self.slots[:rows].copy_(index[0])
+        self.last[:rows].copy_(index[1])
+        self.bank.run((rows, tokens), lambda: self._run(rows, tokens))
+        return self.hidden_out[:n]
+
+    def capture_all(self) -> None:
+        """Captures every (rows, tokens) bucket while no slot is in use (they write into slot 0)."""
+        if not self.bank.enabled:
+            return
+        self.slots.zero_()
+        self.last.zero_()
+        keys = [(r, t) for r in self.row_buckets for t in self.token_buckets]
+        self.bank.capture_all(keys, lambda key: lambda: self._run(*key))
+
+    def _run(self, rows: int, tokens: int) -> None:
+        embeds = self.embeds[:rows, :tokens]
+        positions = torch.arange(tokens, device=embeds.device).view(1, 1, tokens).expand(3, rows, tokens)
+        position_embeddings = self.text_model.rotary_emb(embeds, positions)
+        writer = _SlotWriter(self.cache, self.slots[:rows], tokens)
+        hidden = embeds
+        for layer in self.text_model.layers:
+            # no mask: sdpa runs causal over the new tokens
+            hidden = layer(hidden, attention_mask=None, position_embeddings=position_embeddings, past_key_values=writer)
+        last = hidden[torch.arange(rows, device=hidden.device), self.last[:rows]]  # [rows, D]
+        self.hidden_out[:rows].copy_(self.text_model.norm(last))
+
+
+class _SlotWriter:
+    """Duck-types transformers' Cache.update() for a prefill from position 0: the new K/V of row r go to
+    positions [0, tokens) of slot slots[r], and attention reads the new tokens only."""
+
+    def __init__(self, cache: SlotKVCache, slots: torch.Tensor, tokens: int):
+        self.cache, self.slots, self.tokens = cache, slots, tokens
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        k, v = self.cache.k[layer_idx], self.cache.v[layer_idx]
+        k[:, :, : self.tokens].index_copy_(0, self.slots, key_states)
+        v[:, :, : self.tokens].index_copy_(0, self.slots, value_states)
+        return key_states, value_states

@@ -1,0 +1,79 @@
+# The fused RMSNorm and rotary-embedding kernels (run by Triton's CPU interpreter, see tests/conftest.py)
+# give what transformers' own code gives, in the layouts the decoder layers hand them; install() swaps only
+# the decoder norms and leaves CPU tensors on transformers' path.
+import pytest
+import torch
+
+from omnistage.models import fused_ops
+from omnistage.models.checkpoint import load_stage
+
+pytestmark = pytest.mark.skipif(not fused_ops.available(), reason="triton is not installed")
+DTYPES = [torch.float32, torch.bfloat16]
+# Triton's interpreter truncates float32 -> bf16 where the GPU rounds to nearest even, so on the CPU bf16
+# results may be a bf16 step or two apart from torch's; float32 checks the kernels' arithmetic exactly there,
+# and the gpu-marked runs check bf16 as the GPU computes it.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+BF16_STEPS = dict(rtol=2**-6, atol=2**-6)  # two steps: a truncated product may feed a sum
+
+
+def _close(got, want, device):
+    if got.dtype == torch.bfloat16 and device == "cpu":
+        torch.testing.assert_close(got.float(), want.float(), **BF16_STEPS)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 1, 64), (2, 5, 4, 16), (7, 48)])  # hidden rows; per-head q/k norm rows
+def test_rms_norm_matches_transformers(device, dtype, shape):
+    g = torch.Generator().manual_seed(len(shape))
+    norm = load_stage("dummy:tiny", "talker", dtype=dtype).model.norm.to(device)
+    n = shape[-1]
+    norm.weight = torch.nn.Parameter((torch.randn(n, generator=g) + 1).to(dtype).to(device))
+    x = (torch.randn(shape, generator=g) * 3).to(dtype).to(device)
+    want = type(norm).forward(norm, x)
+    got = fused_ops.rms_norm(x, norm.weight, norm.variance_epsilon)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if dtype == torch.bfloat16 and device == "cuda":  # rsqrt's last float32 bit may cross a rounding boundary
+        torch.testing.assert_close(got.float(), want.float(), **BF16_STEPS)
+        assert (got != want).float().mean() < 0.02
+    else:
+        _close(got, want, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cos_batch", [1, 2])
+def test_rope_matches_transformers_on_transposed_heads(device, dtype, cos_batch):
+    g = torch.Generator().manual_seed(cos_batch)
+    batch, seq, heads_q, heads_k, dim = 2, 3, 4, 2, 16
+    # the attention modules hand q and k over as [B, T, H, D] views transposed to [B, H, T, D]
+    q = torch.randn(batch, seq, heads_q, dim, generator=g).to(dtype).to(device).transpose(1, 2)
+    k = torch.randn(batch, seq, heads_k, dim, generator=g).to(dtype).to(device).transpose(1, 2)
+    angles = torch.randn(cos_batch, seq, dim, generator=g)
+    cos, sin = angles.cos().to(dtype).to(device), angles.sin().to(dtype).to(device)
+    want_q, want_k = fused_ops._original_rope(q, k, cos, sin)
+    got_q, got_k = fused_ops.rope(q, k, cos, sin)
+    _close(got_q, want_q, device)
+    _close(got_k, want_k, device)
+    assert got_q.stride() == q.stride()  # the layout of the input, as transformers' elementwise ops keep it
+
+
+def test_install_swaps_decoder_norms_and_rope_only_for_cuda_tensors(monkeypatch):
+    monkeypatch.setattr(fused_ops.modeling, "apply_rotary_pos_emb", fused_ops._original_rope)
+    talker = load_stage("dummy:tiny", "talker", dtype=torch.float32)
+    norms = [m for m in talker.modules() if type(m).__name__.endswith("RMSNorm")]
+    assert fused_ops.install(talker) == len(norms) > 0
+    assert fused_ops.modeling.apply_rotary_pos_emb is fused_ops._rope_forward
+    calls = []
+    monkeypatch.setattr(fused_ops, "rms_norm", lambda *a: calls.append("norm"))
+    monkeypatch.setattr(fused_ops, "rope", lambda *a: calls.append("rope"))
+    x = torch.randn(2, talker.config.text_config.hidden_size)
+    torch.testing.assert_close(talker.model.norm(x), type(talker.model.norm).forward(talker.model.norm, x))
+    q = torch.randn(1, 2, 3, 8)
+    fused_ops._rope_forward(q, q, torch.ones(1, 3, 8), torch.zeros(1, 3, 8))
+    assert calls == []  # CPU tensors: transformers' code
+    monkeypatch.setattr(fused_ops, "_fusable", lambda *t: True)
+    fused_ops._rope_forward(q, q, torch.ones(1, 3, 8), torch.zeros(1, 3, 8))
+    assert calls == ["rope"]
