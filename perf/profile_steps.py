@@ -62,12 +62,13 @@ def traced(path: str | None, fn) -> None:
 def graphed_decode(runner, seqs, name: str, trace_dir: str | None) -> dict:
     """The served decode step (graphs captured) at each batch size: kernels inside it and its wall time."""
     runner.capture_graphs()
+    prefill = {f"{name.split('_')[0]}_prefill_graphs_n{b}": v for b, v in prefill_profile(runner, seqs).items()}
     out, _ = decode_times(runner, seqs, 8, measure=with_wall, batches=BATCHES)
     release(runner, seqs)
     runner.prefill(seqs[:1])
     traced(trace_dir and os.path.join(trace_dir, f"{name}_graphs_b1.json"), lambda: runner.decode(seqs[:1]))
     release(runner, seqs)
-    return {f"{name}_graphs_b{b}": v for b, v in out.items()}
+    return prefill | {f"{name}_graphs_b{b}": v for b, v in out.items()}
 
 
 def prefill_profile(runner, seqs, measure=None, sizes=PREFILLS) -> dict:
