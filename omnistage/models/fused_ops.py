@@ -3,7 +3,8 @@
 # sub-steps) ran ~7000 kernels on the H200, 396 RMSNorms among them, at ~2 us each: kernel count, not
 # bandwidth, set its time (perf/README.md, 2026-12-03 profile). Both kernels round like transformers'
 # bf16 code (to the input dtype before the weight; each product rounded before the sum), so they
-# replace it without changing results beyond the last bit of rsqrt.
+# replace it without changing results beyond the last bit of rsqrt. Every downcast names its rounding:
+# Triton's default float32 -> bf16 cast truncated on the H200 (2/3 of the values one step towards 0).
 #
 # install(model) swaps the forward of the model's text RMSNorm modules and, once per process, the
 # modeling module's apply_rotary_pos_emb; both fall back to transformers' own code for CPU tensors, so
@@ -30,15 +31,27 @@ _original_rope = modeling.apply_rotary_pos_emb
 if triton is not None:
 
     @triton.jit
+    def _cast(x, dt: tl.constexpr):
+        # rounding to nearest even, as torch; fp_downcast_rounding only applies to narrowing casts
+        if dt == tl.float32:
+            return x
+        return x.to(dt, fp_downcast_rounding="rtne")
+
+    @triton.jit
+    def _rounded(x, dt: tl.constexpr):
+        """x (float32) as float32 after rounding to dt, like a torch op that returns dt."""
+        return _cast(x, dt).to(tl.float32)
+
+    @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         keep = cols < n_cols
         x = tl.load(x_ptr + row * n_cols + cols, mask=keep, other=0.0).to(tl.float32)
         variance = tl.sum(x * x, axis=0) / n_cols
-        normed = (x * (1.0 / tl.sqrt_rn(variance + eps))).to(x_ptr.dtype.element_ty).to(tl.float32)
+        normed = _rounded(x * (1.0 / tl.sqrt_rn(variance + eps)), x_ptr.dtype.element_ty)
         w = tl.load(w_ptr + cols, mask=keep, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * n_cols + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=keep)
+        tl.store(out_ptr + row * n_cols + cols, _cast(w * normed, out_ptr.dtype.element_ty), mask=keep)
 
     @triton.jit
     def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, q_rows, heads_q, heads_k, seq,
@@ -61,10 +74,10 @@ if triton is not None:
         c1, c2 = tl.load(c + i).to(tl.float32), tl.load(c + HALF + i).to(tl.float32)
         s1, s2 = tl.load(s + i).to(tl.float32), tl.load(s + HALF + i).to(tl.float32)
         # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1), each product rounded as in bf16 torch
-        lo = (x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)
-        hi = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
-        tl.store(dst + offset + i, lo.to(dt))
-        tl.store(dst + offset + HALF + i, hi.to(dt))
+        lo = _rounded(x1 * c1, dt) + _rounded(-x2 * s1, dt)
+        hi = _rounded(x2 * c2, dt) + _rounded(x1 * s2, dt)
+        tl.store(dst + offset + i, _cast(lo, dt))
+        tl.store(dst + offset + HALF + i, _cast(hi, dt))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

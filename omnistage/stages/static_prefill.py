@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from .cuda_graphs import GraphBank, batch_buckets, bucket_for, length_buckets
+from .cuda_graphs import GraphBank, batch_buckets, bucket_for
 from .host_copy import to_device
 from .kv_cache import SlotKVCache
+
+
+def token_buckets(max_tokens: int, step: int = 64) -> list[int]:
+    return list(range(step, max_tokens, step)) + [max_tokens]
 
 
 class StaticPrefill:
@@ -26,7 +30,8 @@ class StaticPrefill:
         self.bank = GraphBank(f"{name}_prefill", device, cuda_graphs)
         # without graphs, exact sizes (no padding to pay for); the CPU tests drive this same code
         self.row_buckets = batch_buckets(max_rows) if self.bank.enabled else None
-        self.token_buckets = length_buckets(self.max_tokens, smallest=64) if self.bank.enabled else None
+        # every 64 tokens: a 150-token prompt padded to 256 cost the thinker 130 ms for 16 prompts, 84 unpadded
+        self.token_buckets = token_buckets(self.max_tokens) if self.bank.enabled else None
         self.embeds = torch.zeros(max_rows, self.max_tokens, hidden, dtype=dtype, device=device)
         self.slots = torch.zeros(max_rows, dtype=torch.long, device=device)
         self.last = torch.zeros(max_rows, dtype=torch.long, device=device)  # each row's last prompt position

@@ -13,7 +13,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 # results may be a bf16 step or two apart from torch's; float32 checks the kernels' arithmetic exactly there,
 # and the gpu-marked runs check bf16 as the GPU computes it.
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-BF16_STEPS = dict(rtol=2**-6, atol=2**-6)  # two steps: a truncated product may feed a sum
+BF16_STEPS = {"rtol": 2**-6, "atol": 2**-6}  # two steps: a truncated product may feed a sum
 
 
 def _close(got, want, device):
