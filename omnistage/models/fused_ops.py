@@ -3,8 +3,8 @@
 # sub-steps) ran ~7000 kernels on the H200, 396 RMSNorms among them, at ~2 us each: kernel count, not
 # bandwidth, set its time (perf/README.md, 2026-12-03 profile). Both kernels round like transformers'
 # bf16 code (to the input dtype before the weight; each product rounded before the sum), so they
-# replace it without changing results beyond the last bit of rsqrt. Every downcast names its rounding:
-# Triton's default float32 -> bf16 cast truncated on the H200 (2/3 of the values one step towards 0).
+# replace it without changing results beyond the last bit of rsqrt. bf16 rounding is done by hand
+# (_rounded): Triton's float32 -> bf16 cast truncated, which left 2/3 of the values a step towards 0.
 #
 # install(model) swaps the forward of the model's text RMSNorm modules and, once per process, the
 # modeling module's apply_rotary_pos_emb; both fall back to transformers' own code for CPU tensors, so
@@ -31,16 +31,18 @@ _original_rope = modeling.apply_rotary_pos_emb
 if triton is not None:
 
     @triton.jit
-    def _cast(x, dt: tl.constexpr):
-        # rounding to nearest even, as torch; fp_downcast_rounding only applies to narrowing casts
-        if dt == tl.float32:
-            return x
-        return x.to(dt, fp_downcast_rounding="rtne")
+    def _rounded(x, dt: tl.constexpr):
+        """float32 x rounded to dt (to nearest even, as torch), still as float32. bf16 by hand: Triton's
+        casts truncated, on the H200 and in its interpreter alike, fp_downcast_rounding or not."""
+        if dt == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            return bits.to(tl.float32, bitcast=True)
+        return x.to(dt).to(tl.float32)
 
     @triton.jit
-    def _rounded(x, dt: tl.constexpr):
-        """x (float32) as float32 after rounding to dt, like a torch op that returns dt."""
-        return _cast(x, dt).to(tl.float32)
+    def _cast(x, dt: tl.constexpr):
+        return _rounded(x, dt).to(dt)  # exact: the value is already one of dt's
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr):

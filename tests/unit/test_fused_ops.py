@@ -9,18 +9,7 @@ from omnistage.models.checkpoint import load_stage
 
 pytestmark = pytest.mark.skipif(not fused_ops.available(), reason="triton is not installed")
 DTYPES = [torch.float32, torch.bfloat16]
-# Triton's interpreter truncates float32 -> bf16 where the GPU rounds to nearest even, so on the CPU bf16
-# results may be a bf16 step or two apart from torch's; float32 checks the kernels' arithmetic exactly there,
-# and the gpu-marked runs check bf16 as the GPU computes it.
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-BF16_STEPS = {"rtol": 2**-6, "atol": 2**-6}  # two steps: a truncated product may feed a sum
-
-
-def _close(got, want, device):
-    if got.dtype == torch.bfloat16 and device == "cpu":
-        torch.testing.assert_close(got.float(), want.float(), **BF16_STEPS)
-    else:
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -35,11 +24,13 @@ def test_rms_norm_matches_transformers(device, dtype, shape):
     want = type(norm).forward(norm, x)
     got = fused_ops.rms_norm(x, norm.weight, norm.variance_epsilon)
     assert got.dtype == want.dtype and got.shape == want.shape
-    if dtype == torch.bfloat16 and device == "cuda":  # rsqrt's last float32 bit may cross a rounding boundary
-        torch.testing.assert_close(got.float(), want.float(), **BF16_STEPS)
-        assert (got != want).float().mean() < 0.02
+    if dtype == torch.bfloat16 and device == "cuda":
+        # both round alike, but CUDA's rsqrt may differ from 1/sqrt in its last float32 bit, which now and
+        # then crosses a bf16 rounding boundary: one bf16 step, rarely
+        torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7)
+        assert (got != want).float().mean() < 0.01
     else:
-        _close(got, want, device)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -55,8 +46,7 @@ def test_rope_matches_transformers_on_transposed_heads(device, dtype, cos_batch)
     cos, sin = angles.cos().to(dtype).to(device), angles.sin().to(dtype).to(device)
     want_q, want_k = fused_ops._original_rope(q, k, cos, sin)
     got_q, got_k = fused_ops.rope(q, k, cos, sin)
-    _close(got_q, want_q, device)
-    _close(got_k, want_k, device)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
     assert got_q.stride() == q.stride()  # the layout of the input, as transformers' elementwise ops keep it
 
 
