@@ -259,7 +259,8 @@ def test_sigterm_drains_in_flight_requests_up_to_the_timeout(triton_server, drai
         lines: list[str] = []
 
         def stream():
-            with httpx.stream("POST", f"{f.url}/v1/chat/completions", json=body(120, audio=True, frames=60, stream=True),
+            # long enough to outlast a 1 s drain on the CPU (120 tokens and 60 frames once took 1.2 s)
+            with httpx.stream("POST", f"{f.url}/v1/chat/completions", json=body(400, audio=True, frames=400, stream=True),
                               timeout=120) as r:  # fmt: skip
                 try:
                     lines.extend(line for line in r.iter_lines() if line.startswith("data:"))
