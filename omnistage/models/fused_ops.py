@@ -97,6 +97,9 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
     batch, heads_q, seq, dim = q.shape
     heads_k = k.shape[1]
     cos, sin = cos.expand(batch, seq, dim).contiguous(), sin.expand(batch, seq, dim).contiguous()
+    # the kernel writes each output row at its input row's offset, so outputs take the inputs' strides;
+    # a view that empty_like cannot reproduce (not dense: q and k sliced from one projection) is copied
+    q, k = (t if torch.empty_like(t).stride() == t.stride() else t.contiguous() for t in (q, k))
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     q_rows = batch * heads_q * seq
     _rope_kernel[(q_rows + batch * heads_k * seq,)](

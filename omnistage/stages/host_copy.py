@@ -4,7 +4,9 @@
 # and on a GPU shared by the stage processes each stall also hands the GPU to another process for a time
 # slice. An asynchronous copy from pageable memory is no cure either: the driver may synchronise the
 # stream to stage it (CUDA's API sync rules), so the values go through pinned memory first. torch's
-# caching host allocator keeps a pinned block until the copy that reads it has run.
+# caching host allocator keeps a pinned block until the copy that reads it has run. The values are copied
+# into a fresh pinned block rather than asking is_pinned() first, a driver query that showed ~0.2 ms per
+# call in a profiled talker step.
 from __future__ import annotations
 
 import torch
@@ -13,6 +15,6 @@ import torch
 def to_device(values, device: torch.device) -> torch.Tensor:
     """A list or tensor as a tensor on `device`, copied without waiting for the device."""
     host = values if isinstance(values, torch.Tensor) else torch.tensor(values)
-    if torch.device(device).type == "cuda" and host.device.type == "cpu" and not host.is_pinned():
-        host = host.pin_memory()
+    if torch.device(device).type == "cuda" and host.device.type == "cpu":
+        host = torch.empty_like(host, pin_memory=True).copy_(host)
     return host.to(device, non_blocking=True)

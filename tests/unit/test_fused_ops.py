@@ -67,3 +67,14 @@ def test_install_swaps_decoder_norms_and_rope_only_for_cuda_tensors(monkeypatch)
     monkeypatch.setattr(fused_ops, "_fusable", lambda *t: True)
     fused_ops._rope_forward(q, q, torch.ones(1, 3, 8), torch.zeros(1, 3, 8))
     assert calls == ["rope"]
+
+
+def test_rope_on_views_that_are_not_dense():
+    # q and k sliced out of one fused projection: their outputs cannot take the inputs' strides
+    g = torch.Generator().manual_seed(7)
+    qkv = torch.randn(2, 3, 4 + 2 + 2, 16, generator=g)
+    q, k = qkv[:, :, :4].transpose(1, 2), qkv[:, :, 4:6].transpose(1, 2)
+    angles = torch.randn(1, 3, 16, generator=g)
+    want = fused_ops._original_rope(q, k, angles.cos(), angles.sin())
+    got = fused_ops.rope(q, k, angles.cos(), angles.sin())
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
