@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .cuda_graphs import GraphBank, batch_buckets, bucket_for
+from .host_copy import to_device
 from .kv_cache import LockstepCache
 
 
@@ -81,7 +82,7 @@ class StaticCodePredictor:
         rows = n if self.buckets is None else bucket_for(n, self.buckets)
         self.past_hidden[:n].copy_(past_hidden)
         self.c0[:n].copy_(c0)
-        self.greedy[:n].copy_(torch.tensor(greedy), non_blocking=True)
+        self.greedy[:n].copy_(to_device(greedy, self.greedy.device))
         self.bank.run(rows, lambda: self._run(rows))
         return self.codes[:n], self.codec_sum[:n]
 

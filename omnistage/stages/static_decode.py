@@ -9,6 +9,7 @@ import torch
 
 from .cuda_graphs import GraphBank, batch_buckets, bucket_for, length_buckets
 from .decoder_step import decode_step
+from .host_copy import to_device
 from .kv_cache import SlotKVCache
 
 
@@ -51,10 +52,9 @@ class StaticDecoder:
         are free slots and write at position 0."""
         rows, kv_len = self.shape_for(len(positions), max(positions) + 1)
         pad = rows - len(positions)
-        host = torch.tensor([positions + [0] * pad, deltas + [0] * pad], dtype=torch.long)
-        self.index[:, :rows].copy_(host, non_blocking=True)
+        self.index[:, :rows].copy_(to_device([positions + [0] * pad, deltas + [0] * pad], self.index.device))
         if ids is not None:
-            self.ids[:rows].copy_(torch.tensor(ids + [0] * pad), non_blocking=True)
+            self.ids[:rows].copy_(to_device(ids + [0] * pad, self.ids.device))
         self.bank.run((rows, kv_len), lambda: self._run(rows, kv_len))
         return rows, kv_len
 

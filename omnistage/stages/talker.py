@@ -151,7 +151,10 @@ class TalkerRunner:
         results = [StepResult(s, TalkerOutput(codes[i : i + 1]), "length") for i, s in enumerate(seqs) if finished[i]]
         going = [i for i in range(len(seqs)) if not finished[i]]
         if going:
-            results += self._advance([seqs[i] for i in going], codes[going], codec_sum[going])
+            if len(going) < len(seqs):  # a device index: a Python list would copy it synchronously
+                keep = to_device(going, self.device)
+                codes, codec_sum = codes[keep], codec_sum[keep]
+            results += self._advance([seqs[i] for i in going], codes, codec_sum)
         return results
 
     # ---- internals ----------------------------------------------------------------------------------------
@@ -259,7 +262,8 @@ class TalkerRunner:
                 out[i] = state.tts_eos if state.frames == len(text) else state.tts_pad
         if speaking:
             raw = torch.stack([seqs[i].payload.text[self.slots[seqs[i].slot].frames] for i in speaking])
-            out[speaking] = self.model.text_projection(to_device(raw, self.device).to(self.dtype))
+            rows = self.model.text_projection(to_device(raw, self.device).to(self.dtype))
+            out[to_device(speaking, self.device)] = rows  # (a list index would be a synchronous copy)
         return out
 
     def _pick_c0(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -263,9 +263,9 @@ class ThinkerRunner:
         if header.numel() == 0:
             raise BadRequestError("prompt has no assistant header (<|im_start|>assistant) for the talker")
         a = int(header[-1])
-        user_dev = user.to(self.device, non_blocking=True)
+        user_dev = to_device(user, self.device)
         user_is_mm = is_mm[user]
-        rows = torch.where(user_is_mm.to(self.device, non_blocking=True)[:, None], hidden.index_select(0, user_dev),
+        rows = torch.where(to_device(user_is_mm, self.device)[:, None], hidden.index_select(0, user_dev),
                            embeds.index_select(0, user_dev))  # fmt: skip
         tts = self.model.get_input_embeddings()(self.tts_ids)
         cond = TalkerConditioning(
