@@ -73,6 +73,11 @@ def test_short_soak_every_request_ends_and_nothing_grows(frontend, triton_server
     result = run_soak(frontend.url, triton_server.metrics_url, triton_server.server.process.pid, frontend.proc.pid,
                       duration_s=20, concurrency=32, warmup_s=5)  # fmt: skip
     print({k: v for k, v in result.__dict__.items() if k not in ("before", "after")})
+    if result.hung:  # evidence for a rare hang: every stub dumps its threads' stacks into the server log
+        for pids in stub_pids(triton_server.server.process.pid).values():
+            for pid in pids:
+                os.kill(pid, signal.SIGUSR1)
+        time.sleep(2)
     assert result.ok, result.problems
     assert result.completed >= 32 and result.cancelled_by_client >= 5 and len(result.kinds) >= 6, result
 
