@@ -59,10 +59,11 @@ def traced(path: str | None, fn) -> None:
     subprocess.run(["gzip", "-f", path], check=False)
 
 
-def graphed_decode(runner, seqs, name: str, trace_dir: str | None) -> dict:
-    """The served decode step (graphs captured) at each batch size: kernels inside it and its wall time."""
+def graphed_decode(runner, seqs, stage: str, step: str, trace_dir: str | None) -> dict:
+    """The served prefills and decode step (graphs captured): kernels inside them and their wall time."""
     runner.capture_graphs()
-    prefill = {f"{name.split('_')[0]}_prefill_graphs_n{b}": v for b, v in prefill_profile(runner, seqs).items()}
+    name = f"{stage}_{step}"
+    prefill = {f"{stage}_prefill_graphs_n{b}": v for b, v in prefill_profile(runner, seqs).items()}
     out, _ = decode_times(runner, seqs, 8, measure=with_wall, batches=BATCHES)
     release(runner, seqs)
     runner.prefill(seqs[:1])
@@ -81,6 +82,22 @@ def prefill_profile(runner, seqs, measure=None, sizes=PREFILLS) -> dict:
         call = lambda b=b: runner.prefill(seqs[:b])  # noqa: E731
         out[b] = dict(measure(call), wall_ms=timed(call, repeat=2))
     release(runner, seqs)
+    return out
+
+
+def profile_stage(runner_cls, model, config, kw, seqs, stage: str, step: str, trace_dir: str | None) -> dict:
+    """One stage: eager prefill and decode-step kernels, then a graphed runner on the same weights."""
+    runner = runner_cls(model, config, **kw)
+    out = {f"{stage}_prefill_n{b}": v for b, v in prefill_profile(runner, seqs).items()}
+    decoded, _ = decode_times(runner, seqs, 8, measure=top_kernels, batches=BATCHES)
+    out.update({f"{stage}_{step}_b{b}": v for b, v in decoded.items()})
+    release(runner, seqs)
+    del runner
+    free()
+    graphed = runner_cls(model, config, **dict(kw, cuda_graphs=True))
+    out.update(graphed_decode(graphed, seqs, stage, step, trace_dir))
+    del graphed
+    free()
     return out
 
 
@@ -104,32 +121,14 @@ def main() -> None:
         report[f"{stage}_fused_norms"] = 0 if args.no_fused else fused_ops.install(model)
         return model
 
-    thinker = ThinkerRunner(load("thinker"), config, **kw)
     # export_talker: the served path, which also builds the talker's conditioning per prompt
-    seqs = [running(i, params, p) for i, p in enumerate(thinker_prompts(config, 150, max(BATCHES), True))]
-    report.update({f"thinker_prefill_n{b}": v for b, v in prefill_profile(thinker, seqs).items()})
-    decoded, _ = decode_times(thinker, seqs, 8, measure=top_kernels, batches=BATCHES)
-    report.update({f"thinker_decode_b{b}": v for b, v in decoded.items()})
-    release(thinker, seqs)
-    model = thinker.model
-    del thinker
-    free()
-    graphed = ThinkerRunner(model, config, **dict(kw, cuda_graphs=True))
-    report.update(graphed_decode(graphed, seqs, "thinker_decode", args.trace_dir))
-    del graphed, seqs, model
-    free()
-
-    talker = TalkerRunner(load("talker"), config, **kw)
-    seqs = [running(i, params, p) for i, p in enumerate(talker_prompts(config, 150, max(BATCHES)))]
-    report.update({f"talker_prefill_n{b}": v for b, v in prefill_profile(talker, seqs).items()})
-    framed, _ = decode_times(talker, seqs, 8, measure=top_kernels, batches=BATCHES)
-    report.update({f"talker_frame_b{b}": v for b, v in framed.items()})
-    release(talker, seqs)
-    model = talker.model
-    del talker
-    free()
-    graphed = TalkerRunner(model, config, **dict(kw, cuda_graphs=True))
-    report.update(graphed_decode(graphed, seqs, "talker_frame", args.trace_dir))
+    thinker_seqs = [running(i, params, p) for i, p in enumerate(thinker_prompts(config, 150, max(BATCHES), True))]
+    report.update(profile_stage(ThinkerRunner, load("thinker"), config, kw, thinker_seqs, "thinker", "decode",
+                                args.trace_dir))  # fmt: skip
+    free()  # the thinker's weights, released with the call
+    talker_seqs = [running(i, params, p) for i, p in enumerate(talker_prompts(config, 150, max(BATCHES)))]
+    report.update(profile_stage(TalkerRunner, load("talker"), config, kw, talker_seqs, "talker", "frame",
+                                args.trace_dir))  # fmt: skip
     print(json.dumps(report, indent=1), flush=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
