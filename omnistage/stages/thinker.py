@@ -174,16 +174,9 @@ class ThinkerRunner:
         last = self.static_prefill.run(embeds, [s.slot for s in seqs])
         tokens = self._sample(self.model.lm_head(last), seqs)
         rows = self._text_rows(tokens, seqs)
-        results = []
-        for i, (seq, e, token) in enumerate(zip(seqs, embeds, tokens.tolist())):
-            n = e.shape[0]
-            self.slots[seq.slot] = _SlotState(n, 0, 0)
-            talker = tail = None
-            if seq.payload.export_talker:
-                talker, tail = self._talker_conditioning(seq.payload.input_ids, e, e)
-            output = ThinkerOutput(talker=talker, prompt_tokens=n, text_rows=tail)
-            results.append(self._accept(seq, token, output, None if rows is None else rows[i : i + 1]))
-        return results
+        # no audio/image rows, so the accept layer's hidden states are never read: the embeddings stand in
+        return [self._prefilled_text(seq, e.shape[0], token, e, e, rows, i)
+                for i, (seq, e, token) in enumerate(zip(seqs, embeds, tokens.tolist()))]  # fmt: skip
 
     def _prefill_text(self, seqs: list[Sequence]) -> list[StepResult]:
         """Several text-only prompts in one forward of the text model. Right padding: each row's first
@@ -202,17 +195,24 @@ class ThinkerRunner:
         last = out.last_hidden_state[torch.arange(len(seqs)), torch.tensor(lengths) - 1]  # [B, D]
         tokens = self._sample(self.model.lm_head(last), seqs)
         rows = self._text_rows(tokens, seqs)
+        hs = out.hidden_states  # every layer's, when a prompt of the step feeds a talker (export)
         results = []
         for i, (seq, n, token) in enumerate(zip(seqs, lengths, tokens.tolist())):
             self.cache.load_prefill(seq.slot, past, row=i, length=n)
-            self.slots[seq.slot] = _SlotState(n, 0, 0)
-            talker = tail = None
-            if seq.payload.export_talker:
-                hs = out.hidden_states
-                talker, tail = self._talker_conditioning(seq.payload.input_ids, hs[0][i, :n], hs[self.accept_layer][i, :n])
-            output = ThinkerOutput(talker=talker, prompt_tokens=n, text_rows=tail)
-            results.append(self._accept(seq, token, output, None if rows is None else rows[i : i + 1]))
+            embeds, hidden = (hs[0][i, :n], hs[self.accept_layer][i, :n]) if export else (None, None)
+            results.append(self._prefilled_text(seq, n, token, embeds, hidden, rows, i))
         return results
+
+    def _prefilled_text(self, seq: Sequence, n: int, token: int, embeds, hidden, rows, i: int) -> StepResult:
+        """A text-only prompt of n tokens is in its slot and its first token picked: the slot's state, the
+        talker's conditioning when it feeds one (embeds / hidden: its rows, see _talker_conditioning), and
+        row i of `rows` (the first token's text row, or None)."""
+        self.slots[seq.slot] = _SlotState(n, 0, 0)
+        talker = tail = None
+        if seq.payload.export_talker:
+            talker, tail = self._talker_conditioning(seq.payload.input_ids, embeds, hidden)
+        output = ThinkerOutput(talker=talker, prompt_tokens=n, text_rows=tail)
+        return self._accept(seq, token, output, None if rows is None else rows[i : i + 1])
 
     def _text_rows(self, tokens: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor | None:
         """Input embeddings of the sampled tokens, [n, D] fp32, when any request feeds a talker."""

@@ -25,6 +25,10 @@ from .tensors import configure_handoff, request_parameters, wants_bf16_bytes
 log = logging.getLogger(__name__)
 
 
+def _flag(params: dict[str, str], key: str) -> bool:
+    return params.get(key, "false").lower() in ("1", "true", "on")
+
+
 def model_parameters(args) -> dict[str, str]:
     config = json.loads(args["model_config"])
     return {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
@@ -74,9 +78,9 @@ class StageModel:
             log.warning("[%s] the KV budget of %.0f MiB holds %d of max_batch_size %d slots of %d tokens",
                         self.STAGE, self.kv.budget_bytes / 2**20, self.max_slots, max_batch_size,
                         self.max_seq_len)  # fmt: skip
-        self.cuda_graphs = self.params.get("cuda_graphs", "0").lower() in ("1", "true", "on")
+        self.cuda_graphs = _flag(self.params, "cuda_graphs")
         self.max_prefills = int(self.params.get("max_prefills_per_step", 4))
-        if self.device.type == "cuda" and self.params.get("fused_kernels", "false").lower() in ("1", "true", "on"):
+        if self.device.type == "cuda" and _flag(self.params, "fused_kernels"):
             log.info("[%s] fused RMSNorm/rotary kernels on %d norms", self.STAGE, fused_ops.install(model))
         # a deploy profile's sampling defaults, over the stage's built-in ones (validated when rendered)
         self.sampling_overrides = json.loads(self.params.get("sampling_defaults") or "{}")
