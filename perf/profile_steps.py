@@ -4,9 +4,11 @@
 # (wall far above kernels = host-bound); then the same decode steps as served (CUDA graphs): wall time
 # per step beside the kernel time inside it, where the gap is host work and launch gaps. Writes the top
 # kernels by CUDA time per case as JSON to argv[1], and with --trace-dir a Chrome trace of the graphed
-# batch-1 steps (thinker token, talker frame).
+# batch-1 steps (thinker token, talker frame). Code2Wav: a stream's first chunk (4 frames) and a 25-frame
+# chunk with its carried state, at 1, 16 and 64 streams, with transformers' ops and then with the fused
+# kernels, on the same weights.
 #
-#   python -m perf.profile_steps out.json [--experts grouped_mm] [--trace-dir DIR]
+#   python -m perf.profile_steps out.json [--experts grouped_mm] [--trace-dir DIR] [--stages code2wav ...]
 from __future__ import annotations
 
 import argparse
@@ -20,12 +22,14 @@ from torch.profiler import ProfilerActivity, profile
 from omnistage.core.sampling import SamplingParams
 from omnistage.models import fused_ops
 from omnistage.models.checkpoint import load_config, load_stage
+from omnistage.stages.code2wav import Code2WavRunner
 from omnistage.stages.talker import TalkerRunner
 from omnistage.stages.thinker import ThinkerRunner
 from perf.stage_timing import decode_times, free, release, running, talker_prompts, thinker_prompts, timed
 
 BATCHES = (1, 64)
 PREFILLS = (1, 16)  # 16: the cuda profile's max_prefills_per_step
+CODE2WAV_STREAMS = (1, 16, 64)
 
 
 def top_kernels(fn, n: int = 15) -> dict:
@@ -101,6 +105,33 @@ def profile_stage(runner_cls, model, config, kw, seqs, stage: str, step: str, tr
     return out
 
 
+def profile_code2wav(module, dev, dtype, fused: bool) -> dict:
+    """Code2Wav forwards as the W1 chunk schedule makes them: first chunks (4 frames, no state) and
+    25-frame chunks after 29 frames (full conv context), for 1/16/64 streams at once; then the same with
+    the fused SnakeBeta/RMSNorm kernels installed (same weights)."""
+    runner = Code2WavRunner(module, dev, dtype)
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def codes(n: int) -> torch.Tensor:
+        return torch.randint(0, runner.codebook_size, (n, runner.num_quantizers), device=dev, generator=g)
+
+    state = runner.decode([(codes(4), None)])[0][1]
+    state = runner.decode([(codes(25), state)])[0][1]
+    out, probe, wav = {}, (codes(25), state), {}
+    for variant in ("torch", "fused") if fused else ("torch",):
+        if variant == "fused":
+            out["code2wav_fused_modules"] = fused_ops.install(module)
+        wav[variant] = runner.decode([probe])[0][0]
+        for b in CODE2WAV_STREAMS:
+            first = [(codes(4), None)] * b
+            later = [(codes(25), state)] * b
+            out[f"code2wav_{variant}_first4_b{b}"] = with_wall(lambda first=first: runner.decode(first))
+            out[f"code2wav_{variant}_chunk25_b{b}"] = with_wall(lambda later=later: runner.decode(later))
+    if fused:  # the same chunk's audio both ways: bf16 rounding apart, they should agree closely
+        out["code2wav_fused_vs_torch_max_abs"] = float((wav["fused"] - wav["torch"]).abs().max())
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -108,6 +139,7 @@ def main() -> None:
     ap.add_argument("--experts", default="grouped_mm")
     ap.add_argument("--trace-dir", default=None)
     ap.add_argument("--no-fused", action="store_true", help="keep transformers' RMSNorm and rotary ops")
+    ap.add_argument("--stages", nargs="+", default=["thinker", "talker", "code2wav"])
     args = ap.parse_args()
     source, dev, dtype = f"dummy:{args.config}", torch.device("cuda", 0), torch.bfloat16
     config = load_config(source)
@@ -121,14 +153,20 @@ def main() -> None:
         report[f"{stage}_fused_norms"] = 0 if args.no_fused else fused_ops.install(model)
         return model
 
-    # export_talker: the served path, which also builds the talker's conditioning per prompt
-    thinker_seqs = [running(i, params, p) for i, p in enumerate(thinker_prompts(config, 150, max(BATCHES), True))]
-    report.update(profile_stage(ThinkerRunner, load("thinker"), config, kw, thinker_seqs, "thinker", "decode",
-                                args.trace_dir))  # fmt: skip
-    free()  # the thinker's weights, released with the call
-    talker_seqs = [running(i, params, p) for i, p in enumerate(talker_prompts(config, 150, max(BATCHES)))]
-    report.update(profile_stage(TalkerRunner, load("talker"), config, kw, talker_seqs, "talker", "frame",
-                                args.trace_dir))  # fmt: skip
+    if "thinker" in args.stages:
+        # export_talker: the served path, which also builds the talker's conditioning per prompt
+        seqs = [running(i, params, p) for i, p in enumerate(thinker_prompts(config, 150, max(BATCHES), True))]
+        report.update(profile_stage(ThinkerRunner, load("thinker"), config, kw, seqs, "thinker", "decode",
+                                    args.trace_dir))  # fmt: skip
+        free()  # the thinker's weights, released with the call
+    if "talker" in args.stages:
+        seqs = [running(i, params, p) for i, p in enumerate(talker_prompts(config, 150, max(BATCHES)))]
+        report.update(profile_stage(TalkerRunner, load("talker"), config, kw, seqs, "talker", "frame",
+                                    args.trace_dir))  # fmt: skip
+        free()
+    if "code2wav" in args.stages:
+        module = load_stage(source, "code2wav", dtype, dev)
+        report.update(profile_code2wav(module, dev, dtype, fused=not args.no_fused))
     print(json.dumps(report, indent=1), flush=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)

@@ -26,7 +26,7 @@ _PLACED = {"devices", "replicas", "cuda_graphs", "memory_fraction"}
 _KEYS = {
     "thinker": _PLACED | {"max_batch_size", "max_seq_len", "max_queue", "max_prefills_per_step", "sampling",
                           "experts_implementation", "fused_kernels", "kv_cache_bytes", "kv_cache_memory_fraction"},  # fmt: skip
-    "code2wav": _PLACED | {"max_batch_size"},
+    "code2wav": _PLACED | {"max_batch_size", "fused_kernels"},
     "omni_ensemble": {"replicas", "max_inflight", "max_queue", "max_audio_seconds", "max_image_pixels", "max_media_items"},
 }
 _KEYS["talker"] = _KEYS["thinker"]

@@ -6,12 +6,17 @@
 # replace it without changing results beyond the last bit of rsqrt. bf16 rounding is done by hand
 # (_rounded): Triton's float32 -> bf16 cast truncated, which left 2/3 of the values a step towards 0.
 #
-# install(model) swaps the forward of the model's text RMSNorm modules and, once per process, the
-# modeling module's apply_rotary_pos_emb; both fall back to transformers' own code for CPU tensors, so
-# only CUDA steps change. Without the triton package, install() leaves everything as it is.
+# Code2Wav's SnakeBeta activation (x + 1/beta * sin(alpha * x)^2, 29 of them in its conv stack) runs as
+# five eager elementwise ops over tensors of up to 96 channels x 1920 samples per frame: ~11 passes over
+# memory where one read and one write do. The fused kernel rounds after each op as torch's bf16 ops do.
+#
+# install(model) swaps the forward of the model's text RMSNorm and SnakeBeta modules and, once per
+# process, the modeling module's apply_rotary_pos_emb; all fall back to transformers' own code for CPU
+# tensors, so only CUDA steps change. Without the triton package, install() leaves everything as it is.
 from __future__ import annotations
 
 import logging
+import os
 import types
 
 import torch
@@ -20,12 +25,14 @@ from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as modeli
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 except ImportError:  # CPU-only installs: nothing to fuse
     triton = None
 
 log = logging.getLogger(__name__)
 # the decoder stacks' norms (thinker and talker text models, code predictor); all share transformers' formula
 NORM_CLASSES = ("Qwen3OmniMoeThinkerTextRMSNorm", "Qwen3OmniMoeTextRMSNorm", "Qwen3OmniMoeRMSNorm")
+SNAKE_CLASSES = ("Qwen3OmniMoeSnakeBeta", "SnakeBeta")  # Code2Wav's conv stack (SnakeBeta: deprecated alias)
 _original_rope = modeling.apply_rotary_pos_emb
 
 if triton is not None:
@@ -81,6 +88,26 @@ if triton is not None:
         tl.store(dst + offset + i, _cast(lo, dt))
         tl.store(dst + offset + HALF + i, _cast(hi, dt))
 
+    @triton.jit
+    def _snake_kernel(x_ptr, alpha_ptr, inv_beta_ptr, out_ptr, channels, length, BLOCK: tl.constexpr,
+                      LIBDEVICE: tl.constexpr):  # fmt: skip
+        # grid (batch * channels, blocks of length): x [B, C, T] contiguous; alpha, inv_beta [C] already
+        # exp(alpha) and 1 / (exp(beta) + eps) in x's dtype, as transformers computes them
+        row = tl.program_id(0).to(tl.int64)
+        t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        keep = t < length
+        dt = x_ptr.dtype.element_ty
+        x = tl.load(x_ptr + row * length + t, mask=keep, other=0.0).to(tl.float32)
+        channel = row % channels
+        a = tl.load(alpha_ptr + channel).to(tl.float32)
+        inv_b = tl.load(inv_beta_ptr + channel).to(tl.float32)
+        # each op rounded as torch's: x * a, sin, ^2, * 1/b, + x; libdevice's sin is the accurate one
+        # (Triton's CPU interpreter has no libdevice; its tl.sin is numpy's)
+        ax = _rounded(x * a, dt)
+        s = _rounded(libdevice.sin(ax) if LIBDEVICE else tl.sin(ax), dt)
+        y = x + _rounded(inv_b * _rounded(s * s, dt), dt)
+        tl.store(out_ptr + row * length + t, _cast(y, dt), mask=keep)
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm in one kernel: weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)."""
@@ -109,6 +136,23 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
     return q_out, k_out
 
 
+def snake(x: torch.Tensor, alpha: torch.Tensor, inv_beta: torch.Tensor) -> torch.Tensor:
+    """SnakeBeta on x [B, C, T] in one kernel, given exp(alpha) and 1 / (exp(beta) + eps) per channel."""
+    x = x.contiguous()
+    batch, channels, length = x.shape
+    out = torch.empty_like(x)
+    block = min(1024, triton.next_power_of_2(length))
+    _snake_kernel[(batch * channels, triton.cdiv(length, block))](
+        x, alpha, inv_beta, out, channels, length, BLOCK=block, LIBDEVICE=os.environ.get("TRITON_INTERPRET") != "1")
+    return out
+
+
+def snake_factors(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """exp(alpha) and 1 / (exp(beta) + eps) of a SnakeBeta module, with transformers' own ops and dtype."""
+    with torch.no_grad():
+        return module.alpha.exp(), 1.0 / (module.beta.exp() + module.no_div_by_zero)
+
+
 def _fusable(*tensors: torch.Tensor) -> bool:
     return all(t.is_cuda and t.stride(-1) == 1 for t in tensors)
 
@@ -117,6 +161,16 @@ def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     if not hidden_states.is_cuda:
         return type(self).forward(self, hidden_states)
     return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+def _snake_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    if not hidden_states.is_cuda or hidden_states.dim() != 3:
+        return type(self).forward(self, hidden_states)
+    # the factors once per module: inference weights do not change (a reload builds new modules)
+    factors = self.__dict__.get("_fused_factors")
+    if factors is None or factors[0].device != hidden_states.device:
+        factors = self.__dict__["_fused_factors"] = snake_factors(self)
+    return snake(hidden_states, *factors)
 
 
 def _rope_forward(q, k, cos, sin, unsqueeze_dim=1):
@@ -130,15 +184,17 @@ def available() -> bool:
 
 
 def install(model: torch.nn.Module) -> int:
-    """Fused RMSNorm on the model's decoder norms and fused rotary embedding in the modeling module; returns
-    how many norms were swapped (0 without triton)."""
+    """Fused RMSNorm on the model's decoder norms, fused SnakeBeta on Code2Wav's activations and fused rotary
+    embedding in the modeling module; returns how many modules were swapped (0 without triton)."""
     if triton is None:
         log.warning("fused kernels requested but the triton package is missing: transformers' ops stay")
         return 0
     modeling.apply_rotary_pos_emb = _rope_forward
     swapped = 0
     for module in model.modules():
-        if type(module).__name__ in NORM_CLASSES:
-            module.forward = types.MethodType(_norm_forward, module)
+        name = type(module).__name__
+        if name in NORM_CLASSES or name in SNAKE_CLASSES:
+            forward = _norm_forward if name in NORM_CLASSES else _snake_forward
+            module.forward = types.MethodType(forward, module)
             swapped += 1
     return swapped

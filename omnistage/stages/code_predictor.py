@@ -60,7 +60,9 @@ class StaticCodePredictor:
     """The same 15 sub-steps from static buffers, replayed as one CUDA graph per batch bucket. Residual
     codebooks are picked inside the graph: argmax for greedy rows, else top-k 50 / top-p 0.8 sampling
     (the reference's settings) by the Gumbel-max trick on the device's default generator, so sampled
-    rows draw from a stream shared by the batch (a request's seed does not fix its residual codebooks)."""
+    rows draw from a stream shared by the batch (a request's seed does not fix its residual codebooks).
+    A batch of greedy rows only replays a graph without the sampling kernels: they are ~15 of the ~110
+    kernels of a sub-step, and greedy is what W1 and most TTS requests ask for."""
 
     TOP_K, TOP_P = 50, 0.8
 
@@ -83,12 +85,14 @@ class StaticCodePredictor:
         self.past_hidden[:n].copy_(past_hidden)
         self.c0[:n].copy_(c0)
         self.greedy[:n].copy_(to_device(greedy, self.greedy.device))
-        self.bank.run(rows, lambda: self._run(rows))
+        sampled = not all(greedy)
+        self.bank.run((rows, sampled), lambda: self._run(rows, sampled))
         return self.codes[:n], self.codec_sum[:n]
 
     def capture_all(self) -> None:
         if self.bank.enabled:
-            self.bank.capture_all(self.buckets, lambda rows: lambda: self._run(rows))
+            keys = [(rows, sampled) for rows in self.buckets for sampled in (False, True)]
+            self.bank.capture_all(keys, lambda key: lambda: self._run(*key))
 
     def _cache(self, rows: int) -> LockstepCache:
         if rows not in self.caches:
@@ -96,11 +100,13 @@ class StaticCodePredictor:
             self.caches[rows] = LockstepCache(p.layers, rows, p.kv_heads, p.groups, p.head_dim, p.dtype, p.device)
         return self.caches[rows]
 
-    def _run(self, rows: int) -> None:
+    def _run(self, rows: int, sampled: bool) -> None:
         greedy = self.greedy[:rows]
 
         def pick(step: int, logits: torch.Tensor) -> torch.Tensor:
             logits = logits.float()
+            if not sampled:
+                return logits.argmax(-1)
             return torch.where(greedy, logits.argmax(-1), _sample_top_k_top_p(logits, self.TOP_K, self.TOP_P))
 
         cache = self._cache(rows)

@@ -15,13 +15,14 @@ import triton_python_backend_utils as pb_utils
 
 from ..core.errors import BadRequestError, OmniError
 from ..core.protocol import CODE2WAV
-from ..models.checkpoint import load_stage
 from ..core.protocol import PAST_FRAMES
+from ..models import fused_ops
+from ..models.checkpoint import load_stage
 from ..stages.code2wav import Code2WavRunner, state_from_tensors, state_to_tensors
 from .logs import stop_fault_reports
 from .metrics import MetricsPublisher
 from .responder import error_response, send_final
-from .stage_model import init_instance
+from .stage_model import flag, init_instance
 from .tensors import input_tensors, is_probe, output_tensors, request_parameters, wants_bf16_bytes
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,8 @@ class Code2WavModel:
     def initialize(self, args) -> None:
         params, self.device, dtype = init_instance(args)
         module = load_stage(params["model_path"], "code2wav", dtype, self.device)
+        if self.device.type == "cuda" and flag(params, "fused_kernels"):
+            log.info("[code2wav] fused SnakeBeta/RMSNorm kernels on %d modules", fused_ops.install(module))
         context = int(params["left_context_frames"]) if params.get("left_context_frames") else None
         self.runner = Code2WavRunner(module, self.device, dtype, context_frames=context)
         if context is not None and context < self.runner.conv_reach:

@@ -25,7 +25,7 @@ from .tensors import configure_handoff, request_parameters, wants_bf16_bytes
 log = logging.getLogger(__name__)
 
 
-def _flag(params: dict[str, str], key: str) -> bool:
+def flag(params: dict[str, str], key: str) -> bool:
     return params.get(key, "false").lower() in ("1", "true", "on")
 
 
@@ -78,9 +78,9 @@ class StageModel:
             log.warning("[%s] the KV budget of %.0f MiB holds %d of max_batch_size %d slots of %d tokens",
                         self.STAGE, self.kv.budget_bytes / 2**20, self.max_slots, max_batch_size,
                         self.max_seq_len)  # fmt: skip
-        self.cuda_graphs = _flag(self.params, "cuda_graphs")
+        self.cuda_graphs = flag(self.params, "cuda_graphs")
         self.max_prefills = int(self.params.get("max_prefills_per_step", 4))
-        if self.device.type == "cuda" and _flag(self.params, "fused_kernels"):
+        if self.device.type == "cuda" and flag(self.params, "fused_kernels"):
             log.info("[%s] fused RMSNorm/rotary kernels on %d norms", self.STAGE, fused_ops.install(model))
         # a deploy profile's sampling defaults, over the stage's built-in ones (validated when rendered)
         self.sampling_overrides = json.loads(self.params.get("sampling_defaults") or "{}")

@@ -78,3 +78,36 @@ def test_rope_on_views_that_are_not_dense():
     want = fused_ops._original_rope(q, k, angles.cos(), angles.sin())
     got = fused_ops.rope(q, k, angles.cos(), angles.sin())
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("length", [7, 1500])  # one partial block; several blocks per row
+def test_snake_matches_transformers(device, dtype, length):
+    g = torch.Generator().manual_seed(length)
+    code2wav = load_stage("dummy:tiny", "code2wav", dtype=dtype)
+    snake = next(m for m in code2wav.modules() if type(m).__name__ in fused_ops.SNAKE_CLASSES).to(device)
+    channels = snake.alpha.shape[0]
+    with torch.no_grad():  # trained values are spread around 0 (log scale), unlike the zeros of a fresh module
+        snake.alpha.copy_(torch.randn(channels, generator=g) * 0.5)
+        snake.beta.copy_(torch.randn(channels, generator=g) * 0.5)
+    x = (torch.randn(3, channels, length, generator=g) * 2).to(dtype).to(device)
+    want = type(snake).forward(snake, x)
+    got = fused_ops.snake(x, *fused_ops.snake_factors(snake))
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if dtype == torch.bfloat16:  # every op rounded alike: equal but for a rare last-bit sin difference
+        torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7)
+        assert (got != want).float().mean() < 0.01
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_install_swaps_code2wav_snakes_only_for_cuda_tensors(monkeypatch):
+    code2wav = load_stage("dummy:tiny", "code2wav", dtype=torch.float32)
+    snakes = [m for m in code2wav.modules() if type(m).__name__ in fused_ops.SNAKE_CLASSES]
+    norms = [m for m in code2wav.modules() if type(m).__name__ in fused_ops.NORM_CLASSES]
+    assert snakes and fused_ops.install(code2wav) == len(snakes) + len(norms)
+    calls = []
+    monkeypatch.setattr(fused_ops, "snake", lambda *a: calls.append("snake"))
+    x = torch.randn(1, snakes[0].alpha.shape[0], 5)
+    assert torch.equal(snakes[0](x), type(snakes[0]).forward(snakes[0], x)) and not calls  # CPU: transformers'

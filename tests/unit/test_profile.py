@@ -38,6 +38,7 @@ def test_base_profile_is_the_default_layout(platform):
         assert p["dtype"] == ("bfloat16" if cuda else "float32") and p["cuda_graphs"] == ("true" if cuda else "false")
         assert ("experts_implementation" in p) == cuda and p["fused_kernels"] == ("true" if cuda else "false")
     assert spec["code2wav"].parameters["max_batch_windows"] == "64"
+    assert spec["code2wav"].parameters["fused_kernels"] == ("true" if cuda else "false")
     omni = spec["omni_ensemble"].parameters
     assert (omni["first_chunk_frames"], omni["chunk_frames"], omni["max_inflight"]) == ("4", "25", "128")
     assert (omni["thinker_models"], omni["talker_models"]) == ("thinker", "talker")

@@ -101,3 +101,23 @@ def test_text_prompts_prefilled_together_match_generate(hf_model, processor):
             frames[r.seq.request_id].append(r.output.codes)
     for i, x in enumerate(inputs):
         assert torch.equal(torch.cat(frames[f"a{i}"]), oracle.generate(hf_model, x, REPLY, FRAMES)[1])
+
+
+def test_code_predictor_greedy_rows_pick_alike_with_or_without_sampled_rows(hf_model):
+    """A batch of greedy rows runs the variant without sampling kernels; beside a sampled row (the other
+    variant) the greedy rows still get the same codebooks, and the sampled row draws from its logits."""
+    talker = TalkerRunner(hf_model.talker, hf_model.config, max_slots=4, max_seq_len=64, device="cpu",
+                          dtype=torch.float32)  # fmt: skip
+    hidden = hf_model.config.talker_config.text_config.hidden_size
+    predictor = StaticCodePredictor(talker.predictor, 4, hidden, cuda_graphs=False)
+    calls = []
+    predictor.bank.run = lambda key, fn: (calls.append(key), fn())
+    g = torch.Generator().manual_seed(3)
+    past_hidden, c0 = torch.randn(3, hidden, generator=g), torch.tensor([5, 9, 17])
+    greedy_codes = predictor(past_hidden, c0, [True, True, True])[0].clone()
+    torch.manual_seed(0)
+    mixed = [predictor(past_hidden, c0, [True, False, True])[0].clone() for _ in range(8)]
+    assert calls == [(3, False)] + [(3, True)] * 8
+    for codes in mixed:
+        assert torch.equal(codes[[0, 2]], greedy_codes[[0, 2]]) and codes[1, 0] == 9
+    assert len({tuple(codes[1].tolist()) for codes in mixed}) > 1  # the sampled row samples
