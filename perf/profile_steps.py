@@ -20,7 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from omnistage.core.sampling import SamplingParams
-from omnistage.models import fused_ops
+from omnistage.models import code2wav_convs, fused_ops, fused_projections
 from omnistage.models.checkpoint import load_config, load_stage
 from omnistage.stages.code2wav import Code2WavRunner
 from omnistage.stages.talker import TalkerRunner
@@ -108,7 +108,7 @@ def profile_stage(runner_cls, model, config, kw, seqs, stage: str, step: str, tr
 def profile_code2wav(module, dev, dtype, fused: bool) -> dict:
     """Code2Wav forwards as the W1 chunk schedule makes them: first chunks (4 frames, no state) and
     25-frame chunks after 29 frames (full conv context), for 1/16/64 streams at once; then the same with
-    the fused SnakeBeta/RMSNorm kernels installed (same weights)."""
+    the fused SnakeBeta/RMSNorm kernels and copy-free convs installed (same weights)."""
     runner = Code2WavRunner(module, dev, dtype)
     g = torch.Generator(device=dev).manual_seed(0)
 
@@ -120,7 +120,7 @@ def profile_code2wav(module, dev, dtype, fused: bool) -> dict:
     out, probe, wav = {}, (codes(25), state), {}
     for variant in ("torch", "fused") if fused else ("torch",):
         if variant == "fused":
-            out["code2wav_fused_modules"] = fused_ops.install(module)
+            out["code2wav_fused_modules"] = fused_ops.install(module) + code2wav_convs.install(module)
         wav[variant] = runner.decode([probe])[0][0]
         for b in CODE2WAV_STREAMS:
             first = [(codes(4), None)] * b
@@ -138,7 +138,7 @@ def main() -> None:
     ap.add_argument("--config", default="perf/qwen3_omni_30b_a3b_instruct.config.json")
     ap.add_argument("--experts", default="grouped_mm")
     ap.add_argument("--trace-dir", default=None)
-    ap.add_argument("--no-fused", action="store_true", help="keep transformers' RMSNorm and rotary ops")
+    ap.add_argument("--no-fused", action="store_true", help="keep transformers' ops and projections")
     ap.add_argument("--stages", nargs="+", default=["thinker", "talker", "code2wav"])
     args = ap.parse_args()
     source, dev, dtype = f"dummy:{args.config}", torch.device("cuda", 0), torch.bfloat16
@@ -151,6 +151,7 @@ def main() -> None:
     def load(stage):
         model = load_stage(source, stage, dtype, dev, experts_implementation=args.experts)
         report[f"{stage}_fused_norms"] = 0 if args.no_fused else fused_ops.install(model)
+        report[f"{stage}_merged_projections"] = 0 if args.no_fused else fused_projections.install(model)
         return model
 
     if "thinker" in args.stages:

@@ -3,7 +3,8 @@
 # thinker prefill and decode, talker frame (code predictor + talker step), code2wav 25-frame chunk, at
 # several batch sizes. Where the time goes, stage by stage. Writes JSON to argv[1].
 #
-#   python -m perf.stage_timing out.json [--config perf/qwen3_omni_30b_a3b_instruct.config.json]
+#   python -m perf.stage_timing out.json [--config perf/qwen3_omni_30b_a3b_instruct.config.json] [--fused]
+#                                        [--stages thinker talker code2wav]
 from __future__ import annotations
 
 import argparse
@@ -15,6 +16,7 @@ import torch
 
 from omnistage.core.sampling import SamplingParams
 from omnistage.core.scheduler import SeqStatus, Sequence
+from omnistage.models import fused_ops, fused_projections
 from omnistage.models.checkpoint import load_config, load_stage
 from omnistage.stages.code2wav import Code2WavRunner
 from omnistage.stages.talker import TalkerPrompt, TalkerRunner
@@ -50,6 +52,8 @@ def main() -> None:
     ap.add_argument("--config", default="perf/qwen3_omni_30b_a3b_instruct.config.json")
     ap.add_argument("--prompt", type=int, default=150)
     ap.add_argument("--experts", default="grouped_mm", help="experts_implementation, e.g. gather_or_grouped")
+    ap.add_argument("--fused", action="store_true", help="graphed runs with the served fused kernels")
+    ap.add_argument("--stages", nargs="+", default=["thinker", "talker", "code2wav"])
     args = ap.parse_args()
     source, dev, dtype = f"dummy:{args.config}", torch.device("cuda", 0), torch.bfloat16
     config = load_config(source)
@@ -58,12 +62,15 @@ def main() -> None:
     kw = dict(max_slots=max(BATCHES), max_seq_len=1024, device=dev, dtype=dtype)
     long = SamplingParams(max_tokens=500, ignore_eos=True)
 
-    report["experts_implementation"] = args.experts
-    thinker_times(report, source, config, dev, dtype, kw, long, args.prompt, args.experts)
-    free()
-    talker_times(report, source, config, dev, dtype, kw, long, args.prompt, args.experts)
-    free()
-    code2wav_times(report, source, dev, dtype)
+    report["experts_implementation"], report["graphs_fused"] = args.experts, args.fused
+    if "thinker" in args.stages:
+        thinker_times(report, source, config, dev, dtype, kw, long, args.prompt, args.experts, args.fused)
+        free()
+    if "talker" in args.stages:
+        talker_times(report, source, config, dev, dtype, kw, long, args.prompt, args.experts, args.fused)
+        free()
+    if "code2wav" in args.stages:
+        code2wav_times(report, source, dev, dtype)
     report["gpu_mem_gb_peak"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
     print(json.dumps(report, indent=1), flush=True)
     with open(args.out, "w") as f:
@@ -76,21 +83,33 @@ def greedy_agreement(eager_steps, graph_steps) -> float:
     return round(sum(a == b for a, b in pairs) / max(1, len(pairs)), 4)
 
 
-def thinker_times(report, source, config, dev, dtype, kw, params, prompt, experts) -> None:
+def served_kernels(model, fused: bool) -> None:
+    """With --fused, the graphed runs also use the served kernels (fused_kernels: fused ops and merged
+    projections), so the agreement compares transformers' eager ops with what the server runs."""
+    if fused:
+        fused_ops.install(model)
+        fused_projections.install(model)
+
+
+def thinker_times(report, source, config, dev, dtype, kw, params, prompt, experts, fused=False) -> None:
     t0 = time.perf_counter()
     thinker = load_stage(source, "thinker", dtype, dev, experts_implementation=experts)
     report["thinker_load_s"] = round(time.perf_counter() - t0, 2)
     prompts = thinker_prompts(config, prompt, max(BATCHES), export_talker=True)
-    picks = {mode: thinker_mode(report, mode, thinker, config, kw, params, prompts) for mode in ("eager", "graphs")}
+    picks = {"eager": thinker_mode(report, "eager", thinker, config, kw, params, prompts)}
+    served_kernels(thinker, fused)
+    picks["graphs"] = thinker_mode(report, "graphs", thinker, config, kw, params, prompts)
     report["thinker_graph_eager_greedy_agreement"] = greedy_agreement(picks["eager"], picks["graphs"])
     report["gpu_mem_gb_thinker"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
     print(json.dumps(report), flush=True)
 
 
-def talker_times(report, source, config, dev, dtype, kw, params, prompt, experts) -> None:
+def talker_times(report, source, config, dev, dtype, kw, params, prompt, experts, fused=False) -> None:
     talker = load_stage(source, "talker", dtype, dev, experts_implementation=experts)
     prompts = talker_prompts(config, prompt, max(BATCHES))
-    picks = {mode: talker_mode(report, mode, talker, config, kw, params, prompts, dev) for mode in ("eager", "graphs")}
+    picks = {"eager": talker_mode(report, "eager", talker, config, kw, params, prompts, dev)}
+    served_kernels(talker, fused)
+    picks["graphs"] = talker_mode(report, "graphs", talker, config, kw, params, prompts, dev)
     report["talker_graph_eager_greedy_agreement"] = greedy_agreement(picks["eager"], picks["graphs"])
     print(json.dumps(report), flush=True)
 

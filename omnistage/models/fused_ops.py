@@ -89,16 +89,17 @@ if triton is not None:
         tl.store(dst + offset + HALF + i, _cast(hi, dt))
 
     @triton.jit
-    def _snake_kernel(x_ptr, alpha_ptr, inv_beta_ptr, out_ptr, channels, length, BLOCK: tl.constexpr,
-                      LIBDEVICE: tl.constexpr):  # fmt: skip
-        # grid (batch * channels, blocks of length): x [B, C, T] contiguous; alpha, inv_beta [C] already
-        # exp(alpha) and 1 / (exp(beta) + eps) in x's dtype, as transformers computes them
+    def _snake_kernel(x_ptr, alpha_ptr, inv_beta_ptr, out_ptr, channels, length, sx_b, sx_c,
+                      BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):  # fmt: skip
+        # grid (batch * channels, blocks of length): x [B, C, T] with a contiguous last dim (a view cut
+        # from a longer conv output is fine), out contiguous; alpha, inv_beta [C] already exp(alpha) and
+        # 1 / (exp(beta) + eps) in x's dtype, as transformers computes them
         row = tl.program_id(0).to(tl.int64)
         t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         keep = t < length
         dt = x_ptr.dtype.element_ty
-        x = tl.load(x_ptr + row * length + t, mask=keep, other=0.0).to(tl.float32)
         channel = row % channels
+        x = tl.load(x_ptr + (row // channels) * sx_b + channel * sx_c + t, mask=keep, other=0.0).to(tl.float32)
         a = tl.load(alpha_ptr + channel).to(tl.float32)
         inv_b = tl.load(inv_beta_ptr + channel).to(tl.float32)
         # each op rounded as torch's: x * a, sin, ^2, * 1/b, + x; libdevice's sin is the accurate one
@@ -137,13 +138,16 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
 
 
 def snake(x: torch.Tensor, alpha: torch.Tensor, inv_beta: torch.Tensor) -> torch.Tensor:
-    """SnakeBeta on x [B, C, T] in one kernel, given exp(alpha) and 1 / (exp(beta) + eps) per channel."""
-    x = x.contiguous()
+    """SnakeBeta on x [B, C, T] in one kernel, given exp(alpha) and 1 / (exp(beta) + eps) per channel;
+    the output is contiguous."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
     batch, channels, length = x.shape
-    out = torch.empty_like(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(length))
     _snake_kernel[(batch * channels, triton.cdiv(length, block))](
-        x, alpha, inv_beta, out, channels, length, BLOCK=block, LIBDEVICE=os.environ.get("TRITON_INTERPRET") != "1")
+        x, alpha, inv_beta, out, channels, length, x.stride(0), x.stride(1), BLOCK=block,
+        LIBDEVICE=os.environ.get("TRITON_INTERPRET") != "1")  # fmt: skip
     return out
 
 

@@ -1,0 +1,169 @@
+# Fewer kernels per decoder layer: q/k/v as one GEMM followed by one kernel for the per-head q/k RMSNorm
+# and the rotary embedding, and the MLP's gate/up as one GEMM followed by one silu(gate) * up kernel.
+# Transformers runs those as 3 GEMMs + 3 kernels (with fused_ops' norm and rope) and 2 GEMMs + 2
+# elementwise kernels. A talker frame (20 talker layers, then 15 code-predictor sub-steps of 5 layers) is
+# bound by its ~3100 small kernels, not by their work (perf/README.md): this removes ~600 of them.
+#
+# The merged weights are views of one tensor that the original q/k/v (gate/up) parameters now also view,
+# so memory does not grow. The kernels round as transformers' bf16 ops do (each op's result rounded to
+# the input dtype); the merged GEMM may accumulate in another order than the three separate ones.
+# install(model) swaps the forward of the decoder stacks' attention and dense MLP modules (call it once the
+# model is on its device: the merged weights are plain attributes); CPU tensors keep transformers' forward.
+from __future__ import annotations
+
+import os
+import types
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as modeling
+
+from . import fused_ops
+
+if fused_ops.available():
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+
+    from .fused_ops import _cast, _rounded
+
+# the thinker's and talker's text attention (one class) and the code predictor's; their dense MLPs
+ATTENTION_CLASSES = ("Qwen3OmniMoeThinkerTextAttention", "Qwen3OmniMoeTalkerCodePredictorAttention")
+MLP_CLASSES = ("Qwen3OmniMoeMLP", "Qwen3OmniMoeTalkerTextMLP", "Qwen3OmniMoeThinkerTextMLP")
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter has no libdevice
+
+if fused_ops.available():
+
+    @triton.jit
+    def _norm_half(x1, x2, w_ptr, eps, i, HALF: tl.constexpr, dt: tl.constexpr):
+        # transformers' RMSNorm of one head row given as its two halves: rounded to dt, then times weight
+        variance = (tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * HALF)
+        scale = 1.0 / tl.sqrt_rn(variance + eps)
+        w1, w2 = tl.load(w_ptr + i).to(tl.float32), tl.load(w_ptr + HALF + i).to(tl.float32)
+        return _rounded(w1 * _rounded(x1 * scale, dt), dt), _rounded(w2 * _rounded(x2 * scale, dt), dt)
+
+    @triton.jit
+    def _qk_norm_rope_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, q_rows, heads_q, heads_k,
+                             seq, s_b, s_t, cs_b, cs_t, eps_q, eps_k, HALF: tl.constexpr):  # fmt: skip
+        # one program per (batch, head, position) row of q, then of k; qkv [B, T, (Hq + 2 Hk) * D] with a
+        # contiguous last dim; q [B, Hq, T, D] and k [B, Hk, T, D] contiguous
+        row = tl.program_id(0).to(tl.int64)
+        is_q = row < q_rows
+        r = tl.where(is_q, row, row - q_rows)
+        heads = tl.where(is_q, heads_q, heads_k)
+        b, h, t = r // (heads * seq), (r // seq) % heads, r % seq
+        column = tl.where(is_q, h, heads_q + h) * 2 * HALF
+        dt = q_ptr.dtype.element_ty
+        i = tl.arange(0, HALF)
+        src = qkv_ptr + b * s_b + t * s_t + column
+        x1, x2 = tl.load(src + i).to(tl.float32), tl.load(src + HALF + i).to(tl.float32)
+        w_ptr = tl.where(is_q, qw_ptr, kw_ptr)
+        n1, n2 = _norm_half(x1, x2, w_ptr, tl.where(is_q, eps_q, eps_k), i, HALF, dt)
+        c, s = cos_ptr + b * cs_b + t * cs_t, sin_ptr + b * cs_b + t * cs_t
+        c1, c2 = tl.load(c + i).to(tl.float32), tl.load(c + HALF + i).to(tl.float32)
+        s1, s2 = tl.load(s + i).to(tl.float32), tl.load(s + HALF + i).to(tl.float32)
+        lo = _rounded(n1 * c1, dt) + _rounded(-n2 * s1, dt)
+        hi = _rounded(n2 * c2, dt) + _rounded(n1 * s2, dt)
+        dst = tl.where(is_q, q_ptr, k_ptr) + r * 2 * HALF
+        tl.store(dst + i, _cast(lo, dt))
+        tl.store(dst + HALF + i, _cast(hi, dt))
+
+    @triton.jit
+    def _silu_mul_kernel(gu_ptr, out_ptr, width, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
+        # gu [rows, 2 * width] (gate, then up), out [rows, width]: silu(gate) rounded, times up, rounded
+        row = tl.program_id(0).to(tl.int64)
+        j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        keep = j < width
+        dt = out_ptr.dtype.element_ty
+        g = tl.load(gu_ptr + row * 2 * width + j, mask=keep, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * 2 * width + width + j, mask=keep, other=0.0).to(tl.float32)
+        e = libdevice.exp(-g) if LIBDEVICE else tl.exp(-g)
+        tl.store(out_ptr + row * width + j, _cast(_rounded(g / (1.0 + e), dt) * u, dt), mask=keep)
+
+
+def qk_norm_rope(qkv: torch.Tensor, heads_q: int, heads_k: int, q_norm, k_norm, cos, sin):
+    """qkv [B, T, (Hq + 2 Hk) * D] -> q [B, Hq, T, D], k [B, Hk, T, D]: per-head RMSNorm, then rope."""
+    batch, seq, _ = qkv.shape
+    dim = q_norm.weight.shape[0]
+    q = torch.empty(batch, heads_q, seq, dim, dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty(batch, heads_k, seq, dim, dtype=qkv.dtype, device=qkv.device)
+    if cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    cs_b = cos.stride(0) if cos.shape[0] == batch else 0  # [1, T, D]: every row reads the same angles
+    q_rows = batch * heads_q * seq
+    _qk_norm_rope_kernel[(q_rows + batch * heads_k * seq,)](
+        qkv, q_norm.weight, k_norm.weight, cos, sin, q, k, q_rows, heads_q, heads_k, seq, qkv.stride(0),
+        qkv.stride(1), cs_b, cos.stride(1), q_norm.variance_epsilon, k_norm.variance_epsilon, HALF=dim // 2)  # fmt: skip
+    return q, k
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2 * I] (gate, up) -> [..., I]: silu(gate) * up, rounded as transformers' two ops."""
+    width = gate_up.shape[-1] // 2
+    rows = gate_up.contiguous().view(-1, 2 * width)
+    out = torch.empty(rows.shape[0], width, dtype=gate_up.dtype, device=gate_up.device)
+    block = min(1024, triton.next_power_of_2(width))
+    _silu_mul_kernel[(rows.shape[0], triton.cdiv(width, block))](rows, out, width, BLOCK=block,
+                                                                  LIBDEVICE=not _INTERPRETED)  # fmt: skip
+    return out.view(*gate_up.shape[:-1], width)
+
+
+def _fused(t: torch.Tensor) -> bool:
+    return t.is_cuda  # tests point this at CPU tensors too (Triton's interpreter)
+
+
+def _attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
+    if not _fused(hidden_states) or hidden_states.dim() != 3:
+        return type(self).forward(self, hidden_states, position_embeddings, attention_mask, past_key_values,
+                                  **kwargs)  # fmt: skip
+    batch, seq, _ = hidden_states.shape
+    qkv = F.linear(hidden_states, self.qkv_weight, self.qkv_bias)
+    heads_q, heads_k = self.config.num_attention_heads, self.config.num_key_value_heads
+    q, k = qk_norm_rope(qkv, heads_q, heads_k, self.q_norm, self.k_norm, *position_embeddings)
+    v = qkv[..., (heads_q + heads_k) * self.head_dim :].view(batch, seq, heads_k, self.head_dim).transpose(1, 2)
+    if past_key_values is not None:
+        k, v = past_key_values.update(k, v, self.layer_idx)
+    attention = modeling.ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                               modeling.eager_attention_forward)  # fmt: skip
+    out, weights = attention(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling,
+                             sliding_window=self.sliding_window, **kwargs)  # fmt: skip
+    return self.o_proj(out.reshape(batch, seq, -1).contiguous()), weights
+
+
+def _mlp_forward(self, x):
+    if not _fused(x) or self.config.hidden_act != "silu":
+        return type(self).forward(self, x)
+    return self.down_proj(silu_mul(F.linear(x, self.gate_up_weight)))
+
+
+def _merge(*linears: torch.nn.Linear) -> torch.Tensor:
+    """One weight holding the linears' weights stacked; each linear's parameter becomes a view of it."""
+    merged = torch.cat([m.weight.detach() for m in linears])
+    start = 0
+    for m in linears:
+        rows = m.weight.shape[0]
+        m.weight = torch.nn.Parameter(merged[start : start + rows], requires_grad=False)
+        start += rows
+    return merged
+
+
+def install(model: torch.nn.Module) -> int:
+    """Merged q/k/v and gate/up projections with fused epilogues in the decoder stacks; returns how many
+    modules were swapped (0 without triton)."""
+    if not fused_ops.available():
+        return 0
+    swapped = 0
+    for module in model.modules():
+        name = type(module).__name__
+        if name in ATTENTION_CLASSES:
+            module.qkv_weight = _merge(module.q_proj, module.k_proj, module.v_proj)
+            biases = [m.bias for m in (module.q_proj, module.k_proj, module.v_proj)]
+            module.qkv_bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+            module.forward = types.MethodType(_attention_forward, module)
+        elif name in MLP_CLASSES:
+            module.gate_up_weight = _merge(module.gate_proj, module.up_proj)
+            module.forward = types.MethodType(_mlp_forward, module)
+        else:
+            continue
+        swapped += 1
+    return swapped

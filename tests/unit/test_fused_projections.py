@@ -1,0 +1,112 @@
+# Merged q/k/v and gate/up projections with their fused epilogues (omnistage/models/fused_projections.py)
+# give transformers' results: the kernels alone (run by Triton's CPU interpreter, see tests/conftest.py),
+# then whole decoder layers of the talker and the code predictor, and a talker frame through the runner.
+import copy
+
+import pytest
+import torch
+
+from omnistage.models import fused_ops, fused_projections
+from omnistage.models.checkpoint import load_stage
+
+pytestmark = pytest.mark.skipif(not fused_ops.available(), reason="triton is not installed")
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture
+def on_cpu_too(monkeypatch):
+    monkeypatch.setattr(fused_projections, "_fused", lambda t: True)
+
+
+def talker(dtype=torch.float32, device="cpu"):
+    return load_stage("dummy:tiny", "talker", dtype=dtype).to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cos_batch", [1, 2])
+def test_qk_norm_rope_matches_transformers(device, dtype, cos_batch):
+    attn = talker(dtype, device).code_predictor.model.layers[0].self_attn
+    g = torch.Generator().manual_seed(cos_batch)
+    batch, seq, d = 2, 3, attn.head_dim
+    hq, hk = attn.config.num_attention_heads, attn.config.num_key_value_heads
+    qkv = torch.randn(batch, seq, (hq + 2 * hk) * d, generator=g).to(device, dtype)
+    angles = torch.randn(cos_batch, seq, d, generator=g)
+    cos, sin = angles.cos().to(device, dtype), angles.sin().to(device, dtype)
+    q, k = qkv[..., : hq * d].view(batch, seq, hq, d), qkv[..., hq * d : (hq + hk) * d].view(batch, seq, hk, d)
+    want = fused_ops._original_rope(attn.q_norm.__class__.forward(attn.q_norm, q).transpose(1, 2),
+                                    attn.k_norm.__class__.forward(attn.k_norm, k).transpose(1, 2), cos, sin)  # fmt: skip
+    got = fused_projections.qk_norm_rope(qkv, hq, hk, attn.q_norm, attn.k_norm, cos, sin)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and a.is_contiguous()
+        if dtype == torch.bfloat16 and device == "cuda":  # rsqrt's last float32 bit, now and then
+            torch.testing.assert_close(a, b, rtol=2**-6, atol=2**-6)
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_transformers(device, dtype):
+    g = torch.Generator().manual_seed(0)
+    gate_up = (torch.randn(3, 5, 2 * 1100, generator=g) * 3).to(device, dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    got = fused_projections.silu_mul(gate_up)
+    tol = 1e-6 if dtype == torch.float32 else 2**-7  # exp's last bit may cross a bf16 rounding now and then
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def test_install_merges_weights_into_views_without_copies():
+    model = talker()
+    layer = model.code_predictor.model.layers[0]
+    before = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    attentions = [m for m in model.modules() if type(m).__name__ in fused_projections.ATTENTION_CLASSES]
+    mlps = [m for m in model.modules() if type(m).__name__ in fused_projections.MLP_CLASSES]
+    assert fused_projections.install(model) == len(attentions) + len(mlps) and attentions and mlps
+    attn = layer.self_attn
+    assert attn.q_proj.weight.data_ptr() == attn.qkv_weight.data_ptr()  # views of the merged weight
+    assert attn.v_proj.weight.untyped_storage().data_ptr() == attn.qkv_weight.untyped_storage().data_ptr()
+    assert all(torch.equal(p, before[n]) for n, p in layer.named_parameters())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decoder_layers_match_transformers(on_cpu_too, device):
+    model = talker(device=device)
+    original = copy.deepcopy(model)
+    fused_projections.install(model)
+    g = torch.Generator().manual_seed(1)
+    for stack, ref in ((model.model, original.model), (model.code_predictor.model, original.code_predictor.model)):
+        hidden = torch.randn(2, 4, stack.config.hidden_size, generator=g).to(device)
+        positions = torch.arange(4, device=device)[None].expand(2, 4)
+        if stack is model.model:  # the talker's MRoPE: [3, B, T]
+            positions = positions[None].expand(3, 2, 4)
+        rope = ref.rotary_emb(hidden, positions)
+        for layer, ref_layer in zip(stack.layers, ref.layers):
+            got = layer(hidden, attention_mask=None, position_embeddings=rope)
+            want = ref_layer(hidden, attention_mask=None, position_embeddings=rope)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_thinker_and_talker_with_merged_projections_match_generate(on_cpu_too, hf_model, processor):
+    from omnistage.core.sampling import SamplingParams
+    from omnistage.models.processor import prepare_inputs
+    from omnistage.stages.talker import TalkerPrompt, TalkerRunner
+    from omnistage.stages.thinker import ThinkerPrompt, ThinkerRunner
+
+    from .. import oracle
+    from .test_stage_oracle import FRAMES, REPLY, run_talker, run_thinker, running
+
+    inputs = prepare_inputs(processor, oracle.messages("text"))
+    want_text, want_codes, _ = oracle.generate(hf_model, inputs, REPLY, FRAMES)  # before the swap
+    model = copy.deepcopy(hf_model)
+    assert fused_projections.install(model) > 0
+    kw = dict(max_slots=4, max_seq_len=512, device="cpu", dtype=torch.float32)
+    thinker = ThinkerRunner(model.thinker, model.config, **kw)
+    out, _ = run_thinker(thinker, running("t", SamplingParams(max_tokens=REPLY),
+                                          ThinkerPrompt(inputs["input_ids"][0], export_talker=True), slot=1))  # fmt: skip
+    assert out.token_ids == want_text
+    talker = TalkerRunner(model.talker, model.config, **kw)
+    prompt = TalkerPrompt(out.talker, 2302, list(out.text_rows.unbind(0)), True)
+    codes, _ = run_talker(talker, running("a", SamplingParams(max_tokens=FRAMES, repetition_penalty=1.05), prompt, 2))
+    assert torch.equal(codes, want_codes)
