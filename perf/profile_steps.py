@@ -148,6 +148,10 @@ def main() -> None:
     report = {"weights": "dummy random bf16", "model": "full-size Qwen3-Omni-30B-A3B config", "experts": args.experts,
               "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}  # fmt: skip
 
+    def save():  # after each stage too: a run cut by its time limit keeps what it measured
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
     def load(stage):
         model = load_stage(source, stage, dtype, dev, experts_implementation=args.experts)
         report[f"{stage}_fused_norms"] = 0 if args.no_fused else fused_ops.install(model)
@@ -160,17 +164,18 @@ def main() -> None:
         report.update(profile_stage(ThinkerRunner, load("thinker"), config, kw, seqs, "thinker", "decode",
                                     args.trace_dir))  # fmt: skip
         free()  # the thinker's weights, released with the call
+        save()
     if "talker" in args.stages:
         seqs = [running(i, params, p) for i, p in enumerate(talker_prompts(config, 150, max(BATCHES)))]
         report.update(profile_stage(TalkerRunner, load("talker"), config, kw, seqs, "talker", "frame",
                                     args.trace_dir))  # fmt: skip
         free()
+        save()
     if "code2wav" in args.stages:
         module = load_stage(source, "code2wav", dtype, dev)
         report.update(profile_code2wav(module, dev, dtype, fused=not args.no_fused))
+    save()
     print(json.dumps(report, indent=1), flush=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
 
 
 if __name__ == "__main__":
