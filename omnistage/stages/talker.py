@@ -17,6 +17,7 @@ from .kv_cache import SlotKVCache
 from .sampler import Sampler
 from .static_decode import StaticDecoder
 from .static_prefill import StaticPrefill
+from .step_stream import StepStream, on_step_stream
 from .thinker import TalkerConditioning
 
 
@@ -67,6 +68,7 @@ class TalkerRunner:
     def __init__(self, model, config, *, max_slots: int, max_seq_len: int, device, dtype, seed: int = 0,
                  cuda_graphs: bool = False, max_prefills: int = 16):  # fmt: skip
         self.model, self.config, self.device, self.dtype = (model, config, torch.device(device), dtype)
+        self.step_stream = StepStream(self.device)  # prefill/decode/release run on it (step_stream.py)
         tc = config.talker_config
         text = tc.text_config
         self.text_config = text
@@ -118,11 +120,13 @@ class TalkerRunner:
         k = state.frames + 1
         return seq.payload.text_end or k < len(seq.payload.text) or k >= seq.params.max_tokens
 
+    @on_step_stream
     def release(self, seq: Sequence) -> None:
         if 0 <= seq.slot < len(self.slots):
             self.slots[seq.slot] = None
         self.sampler.release(seq.request_id)
 
+    @on_step_stream
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> list[StepResult]:
         return self._prefill_batch(seqs)
@@ -134,6 +138,7 @@ class TalkerRunner:
         if self.static_predictor is not None:
             self.static_predictor.capture_all()
 
+    @on_step_stream
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> list[StepResult]:
         slots = to_device([s.slot for s in seqs], self.device)

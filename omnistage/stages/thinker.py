@@ -16,6 +16,7 @@ from .kv_cache import SlotKVCache
 from .sampler import Sampler
 from .static_decode import StaticDecoder
 from .static_prefill import StaticPrefill
+from .step_stream import StepStream, on_step_stream
 
 
 @dataclass
@@ -68,6 +69,7 @@ class ThinkerRunner:
     def __init__(self, model, config, *, max_slots: int, max_seq_len: int, device, dtype, seed: int = 0,
                  cuda_graphs: bool = False, max_prefills: int = 16):  # fmt: skip
         self.model, self.config, self.device, self.dtype = (model, config, torch.device(device), dtype)
+        self.step_stream = StepStream(self.device)  # prefill/decode/release run on it (step_stream.py)
         text = config.thinker_config.text_config
         self.text_config = text
         self.max_seq_len = max_seq_len
@@ -103,11 +105,13 @@ class ThinkerRunner:
     def is_ready(self, seq: Sequence) -> bool:
         return True
 
+    @on_step_stream
     def release(self, seq: Sequence) -> None:
         if 0 <= seq.slot < len(self.slots):
             self.slots[seq.slot] = None
         self.sampler.release(seq.request_id)
 
+    @on_step_stream
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> list[StepResult]:
         # text-only prompts of one step share a forward (right-padded); a multimodal one runs alone
@@ -124,6 +128,7 @@ class ThinkerRunner:
         self.decoder.capture_all()
         self.static_prefill.capture_all()
 
+    @on_step_stream
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> list[StepResult]:
         # every occupied slot up to the highest takes part (a just-prefilled one too), see StaticDecoder.step

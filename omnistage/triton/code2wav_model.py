@@ -19,6 +19,7 @@ from ..core.protocol import PAST_FRAMES
 from ..models import code2wav_convs, fused_ops
 from ..models.checkpoint import load_stage
 from ..stages.code2wav import Code2WavRunner, state_from_tensors, state_to_tensors
+from ..stages.step_stream import StepStream
 from .logs import stop_fault_reports
 from .metrics import MetricsPublisher
 from .responder import error_response, send_final
@@ -48,6 +49,9 @@ class Code2WavModel:
             raise ValueError(f"left_context_frames {context} is below this checkpoint's conv reach "
                              f"({self.runner.conv_reach} frames); use null or >= {self.runner.conv_reach}")
         self.max_batch = int(params.get("max_batch_windows", 64))
+        # the worker decodes on a stream of its own: Triton's copies of response tensors wait for the legacy
+        # default stream only (stages/step_stream.py)
+        self.step_stream = StepStream(self.device)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         # written by the worker, read by the metrics thread
         self.last_batch, self.chunks, self.batches, self.busy_seconds = 0, 0, 0, 0.0
@@ -102,18 +106,24 @@ class Code2WavModel:
             try:
                 # each group of one shape is answered as soon as it is decoded, streams' first chunks first
                 # ranges were checked by _turn_away_bad_ranges: no second device sync for them
-                for done in self.runner.decode_groups([p.chunk for p in batch], check_ranges=False):
-                    responses = [(i, output_tensors({"audio": wav.float(), **state_to_tensors(state)},
-                                                    batch[i].bf16_bytes)) for i, (wav, state) in done]  # fmt: skip
-                    for i, tensors in responses:
-                        send_final(batch[i].sender, pb_utils.InferenceResponse(output_tensors=tensors))
-                        answered.add(i)
+                with self.step_stream.run():
+                    for done in self.runner.decode_groups([p.chunk for p in batch], check_ranges=False):
+                        responses = [(i, output_tensors({"audio": wav.float(), **state_to_tensors(state)},
+                                                        batch[i].bf16_bytes)) for i, (wav, state) in done]  # fmt: skip
+                        self.step_stream.sync()  # Triton copies the tensors on the default stream
+                        self._send(batch, responses, answered)
             except Exception as e:
                 log.exception("[code2wav] decode failed")
                 for i, p in enumerate(batch):
                     if i not in answered:
                         send_final(p.sender, error_response(e if isinstance(e, OmniError) else OmniError(str(e))))
             self.busy_seconds += time.perf_counter() - t0
+
+    @staticmethod
+    def _send(batch: list[PendingChunk], responses, answered: set[int]) -> None:
+        for i, tensors in responses:
+            send_final(batch[i].sender, pb_utils.InferenceResponse(output_tensors=tensors))
+            answered.add(i)
 
     def _turn_away_bad_ranges(self, batch: list[PendingChunk]) -> list[PendingChunk]:
         try:

@@ -1,0 +1,51 @@
+# The CUDA stream a stage's engine steps run on: a stream of its own, not the legacy default stream.
+#
+# Why: the Python backend copies every CUDA tensor of a response (and of a GPU input) with cudaMemcpy
+# followed by cudaStreamSynchronize(0) on the legacy default stream (python_backend's PbMemory::CopyBuffer),
+# which waits for all work queued on that stream. With the engine's graphs replayed there too, each response
+# carrying a CUDA tensor waited for the step in flight, so the response thread sent about one response per
+# engine step: at 64 streams the thinker answered each request ~2 times in its 18 tokens (the rest came
+# merged at the end) and the talker could not start speaking before the thinker had finished. A stream
+# created by torch is non-blocking, so that copy no longer waits for the engine.
+#
+# The price is ordering by hand: a step first waits for what other threads queued on the default stream
+# (inputs copied there), and its outputs are complete before it returns (the response thread hands them to
+# Triton, which reads them on the default stream).
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+
+class StepStream:
+    def __init__(self, device: torch.device | str):
+        device = torch.device(device)
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    @contextlib.contextmanager
+    def run(self):
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_stream(torch.cuda.default_stream(self.stream.device))
+        with torch.cuda.stream(self.stream):
+            yield
+        self.sync()
+
+    def sync(self) -> None:
+        """Waits for everything queued on the stream so far (CUDA tensors made on it are then complete)."""
+        if self.stream is not None:
+            self.stream.synchronize()
+
+
+def on_step_stream(method):
+    """Runs a runner method (prefill, decode, release) on the runner's `step_stream`."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self.step_stream.run():
+            return method(self, *args, **kwargs)
+
+    return wrapper
