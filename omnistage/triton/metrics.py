@@ -118,6 +118,8 @@ _STAGE_COUNTERS = {
     "prefill_seconds_total": "seconds the engine spent in prefills",
     "decode_seconds_total": "seconds the engine spent in decode steps (its busy share: / wall time)",
     "decode_rows_total": "sequences over all decode steps (/ steps: mean decode batch)",
+    "response_encode_seconds_total": "seconds the response thread spent making response tensors",
+    "response_send_seconds_total": "seconds the response thread spent in Triton's send()",
 }
 
 
@@ -146,6 +148,8 @@ class StageMetrics(MetricsPublisher):
             "prefill_seconds_total": s["prefill_seconds"],
             "decode_seconds_total": s["decode_seconds"],
             "decode_rows_total": s["decoded_rows"],
+            "response_encode_seconds_total": self.responder.encode_seconds,
+            "response_send_seconds_total": self.responder.send_seconds,
             "kv_cache_slots": self.kv.slots,
             "kv_cache_bytes": self.kv.cache_bytes,
             "gpu_memory_peak_bytes": self._peak_gpu_bytes(),

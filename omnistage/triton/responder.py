@@ -59,6 +59,10 @@ class Responder:
         self._thread = threading.Thread(target=self._loop, name=f"{name}-responder", daemon=True)
         self._running = True
         self.responses_sent = 0
+        # where the response thread's time goes: making the tensors, and Triton's send() (an IPC round trip,
+        # plus a device copy per CUDA tensor); their sum over wall time is the thread's busy share
+        self.encode_seconds = 0.0
+        self.send_seconds = 0.0
 
     def start(self) -> None:
         self._thread.start()
@@ -136,6 +140,7 @@ class Responder:
         def response(reason):
             return pb_utils.InferenceResponse(output_tensors=output_tensors(self.encode(output, reason), bf16_bytes))
 
+        t0 = time.perf_counter()
         try:  # our part first: a failure here is a bug, and the stream still ends with an error
             if error is not None:  # what was produced before the failure still goes out, then the error
                 data, last = (None if output is None else response(None)), error_response(error)
@@ -147,6 +152,8 @@ class Responder:
             log.exception("[%s] encoding a response for %s failed", self.name, request_id)
             self._end(request_id, sender, final, error_response(EngineError(f"[{self.name}] bad response: {e}")))
             return
+        t1 = time.perf_counter()
+        self.encode_seconds += t1 - t0
         try:
             if data is not None:
                 sender.send(data)
@@ -161,6 +168,7 @@ class Responder:
             if not final:
                 self._end(request_id, sender, final, None)
         finally:
+            self.send_seconds += time.perf_counter() - t1
             if final:
                 self._cancelled.discard(request_id)
 

@@ -147,6 +147,9 @@ def test_orchestrator_publishes_handoff_ttfp_and_rtf(triton_server):
     assert 0 < delta("omni_code2wav_busy_seconds_total") < elapsed
     for stage in ("thinker", "talker"):  # busy time is within the request's time, on one of the two replicas
         assert 0 < delta(f"omni_{stage}_decode_seconds_total") + delta(f"omni_{stage}_prefill_seconds_total") < elapsed
+        # the response thread's time: sending the stage's responses, and making their tensors
+        assert 0 < delta(f"omni_{stage}_response_send_seconds_total") < elapsed
+        assert 0 < delta(f"omni_{stage}_response_encode_seconds_total") < elapsed
     assert delta("omni_thinker_decode_rows_total") == REPLY - 1  # the first reply token comes from the prefill
     assert delta("omni_talker_decode_rows_total") >= FRAMES - 1
     # the request's own timeline: milestones in causal order, the orchestrator's first audio before the client's
