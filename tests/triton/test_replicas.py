@@ -98,7 +98,8 @@ def test_cancel_frees_the_slots_of_the_replicas_that_held_them(triton_server):
         while "audio" not in [kind for _, kind in s.result.events]:
             assert s.next(timeout=120)
     slots = lambda stage: gauge(triton_server.metrics(), f"omni_{stage}_slots_in_use")  # noqa: E731
-    assert slots("talker") == 2 and slots("thinker") == 2
+    # the gauges are sampled a few times per second: wait for the sample that sees both sessions
+    wait_for(lambda: slots("talker") == 2 and slots("thinker") == 2, timeout=10, what="both sessions in the gauges")
     for s in streams:
         s.cancel()
     wait_for(lambda: slots("talker") == 0 and slots("thinker") == 0, timeout=30, what="slots freed on every replica")
