@@ -10,7 +10,7 @@
 # profile as it is), prefill16 (thinker/talker max_prefills_per_step 16, the cuda default since 83dea47),
 # scaled (prefill16 + 2 code2wav and 2 omni_ensemble instances), scaled_mps (scaled under the CUDA MPS
 # daemon, when the machine has it), mps (base under CUDA MPS), gpu_inputs (prefill16 with the profile's
-# gpu_inputs: true).
+# gpu_inputs: true), step_stream (every GPU stage with step_stream: true).
 set -u
 OUT="${1:?usage: bash perf/gpu_variants.sh OUT_DIR [variant ...]}"
 shift
@@ -24,6 +24,8 @@ SCALED=("${PREFILL16[@]}" --instances code2wav=2,omni_ensemble=2)
 # the profile's gpu_inputs: true (CUDA inputs stay on the device instead of the Python backend's host copy)
 GPU_INPUTS=("${PREFILL16[@]}" --set thinker.FORCE_CPU_ONLY_INPUT_TENSORS=no --set talker.FORCE_CPU_ONLY_INPUT_TENSORS=no
             --set code2wav.FORCE_CPU_ONLY_INPUT_TENSORS=no)
+# the profile's step_stream: true on every GPU stage (engine steps on a CUDA stream of their own)
+STEP_STREAM=(--set thinker.step_stream=true --set talker.step_stream=true --set code2wav.step_stream=true)
 
 run_variant() {  # name, then perf.gpu_bench args
   local name=$1
@@ -70,11 +72,12 @@ for n in (16, 64): print('smoke burst', n, {k: v for k, v in r.get(f'burst_{n}',
     prefill16) run_variant prefill16 "${PREFILL16[@]}" ;;
     scaled) run_variant scaled "${SCALED[@]}" ;;
     gpu_inputs) run_variant gpu_inputs "${GPU_INPUTS[@]}" ;;
+    step_stream) run_variant step_stream "${STEP_STREAM[@]}" ;;
     mps) under_mps mps ;;
     scaled_mps) under_mps scaled_mps "${SCALED[@]}" ;;
     *) echo "unknown variant $v" | tee -a "$OUT/variants.log" ;;
   esac
 done
 # the device returns few files: one archive of the variants' directories
-dirs=$(cd "$OUT" && ls -d base prefill16 scaled mps scaled_mps gpu_inputs 2> /dev/null)
+dirs=$(cd "$OUT" && ls -d base prefill16 scaled mps scaled_mps gpu_inputs step_stream 2> /dev/null)
 [ -n "$dirs" ] && tar czf "$OUT/variants.tar.gz" -C "$OUT" $dirs && (cd "$OUT" && rm -rf $dirs)

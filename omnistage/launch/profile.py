@@ -22,7 +22,7 @@ PLATFORMS = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
 ENGINE_STAGES = ("thinker", "talker")  # KV-cache engines; sessions are pinned to one replica
 STAGES = (*ENGINE_STAGES, "code2wav", "omni_ensemble")
-_PLACED = {"devices", "replicas", "cuda_graphs", "memory_fraction"}
+_PLACED = {"devices", "replicas", "cuda_graphs", "memory_fraction", "step_stream"}
 _KEYS = {
     "thinker": _PLACED | {"max_batch_size", "max_seq_len", "max_queue", "max_prefills_per_step", "sampling",
                           "experts_implementation", "fused_kernels", "kv_cache_bytes", "kv_cache_memory_fraction"},  # fmt: skip
@@ -193,7 +193,7 @@ def _stage(name: str, raw: dict, platform: str, gpu_count: int | None) -> StageP
         if settings.get("max_prefills_per_step", 1) > settings["max_batch_size"]:
             raise ProfileError(f"{where}.max_prefills_per_step exceeds max_batch_size ({settings['max_batch_size']})")
         settings["sampling"] = _sampling(where, settings.get("sampling") or {}, settings["max_seq_len"])
-    for key in ("cuda_graphs", "fused_kernels"):
+    for key in ("cuda_graphs", "fused_kernels", "step_stream"):
         if key in settings and not isinstance(settings[key], bool):
             raise ProfileError(f"{where}.{key} must be true or false, got {settings[key]!r}")
     for key in ("memory_fraction", "kv_cache_memory_fraction"):

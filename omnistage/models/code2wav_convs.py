@@ -13,7 +13,7 @@ from __future__ import annotations
 import types
 
 import torch
-import torch.nn.functional as F  # noqa: N812
+import torch.nn.functional as F
 
 try:
     import triton

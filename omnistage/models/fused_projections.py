@@ -15,7 +15,7 @@ import os
 import types
 
 import torch
-import torch.nn.functional as F  # noqa: N812
+import torch.nn.functional as F
 from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as modeling
 
 from . import fused_ops

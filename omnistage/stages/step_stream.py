@@ -11,6 +11,11 @@
 # The price is ordering by hand: a step first waits for what other threads queued on the default stream
 # (inputs copied there), and its outputs are complete before it returns (the response thread hands them to
 # Triton, which reads them on the default stream).
+#
+# Opt-in (profile key `step_stream`): on the H200 it took a lone request's first audio from 199 to 179 ms
+# and let the talker answer every frame, but in 2 of 3 served runs of 320-640 W1 requests at 32-64 streams
+# a few requests stalled after their first audio chunk (their thinker text never reached the talker) and
+# the cause is not found; perf/README.md, 2026-12-03 second session.
 from __future__ import annotations
 
 import contextlib
@@ -20,9 +25,9 @@ import torch
 
 
 class StepStream:
-    def __init__(self, device: torch.device | str):
+    def __init__(self, device: torch.device | str, enabled: bool = True):
         device = torch.device(device)
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.stream = torch.cuda.Stream(device) if enabled and device.type == "cuda" else None
 
     @contextlib.contextmanager
     def run(self):

@@ -66,9 +66,10 @@ class _SlotState:
 
 class TalkerRunner:
     def __init__(self, model, config, *, max_slots: int, max_seq_len: int, device, dtype, seed: int = 0,
-                 cuda_graphs: bool = False, max_prefills: int = 16):  # fmt: skip
+                 cuda_graphs: bool = False, max_prefills: int = 16, own_stream: bool = False):  # fmt: skip
         self.model, self.config, self.device, self.dtype = (model, config, torch.device(device), dtype)
-        self.step_stream = StepStream(self.device)  # prefill/decode/release run on it (step_stream.py)
+        # own_stream: prefill/decode/release on a CUDA stream of their own (step_stream.py)
+        self.step_stream = StepStream(self.device, own_stream)
         tc = config.talker_config
         text = tc.text_config
         self.text_config = text

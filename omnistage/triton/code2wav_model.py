@@ -49,9 +49,8 @@ class Code2WavModel:
             raise ValueError(f"left_context_frames {context} is below this checkpoint's conv reach "
                              f"({self.runner.conv_reach} frames); use null or >= {self.runner.conv_reach}")
         self.max_batch = int(params.get("max_batch_windows", 64))
-        # the worker decodes on a stream of its own: Triton's copies of response tensors wait for the legacy
-        # default stream only (stages/step_stream.py)
-        self.step_stream = StepStream(self.device)
+        # step_stream: the worker decodes on a CUDA stream of its own (stages/step_stream.py)
+        self.step_stream = StepStream(self.device, flag(params, "step_stream"))
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         # written by the worker, read by the metrics thread
         self.last_batch, self.chunks, self.batches, self.busy_seconds = 0, 0, 0, 0.0

@@ -79,6 +79,7 @@ class StageModel:
                         self.STAGE, self.kv.budget_bytes / 2**20, self.max_slots, max_batch_size,
                         self.max_seq_len)  # fmt: skip
         self.cuda_graphs = flag(self.params, "cuda_graphs")
+        self.own_stream = flag(self.params, "step_stream")
         self.max_prefills = int(self.params.get("max_prefills_per_step", 4))
         if self.device.type == "cuda" and flag(self.params, "fused_kernels"):
             log.info("[%s] fused RMSNorm/rotary kernels on %d norms, merged projections in %d modules", self.STAGE,

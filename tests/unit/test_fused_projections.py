@@ -101,7 +101,7 @@ def test_thinker_and_talker_with_merged_projections_match_generate(on_cpu_too, h
     want_text, want_codes, _ = oracle.generate(hf_model, inputs, REPLY, FRAMES)  # before the swap
     model = copy.deepcopy(hf_model)
     assert fused_projections.install(model) > 0
-    kw = dict(max_slots=4, max_seq_len=512, device="cpu", dtype=torch.float32)
+    kw = {"max_slots": 4, "max_seq_len": 512, "device": "cpu", "dtype": torch.float32}
     thinker = ThinkerRunner(model.thinker, model.config, **kw)
     out, _ = run_thinker(thinker, running("t", SamplingParams(max_tokens=REPLY),
                                           ThinkerPrompt(inputs["input_ids"][0], export_talker=True), slot=1))  # fmt: skip

@@ -39,6 +39,7 @@ def test_base_profile_is_the_default_layout(platform):
         assert ("experts_implementation" in p) == cuda and p["fused_kernels"] == ("true" if cuda else "false")
     assert spec["code2wav"].parameters["max_batch_windows"] == "64"
     assert spec["code2wav"].parameters["fused_kernels"] == ("true" if cuda else "false")
+    assert all(spec[name].parameters["step_stream"] == "false" for name in ("thinker", "talker", "code2wav"))
     omni = spec["omni_ensemble"].parameters
     assert (omni["first_chunk_frames"], omni["chunk_frames"], omni["max_inflight"]) == ("4", "25", "128")
     assert (omni["thinker_models"], omni["talker_models"]) == ("thinker", "talker")
@@ -124,6 +125,7 @@ def test_gpu_inputs_keeps_cuda_stage_inputs_on_the_device(tmp_path):
         ("stages: {thinker: {max_batch_size: 2, max_prefills_per_step: 4}}", "max_prefills_per_step exceeds"),
         ("stages: {thinker: {cuda_graphs: 'yes'}}", "cuda_graphs must be true or false"),
         ("stages: {talker: {fused_kernels: 1}}", "talker.fused_kernels must be true or false"),
+        ("stages: {code2wav: {step_stream: yes please}}", "code2wav.step_stream must be true or false"),
         ("stages: {talker: {sampling: {temprature: 0.5}}}", "stages.talker.sampling: got an unexpected keyword argument 'temprature'"),
         ("stages: {talker: {sampling: {top_p: 0}}}", "stages.talker.sampling: top_p must be in (0, 1]"),
         ("chunks: {chunk_frames: 0}", "chunks.chunk_frames must be an integer >= 1, got 0"),

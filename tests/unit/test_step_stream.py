@@ -1,6 +1,6 @@
-# Engine steps run on a stream of their own (omnistage/stages/step_stream.py): not the legacy default
-# stream that Triton's response copies synchronise, ordered after what other threads queued there, and
-# complete when the step returns.
+# With step_stream on, engine steps run on a stream of their own (omnistage/stages/step_stream.py): not
+# the legacy default stream that Triton's response copies synchronise, ordered after what other threads
+# queued there, and complete when the step returns. Off, they stay where the caller is.
 import pytest
 import torch
 
@@ -8,8 +8,8 @@ from omnistage.stages.step_stream import StepStream, on_step_stream
 
 
 class Runner:
-    def __init__(self, device):
-        self.step_stream = StepStream(device)
+    def __init__(self, device, enabled=True):
+        self.step_stream = StepStream(device, enabled)
         self.seen = None
 
     @on_step_stream
@@ -22,6 +22,14 @@ def test_cpu_steps_run_as_they_are():
     runner = Runner("cpu")
     assert runner.step_stream.stream is None
     assert torch.equal(runner.decode(torch.eye(3)), torch.ones(3))
+
+
+@pytest.mark.gpu
+def test_disabled_cuda_steps_stay_on_the_callers_stream():
+    runner = Runner("cuda", enabled=False)
+    assert runner.step_stream.stream is None
+    runner.decode(torch.ones(4, 4, device="cuda"))
+    assert runner.seen == torch.cuda.default_stream()
 
 
 @pytest.mark.gpu
