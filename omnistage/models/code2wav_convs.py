@@ -26,9 +26,9 @@ CAUSAL_CONV, TRANS_CONV = "Qwen3OmniMoeCausalConvNet", "Qwen3OmniMoeCausalTransC
 if triton is not None:
 
     @triton.jit
-    def _one_channel_conv_kernel(x_ptr, w_ptr, bias, out_ptr, channels, length, sx_b, sx_c,
+    def _one_channel_conv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, channels, length, sx_b, sx_c,
                                  K: tl.constexpr, DILATION: tl.constexpr, C_BLOCK: tl.constexpr,
-                                 T_BLOCK: tl.constexpr):  # fmt: skip
+                                 T_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
         # out[b, t] = bias + sum_c sum_k w[c, k] * x[b, c, t - (K - 1) * DILATION + k * DILATION], zeros left
         b = tl.program_id(0).to(tl.int64)
         t = tl.program_id(1) * T_BLOCK + tl.arange(0, T_BLOCK)
@@ -42,7 +42,9 @@ if triton is not None:
                 x = tl.load(x_ptr + b * sx_b + c[:, None] * sx_c + src[None, :], mask=keep, other=0.0)
                 w = tl.load(w_ptr + c * K + k, mask=keep_c, other=0.0)
                 acc += tl.sum(x.to(tl.float32) * w.to(tl.float32)[:, None], axis=0)
-        tl.store(out_ptr + b * length + t, (acc + bias).to(out_ptr.dtype.element_ty), mask=t < length)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr).to(tl.float32)
+        tl.store(out_ptr + b * length + t, acc.to(out_ptr.dtype.element_ty), mask=t < length)
 
 
 def one_channel_conv(x: torch.Tensor, conv: torch.nn.Conv1d, dilation: int) -> torch.Tensor:
@@ -51,11 +53,11 @@ def one_channel_conv(x: torch.Tensor, conv: torch.nn.Conv1d, dilation: int) -> t
     k = conv.kernel_size[0]
     out = torch.empty(batch, 1, length, dtype=x.dtype, device=x.device)
     weight = conv.weight.reshape(channels, k).contiguous()
-    bias = float(conv.bias) if conv.bias is not None else 0.0
+    bias = conv.bias if conv.bias is not None else weight  # read from the device: float() would sync the host
     block = 256
     _one_channel_conv_kernel[(batch, triton.cdiv(length, block))](
         x, weight, bias, out, channels, length, x.stride(0), x.stride(1), K=k, DILATION=dilation,
-        C_BLOCK=32, T_BLOCK=block)  # fmt: skip
+        C_BLOCK=32, T_BLOCK=block, HAS_BIAS=conv.bias is not None)  # fmt: skip
     return out
 
 

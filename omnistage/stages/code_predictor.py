@@ -61,8 +61,8 @@ class StaticCodePredictor:
     codebooks are picked inside the graph: argmax for greedy rows, else top-k 50 / top-p 0.8 sampling
     (the reference's settings) by the Gumbel-max trick on the device's default generator, so sampled
     rows draw from a stream shared by the batch (a request's seed does not fix its residual codebooks).
-    A batch of greedy rows only replays a graph without the sampling kernels: they are ~15 of the ~110
-    kernels of a sub-step, and greedy is what W1 and most TTS requests ask for."""
+    A batch of greedy rows only replays a graph without the sampling kernels (~27 per sub-step: a frame
+    went from 3519 to 3110 kernels on the H200), and greedy is what W1 and most TTS requests ask for."""
 
     TOP_K, TOP_P = 50, 0.8
 

@@ -14,8 +14,7 @@ from typing import Any, NamedTuple
 import triton_python_backend_utils as pb_utils
 
 from ..core.errors import BadRequestError, OmniError
-from ..core.protocol import CODE2WAV
-from ..core.protocol import PAST_FRAMES
+from ..core.protocol import CODE2WAV, PAST_FRAMES
 from ..models import code2wav_convs, fused_ops
 from ..models.checkpoint import load_stage
 from ..stages.code2wav import Code2WavRunner, state_from_tensors, state_to_tensors
