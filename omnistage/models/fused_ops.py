@@ -146,9 +146,13 @@ def snake(x: torch.Tensor, alpha: torch.Tensor, inv_beta: torch.Tensor) -> torch
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(length))
     _snake_kernel[(batch * channels, triton.cdiv(length, block))](
-        x, alpha, inv_beta, out, channels, length, x.stride(0), x.stride(1), BLOCK=block,
-        LIBDEVICE=os.environ.get("TRITON_INTERPRET") != "1")  # fmt: skip
+        x, alpha, inv_beta, out, channels, length, x.stride(0), x.stride(1), BLOCK=block, LIBDEVICE=has_libdevice())
     return out
+
+
+def has_libdevice() -> bool:
+    """Whether kernels may call libdevice's accurate math: not in Triton's CPU interpreter (tests)."""
+    return os.environ.get("TRITON_INTERPRET") != "1"
 
 
 def snake_factors(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,7 +30,6 @@ if fused_ops.available():
 # the thinker's and talker's text attention (one class) and the code predictor's; their dense MLPs
 ATTENTION_CLASSES = ("Qwen3OmniMoeThinkerTextAttention", "Qwen3OmniMoeTalkerCodePredictorAttention")
 MLP_CLASSES = ("Qwen3OmniMoeMLP", "Qwen3OmniMoeTalkerTextMLP", "Qwen3OmniMoeThinkerTextMLP")
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter has no libdevice
 
 if fused_ops.available():
 
@@ -104,7 +103,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows.shape[0], width, dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, triton.next_power_of_2(width))
     _silu_mul_kernel[(rows.shape[0], triton.cdiv(width, block))](rows, out, width, BLOCK=block,
-                                                                  LIBDEVICE=not _INTERPRETED)  # fmt: skip
+                                                                  LIBDEVICE=fused_ops.has_libdevice())  # fmt: skip
     return out.view(*gate_up.shape[:-1], width)
 
 
