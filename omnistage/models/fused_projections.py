@@ -11,7 +11,6 @@
 # model is on its device: the merged weights are plain attributes); CPU tensors keep transformers' forward.
 from __future__ import annotations
 
-import os
 import types
 
 import torch
