@@ -107,6 +107,8 @@ def thinker_times(report, source, config, dev, dtype, kw, params, prompt, expert
 def talker_times(report, source, config, dev, dtype, kw, params, prompt, experts, fused=False) -> None:
     talker = load_stage(source, "talker", dtype, dev, experts_implementation=experts)
     prompts = talker_prompts(config, prompt, max(BATCHES))
+    # the fused rope is installed process-wide (the thinker's run may have done it): transformers' own here
+    fused_ops.modeling.apply_rotary_pos_emb = fused_ops._original_rope
     picks = {"eager": talker_mode(report, "eager", talker, config, kw, params, prompts, dev)}
     served_kernels(talker, fused)
     picks["graphs"] = talker_mode(report, "graphs", talker, config, kw, params, prompts, dev)
