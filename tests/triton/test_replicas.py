@@ -131,9 +131,11 @@ def test_orchestrator_publishes_handoff_ttfp_and_rtf(triton_server):
     def grew(name, by, **labels):
         return sum(series(triton_server.metrics(), name, **labels)) - sum(series(before, name, **labels)) >= by
 
-    # each model publishes on its own 0.25 s tick: wait for code2wav's count too, not just the orchestrator's
+    # each model publishes on its own 0.25 s tick: wait for code2wav's, the thinker's and the talker's counts
+    # too, not just the orchestrator's (the talker's last steps can land a tick after the request ended)
     wait_for(lambda: grew("omni_audio_rtf_count", 1) and grew("omni_code2wav_chunks_total", chunks)
-             and quiet(triton_server), what="the RTF observation and code2wav's chunk count")  # fmt: skip
+             and grew("omni_thinker_decode_rows_total", REPLY - 1) and grew("omni_talker_decode_rows_total", FRAMES - 1)
+             and quiet(triton_server), what="the RTF observation and the stages' counts")  # fmt: skip
     after = triton_server.metrics()
     delta = lambda name, **labels: sum(series(after, name, **labels)) - sum(series(before, name, **labels))  # noqa: E731
     assert delta("omni_audio_ttfp_seconds_count") == 1
