@@ -3,10 +3,11 @@
 # Why: the Python backend copies every CUDA tensor of a response (and of a GPU input) with cudaMemcpy
 # followed by cudaStreamSynchronize(0) on the legacy default stream (python_backend's PbMemory::CopyBuffer),
 # which waits for all work queued on that stream. With the engine's graphs replayed there too, each response
-# carrying a CUDA tensor waited for the step in flight, so the response thread sent about one response per
-# engine step: at 64 streams the thinker answered each request ~2 times in its 18 tokens (the rest came
-# merged at the end) and the talker could not start speaking before the thinker had finished. A stream
-# created by torch is non-blocking, so that copy no longer waits for the engine.
+# carrying a CUDA tensor waited for the step in flight, so a response thread sent about one response per
+# engine step: at 64 streams the talker answered each request ~7 times for its 46 frames (26 times on a
+# stream of its own). A stream created by torch is non-blocking, so that copy no longer waits for the
+# engine. (The thinker's responses stayed at ~2.6 per request on the GPU either way: its send() takes
+# ~12 ms for a reason not found yet.)
 #
 # The price is ordering by hand: a step first waits for what other threads queued on the default stream
 # (inputs copied there), and its outputs are complete before it returns (the response thread hands them to
