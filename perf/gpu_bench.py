@@ -19,7 +19,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from omnistage.launch.proc_stats import server_cpu_seconds
+from omnistage.launch.proc_stats import server_cpu_seconds, stub_pids
 from perf import loadgen, workloads
 from perf.bench_server import BenchServer, by_model, stage_setting
 from perf.compare import comparison, plot_bench, reference, summary_text
@@ -158,6 +158,9 @@ class Bench:
         self.report["server"] = {"device": a.device, "engine_overrides": engine, "instances": a.instances,
                                  "stage_settings": a.stage_settings, "ready_timeout_s": limit}  # fmt: skip
         b = a.port_base
+        # each stub writes its stacks there on SIGUSR1 (omnistage/triton/logs.py): sent after any level with
+        # requests cut by its deadline, i.e. stalled, and packed into stacks.tar.gz at the end
+        os.environ.setdefault("OMNI_STACKS_DIR", str(self.tmp / "stacks"))
         try:
             self.server = BenchServer(
                 a.model,
@@ -233,6 +236,8 @@ class Bench:
                 entry["cpu_seconds"] = {k: round(v - cpu_before.get(k, 0.0), 2) for k, v in self.cpu_seconds().items()}
                 entry["requests"] = [r.to_json() for r in level.records]
                 entry["stage_metrics_after"] = omni_metrics(self.server.triton.metrics_url)
+                if entry.get("cut_by_deadline"):  # stalled requests: what every stub's threads are doing now
+                    entry["stub_stacks_dumped"] = self.dump_stub_stacks()
                 result["levels"].append(entry)
                 say(f"{name} c={c}: {loadgen._line(entry)}")
                 self.save()
@@ -240,11 +245,34 @@ class Bench:
         except Exception as exc:  # noqa: BLE001
             self.phase(name, "failed", t0, note=f"{type(exc).__name__}: {exc}"[:1000])
 
+    def dump_stub_stacks(self) -> int:
+        process = self.server.triton.process if self.server else None
+        if not process or not process.pid:
+            return 0
+        pids = [pid for group in stub_pids(process.pid).values() for pid in group]
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+        return len(pids)
+
+    def pack_stacks(self) -> None:
+        """stacks.tar.gz in OUT when a level dumped the stubs' stacks (the device returns few files)."""
+        stacks = Path(os.environ.get("OMNI_STACKS_DIR", self.tmp / "stacks"))
+        dumped = any(lv.get("stub_stacks_dumped") for wl in self.report.get("ours", {}).values()
+                     for lv in wl.get("levels", []))  # fmt: skip
+        if dumped and stacks.is_dir():
+            time.sleep(1.0)  # faulthandler writes from the stubs' signal handlers
+            subprocess.run(["tar", "czf", str(self.out / "stacks.tar.gz"), "-C", str(stacks.parent), stacks.name],
+                           check=False)  # fmt: skip
+
     def cpu_seconds(self) -> dict[str, float]:
         triton, frontend = self.server.triton.process, self.server.frontend
         return server_cpu_seconds(triton.pid, frontend.pid) if triton and triton.pid else {}
 
     def finish(self) -> None:
+        self.pack_stacks()
         if self.server is not None:
             (self.out / "server_log_tail.txt").write_text(self.server.log_tail(200))
             t0 = time.monotonic()

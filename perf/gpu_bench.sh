@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU device call (~9 minutes at most): transformers baseline, then our server on the same dummy
-# full-size weights, W1 sweep (1 16 64) and a short W2 subset. Writes into OUT (4 files at most):
-#   bench.json  bench.png  server_log_tail.txt  gpu_bench.log
+# full-size weights, W1 sweep (1 16 64) and a short W2 subset. Writes into OUT (5 files at most):
+#   bench.json  bench.png  server_log_tail.txt  gpu_bench.log, and stacks.tar.gz (every stub's thread
+#   stacks, dumped after a level whose deadline cut requests: the evidence of a stall)
 #
 #   source .carry/device/env.sh && bash perf/gpu_bench.sh $OUT
 # Knobs (environment): PERF_BUDGET_S (510: the Python side's own budget), PERF_HARD_LIMIT_S (555: kill
