@@ -10,7 +10,8 @@
 # profile as it is), prefill16 (thinker/talker max_prefills_per_step 16, the cuda default since 83dea47),
 # scaled (prefill16 + 2 code2wav and 2 omni_ensemble instances), scaled_mps (scaled under the CUDA MPS
 # daemon, when the machine has it), mps (base under CUDA MPS), gpu_inputs (prefill16 with the profile's
-# gpu_inputs: true), step_stream (every GPU stage with step_stream: true).
+# gpu_inputs: true), step_stream (every GPU stage with step_stream: true), thinker_host (the thinker's
+# responses as host tensors).
 set -u
 OUT="${1:?usage: bash perf/gpu_variants.sh OUT_DIR [variant ...]}"
 shift
@@ -26,6 +27,9 @@ GPU_INPUTS=("${PREFILL16[@]}" --set thinker.FORCE_CPU_ONLY_INPUT_TENSORS=no --se
             --set code2wav.FORCE_CPU_ONLY_INPUT_TENSORS=no)
 # the profile's step_stream: true on every GPU stage (engine steps on a CUDA stream of their own)
 STEP_STREAM=(--set thinker.step_stream=true --set talker.step_stream=true --set code2wav.step_stream=true)
+# the thinker's responses as host tensors (its stage-level handoff): does its slow send() come from the CUDA
+# tensors it hands over? Compare omni_thinker_response_send_seconds_total with base
+THINKER_HOST=(--set thinker.handoff=cpu)
 
 run_variant() {  # name, then perf.gpu_bench args
   local name=$1
@@ -73,11 +77,12 @@ for n in (16, 64): print('smoke burst', n, {k: v for k, v in r.get(f'burst_{n}',
     scaled) run_variant scaled "${SCALED[@]}" ;;
     gpu_inputs) run_variant gpu_inputs "${GPU_INPUTS[@]}" ;;
     step_stream) run_variant step_stream "${STEP_STREAM[@]}" ;;
+    thinker_host) run_variant thinker_host "${THINKER_HOST[@]}" ;;
     mps) under_mps mps ;;
     scaled_mps) under_mps scaled_mps "${SCALED[@]}" ;;
     *) echo "unknown variant $v" | tee -a "$OUT/variants.log" ;;
   esac
 done
 # the device returns few files: one archive of the variants' directories
-dirs=$(cd "$OUT" && ls -d base prefill16 scaled mps scaled_mps gpu_inputs step_stream 2> /dev/null)
+dirs=$(cd "$OUT" && ls -d base prefill16 scaled mps scaled_mps gpu_inputs step_stream thinker_host 2> /dev/null)
 [ -n "$dirs" ] && tar czf "$OUT/variants.tar.gz" -C "$OUT" $dirs && (cd "$OUT" && rm -rf $dirs)
