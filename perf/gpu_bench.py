@@ -19,7 +19,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from omnistage.launch.proc_stats import server_cpu_seconds, stub_pids
+from omnistage.launch.proc_stats import dump_stub_stacks, server_cpu_seconds
 from perf import loadgen, workloads
 from perf.bench_server import BenchServer, by_model, stage_setting
 from perf.compare import comparison, plot_bench, reference, summary_text
@@ -247,15 +247,7 @@ class Bench:
 
     def dump_stub_stacks(self) -> int:
         process = self.server.triton.process if self.server else None
-        if not process or not process.pid:
-            return 0
-        pids = [pid for group in stub_pids(process.pid).values() for pid in group]
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGUSR1)
-            except ProcessLookupError:
-                pass
-        return len(pids)
+        return dump_stub_stacks(process.pid) if process and process.pid else 0
 
     def pack_stacks(self) -> None:
         """stacks.tar.gz in OUT when a level dumped the stubs' stacks (the device returns few files)."""

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 from pathlib import Path
 
@@ -35,6 +36,18 @@ def stub_pids(server_pid: int) -> dict[str, list[int]]:
         if len(argv) > 1 and argv[0].endswith("triton_python_backend_stub"):
             stubs.setdefault(Path(argv[1]).parent.parent.name, []).append(pid)
     return stubs
+
+
+def dump_stub_stacks(server_pid: int) -> int:
+    """SIGUSR1 to every stub of a server: faulthandler writes all their threads' stacks into the server log,
+    or into OMNI_STACKS_DIR (omnistage/triton/logs.py). Returns how many stubs were signalled."""
+    pids = [pid for group in stub_pids(server_pid).values() for pid in group]
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except ProcessLookupError:  # gone since it was listed
+            pass
+    return len(pids)
 
 
 def cpu_seconds(pid: int) -> float:

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from omnistage.launch.proc_stats import listening_addresses, stub_pids
+from omnistage.launch.proc_stats import dump_stub_stacks, listening_addresses, stub_pids
 from perf.soak import run_soak
 from perf.soak_inputs import BAD_INPUTS, FRONTEND_ONLY
 from omnistage.launch.render import default_spec
@@ -74,9 +74,7 @@ def test_short_soak_every_request_ends_and_nothing_grows(frontend, triton_server
                       duration_s=20, concurrency=32, warmup_s=5)  # fmt: skip
     print({k: v for k, v in result.__dict__.items() if k not in ("before", "after")})
     if result.hung:  # evidence for a rare hang: every stub dumps its threads' stacks into the server log
-        for pids in stub_pids(triton_server.server.process.pid).values():
-            for pid in pids:
-                os.kill(pid, signal.SIGUSR1)
+        dump_stub_stacks(triton_server.server.process.pid)
         time.sleep(2)
     assert result.ok, result.problems
     assert result.completed >= 32 and result.cancelled_by_client >= 5 and len(result.kinds) >= 6, result
