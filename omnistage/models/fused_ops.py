@@ -63,6 +63,16 @@ if triton is not None:
         tl.store(out_ptr + row * n_cols + cols, _cast(w * normed, out_ptr.dtype.element_ty), mask=keep)
 
     @triton.jit
+    def _rotated(x1, x2, cos_row, sin_row, i, HALF: tl.constexpr, dt: tl.constexpr):
+        """Both halves of one row rotated: x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1), each
+        product rounded to dt as in bf16 torch; cos_row/sin_row point at the row's angles."""
+        c1, c2 = tl.load(cos_row + i).to(tl.float32), tl.load(cos_row + HALF + i).to(tl.float32)
+        s1, s2 = tl.load(sin_row + i).to(tl.float32), tl.load(sin_row + HALF + i).to(tl.float32)
+        lo = _rounded(x1 * c1, dt) + _rounded(-x2 * s1, dt)
+        hi = _rounded(x2 * c2, dt) + _rounded(x1 * s2, dt)
+        return lo, hi
+
+    @triton.jit
     def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, q_rows, heads_q, heads_k, seq,
                      qs_b, qs_h, qs_t, ks_b, ks_h, ks_t, cs_b, cs_t, HALF: tl.constexpr):  # fmt: skip
         # one program per (batch, head, position) row of q, then of k; last dims are contiguous
@@ -77,14 +87,8 @@ if triton is not None:
         i = tl.arange(0, HALF)
         x1 = tl.load(src + offset + i).to(tl.float32)
         x2 = tl.load(src + offset + HALF + i).to(tl.float32)
-        c = cos_ptr + b * cs_b + t * cs_t
-        s = sin_ptr + b * cs_b + t * cs_t
         dt = qo_ptr.dtype.element_ty
-        c1, c2 = tl.load(c + i).to(tl.float32), tl.load(c + HALF + i).to(tl.float32)
-        s1, s2 = tl.load(s + i).to(tl.float32), tl.load(s + HALF + i).to(tl.float32)
-        # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1), each product rounded as in bf16 torch
-        lo = _rounded(x1 * c1, dt) + _rounded(-x2 * s1, dt)
-        hi = _rounded(x2 * c2, dt) + _rounded(x1 * s2, dt)
+        lo, hi = _rotated(x1, x2, cos_ptr + b * cs_b + t * cs_t, sin_ptr + b * cs_b + t * cs_t, i, HALF, dt)
         tl.store(dst + offset + i, _cast(lo, dt))
         tl.store(dst + offset + HALF + i, _cast(hi, dt))
 

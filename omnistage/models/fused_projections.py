@@ -24,7 +24,7 @@ if fused_ops.available():
     import triton.language as tl
     from triton.language.extra import libdevice
 
-    from .fused_ops import _cast, _rounded
+    from .fused_ops import _cast, _rotated, _rounded
 
 # the thinker's and talker's text attention (one class) and the code predictor's; their dense MLPs
 ATTENTION_CLASSES = ("Qwen3OmniMoeThinkerTextAttention", "Qwen3OmniMoeTalkerCodePredictorAttention")
@@ -57,11 +57,7 @@ if fused_ops.available():
         x1, x2 = tl.load(src + i).to(tl.float32), tl.load(src + HALF + i).to(tl.float32)
         w_ptr = tl.where(is_q, qw_ptr, kw_ptr)
         n1, n2 = _norm_half(x1, x2, w_ptr, tl.where(is_q, eps_q, eps_k), i, HALF, dt)
-        c, s = cos_ptr + b * cs_b + t * cs_t, sin_ptr + b * cs_b + t * cs_t
-        c1, c2 = tl.load(c + i).to(tl.float32), tl.load(c + HALF + i).to(tl.float32)
-        s1, s2 = tl.load(s + i).to(tl.float32), tl.load(s + HALF + i).to(tl.float32)
-        lo = _rounded(n1 * c1, dt) + _rounded(-n2 * s1, dt)
-        hi = _rounded(n2 * c2, dt) + _rounded(n1 * s2, dt)
+        lo, hi = _rotated(n1, n2, cos_ptr + b * cs_b + t * cs_t, sin_ptr + b * cs_b + t * cs_t, i, HALF, dt)
         dst = tl.where(is_q, q_ptr, k_ptr) + r * 2 * HALF
         tl.store(dst + i, _cast(lo, dt))
         tl.store(dst + HALF + i, _cast(hi, dt))
