@@ -20,7 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from omnistage.core.sampling import SamplingParams
-from omnistage.models import code2wav_convs, fused_ops, fused_projections
+from omnistage.models import fused
 from omnistage.models.checkpoint import load_config, load_stage
 from omnistage.stages.code2wav import Code2WavRunner
 from omnistage.stages.talker import TalkerRunner
@@ -120,7 +120,7 @@ def profile_code2wav(module, dev, dtype, fused: bool) -> dict:
     out, probe, wav = {}, (codes(25), state), {}
     for variant in ("torch", "fused") if fused else ("torch",):
         if variant == "fused":
-            out["code2wav_fused_modules"] = fused_ops.install(module) + code2wav_convs.install(module)
+            out["code2wav_fused_modules"] = sum(fused.install(module).values())
         wav[variant] = runner.decode([probe])[0][0]
         for b in CODE2WAV_STREAMS:
             first = [(codes(4), None)] * b
@@ -154,8 +154,9 @@ def main() -> None:
 
     def load(stage):
         model = load_stage(source, stage, dtype, dev, experts_implementation=args.experts)
-        report[f"{stage}_fused_norms"] = 0 if args.no_fused else fused_ops.install(model)
-        report[f"{stage}_merged_projections"] = 0 if args.no_fused else fused_projections.install(model)
+        counts = {} if args.no_fused else fused.install(model)
+        report[f"{stage}_fused_norms"] = counts.get("fused_ops", 0)
+        report[f"{stage}_merged_projections"] = counts.get("merged_projections", 0)
         return model
 
     if "thinker" in args.stages:

@@ -16,8 +16,9 @@ import torch
 
 from omnistage.core.sampling import SamplingParams
 from omnistage.core.scheduler import SeqStatus, Sequence
-from omnistage.models import fused_ops, fused_projections
+from omnistage.models import fused_ops
 from omnistage.models.checkpoint import load_config, load_stage
+from omnistage.models.fused import install as fused_install
 from omnistage.stages.code2wav import Code2WavRunner
 from omnistage.stages.talker import TalkerPrompt, TalkerRunner
 from omnistage.stages.thinker import TalkerConditioning, ThinkerPrompt, ThinkerRunner
@@ -87,8 +88,7 @@ def served_kernels(model, fused: bool) -> None:
     """With --fused, the graphed runs also use the served kernels (fused_kernels: fused ops and merged
     projections), so the agreement compares transformers' eager ops with what the server runs."""
     if fused:
-        fused_ops.install(model)
-        fused_projections.install(model)
+        fused_install(model)
 
 
 def thinker_times(report, source, config, dev, dtype, kw, params, prompt, experts, fused=False) -> None:

@@ -15,7 +15,7 @@ import triton_python_backend_utils as pb_utils
 
 from ..core.errors import BadRequestError, OmniError
 from ..core.protocol import CODE2WAV, PAST_FRAMES
-from ..models import code2wav_convs, fused_ops
+from ..models import fused
 from ..models.checkpoint import load_stage
 from ..stages.code2wav import Code2WavRunner, state_from_tensors, state_to_tensors
 from ..stages.step_stream import StepStream
@@ -39,8 +39,7 @@ class Code2WavModel:
         params, self.device, dtype = init_instance(args)
         module = load_stage(params["model_path"], "code2wav", dtype, self.device)
         if self.device.type == "cuda" and flag(params, "fused_kernels"):
-            log.info("[code2wav] fused SnakeBeta/RMSNorm kernels on %d modules, copy-free convs on %d",
-                     fused_ops.install(module), code2wav_convs.install(module))  # fmt: skip
+            log.info("[code2wav] fused kernels installed: %s", fused.install(module))
         context = int(params["left_context_frames"]) if params.get("left_context_frames") else None
         self.runner = Code2WavRunner(module, self.device, dtype, context_frames=context)
         if context is not None and context < self.runner.conv_reach:

@@ -14,7 +14,7 @@ from ..core.engine import StageEngine
 from ..core.errors import PROBE_ACTION, BadRequestError, OmniError
 from ..core.sampling import SamplingParams
 from ..core.scheduler import Scheduler, Sequence
-from ..models import fused_ops, fused_projections
+from ..models import fused
 from ..models.checkpoint import load_config, load_stage
 from ..stages.kv_budget import kv_budget_bytes, kv_bytes_per_slot, plan_slots
 from .logs import setup_logging, stop_fault_reports
@@ -82,8 +82,7 @@ class StageModel:
         self.own_stream = flag(self.params, "step_stream")
         self.max_prefills = int(self.params.get("max_prefills_per_step", 4))
         if self.device.type == "cuda" and flag(self.params, "fused_kernels"):
-            log.info("[%s] fused RMSNorm/rotary kernels on %d norms, merged projections in %d modules", self.STAGE,
-                     fused_ops.install(model), fused_projections.install(model))  # fmt: skip
+            log.info("[%s] fused kernels installed: %s", self.STAGE, fused.install(model))
         # a deploy profile's sampling defaults, over the stage's built-in ones (validated when rendered)
         self.sampling_overrides = json.loads(self.params.get("sampling_defaults") or "{}")
         runner = self.build_runner(model)

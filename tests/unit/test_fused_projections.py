@@ -110,3 +110,13 @@ def test_thinker_and_talker_with_merged_projections_match_generate(on_cpu_too, h
     prompt = TalkerPrompt(out.talker, 2302, list(out.text_rows.unbind(0)), True)
     codes, _ = run_talker(talker, running("a", SamplingParams(max_tokens=FRAMES, repetition_penalty=1.05), prompt, 2))
     assert torch.equal(codes, want_codes)
+
+
+@pytest.mark.parametrize("stage", ["talker", "code2wav"])
+def test_fused_install_gives_each_stage_the_parts_that_apply(stage):
+    from omnistage.models import fused
+
+    counts = fused.install(load_stage("dummy:tiny", stage, dtype=torch.float32))
+    assert counts["fused_ops"] > 0  # norms everywhere, SnakeBeta in the vocoder
+    assert (counts["merged_projections"] > 0) == (stage == "talker")
+    assert (counts["copy_free_convs"] > 0) == (stage == "code2wav")
