@@ -11,7 +11,8 @@
 # scaled (prefill16 + 2 code2wav and 2 omni_ensemble instances), scaled_mps (scaled under the CUDA MPS
 # daemon, when the machine has it), mps (base under CUDA MPS), gpu_inputs (prefill16 with the profile's
 # gpu_inputs: true), step_stream (every GPU stage with step_stream: true), thinker_host (the thinker's
-# responses as host tensors).
+# responses as host tensors), host (every stage hands over host tensors: handoff cpu), host_mps (host under
+# CUDA MPS).
 set -u
 OUT="${1:?usage: bash perf/gpu_variants.sh OUT_DIR [variant ...]}"
 shift
@@ -30,6 +31,9 @@ STEP_STREAM=(--set thinker.step_stream=true --set talker.step_stream=true --set 
 # the thinker's responses as host tensors (its stage-level handoff): does its slow send() come from the CUDA
 # tensors it hands over? Compare omni_thinker_response_send_seconds_total with base
 THINKER_HOST=(--set thinker.handoff=cpu)
+# every stage's outputs in pinned host memory, copied at each step's own sync (stages/host_copy.py), and
+# omni_ensemble's too: no stage response carries a CUDA tensor, so omni_ensemble never touches the GPU
+HOST=(--set thinker.handoff=cpu --set talker.handoff=cpu --set code2wav.handoff=cpu --set omni_ensemble.handoff=cpu)
 
 run_variant() {  # name, then perf.gpu_bench args
   local name=$1
@@ -78,11 +82,13 @@ for n in (16, 64): print('smoke burst', n, {k: v for k, v in r.get(f'burst_{n}',
     gpu_inputs) run_variant gpu_inputs "${GPU_INPUTS[@]}" ;;
     step_stream) run_variant step_stream "${STEP_STREAM[@]}" ;;
     thinker_host) run_variant thinker_host "${THINKER_HOST[@]}" ;;
+    host) run_variant host "${HOST[@]}" ;;
+    host_mps) under_mps host_mps "${HOST[@]}" ;;
     mps) under_mps mps ;;
     scaled_mps) under_mps scaled_mps "${SCALED[@]}" ;;
     *) echo "unknown variant $v" | tee -a "$OUT/variants.log" ;;
   esac
 done
 # the device returns few files: one archive of the variants' directories
-dirs=$(cd "$OUT" && ls -d base prefill16 scaled mps scaled_mps gpu_inputs step_stream thinker_host 2> /dev/null)
+dirs=$(cd "$OUT" && ls -d base prefill16 scaled mps scaled_mps gpu_inputs step_stream thinker_host host host_mps 2> /dev/null)
 [ -n "$dirs" ] && tar czf "$OUT/variants.tar.gz" -C "$OUT" $dirs && (cd "$OUT" && rm -rf $dirs)

@@ -18,3 +18,34 @@ def to_device(values, device: torch.device) -> torch.Tensor:
     if torch.device(device).type == "cuda" and host.device.type == "cpu":
         host = torch.empty_like(host, pin_memory=True).copy_(host)
     return host.to(device, non_blocking=True)
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A device tensor's copy in pinned host memory, queued on the current stream without waiting for it:
+    the copy is complete, and the tensor safe to read, once that stream has been synchronised past this
+    point (an engine step's own sync: the sampled tokens' .tolist()). Host tensors come back as they are."""
+    if t.device.type != "cuda":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
+
+
+def outputs_to_host(outputs, stream_sync) -> None:
+    """Moves the CUDA tensor fields of dataclass outputs to pinned host memory in place (nested dataclasses
+    too), then calls stream_sync() once if anything was copied."""
+    copied = False
+
+    def visit(obj) -> None:
+        nonlocal copied
+        for name, value in vars(obj).items():
+            if isinstance(value, torch.Tensor) and value.device.type == "cuda":
+                setattr(obj, name, to_host(value))
+                copied = True
+            elif hasattr(value, "__dataclass_fields__"):
+                visit(value)
+
+    for output in outputs:
+        if output is not None:
+            visit(output)
+    if copied:
+        stream_sync()

@@ -12,7 +12,7 @@ from ..core.engine import StepResult
 from ..core.errors import BadRequestError
 from ..core.scheduler import Sequence
 from .code_predictor import CodePredictor, StaticCodePredictor
-from .host_copy import to_device
+from .host_copy import to_device, to_host
 from .kv_cache import SlotKVCache
 from .sampler import Sampler
 from .static_decode import StaticDecoder
@@ -66,10 +66,13 @@ class _SlotState:
 
 class TalkerRunner:
     def __init__(self, model, config, *, max_slots: int, max_seq_len: int, device, dtype, seed: int = 0,
-                 cuda_graphs: bool = False, max_prefills: int = 16, own_stream: bool = False):  # fmt: skip
+                 cuda_graphs: bool = False, max_prefills: int = 16, own_stream: bool = False,
+                 host_outputs: bool = False):  # fmt: skip
         self.model, self.config, self.device, self.dtype = (model, config, torch.device(device), dtype)
         # own_stream: prefill/decode/release on a CUDA stream of their own (step_stream.py)
         self.step_stream = StepStream(self.device, own_stream)
+        # host_outputs: frames leave in pinned host memory, copied at the step's own sync (handoff "cpu")
+        self.host_outputs = host_outputs
         tc = config.talker_config
         text = tc.text_config
         self.text_config = text
@@ -153,14 +156,20 @@ class TalkerRunner:
             codes, codec_sum = self.predictor(self.hidden[slots], c0, pick)
         for st in states:
             st.frames += 1
+        # host_outputs: the frames go out in pinned host memory, complete at _advance's sync for its tokens (or
+        # at the sync below when no row goes on); until then only views of them are taken, nothing reads them
+        sent = to_host(codes) if self.host_outputs else codes
         finished = [st.frames >= s.params.max_tokens for s, st in zip(seqs, states)]
-        results = [StepResult(s, TalkerOutput(codes[i : i + 1]), "length") for i, s in enumerate(seqs) if finished[i]]
+        results = [StepResult(s, TalkerOutput(sent[i : i + 1]), "length") for i, s in enumerate(seqs) if finished[i]]
         going = [i for i in range(len(seqs)) if not finished[i]]
         if going:
             if len(going) < len(seqs):  # a device index: a Python list would copy it synchronously
                 keep = to_device(going, self.device)
                 codes, codec_sum = codes[keep], codec_sum[keep]
-            results += self._advance([seqs[i] for i in going], codes, codec_sum)
+                sent = to_host(codes) if self.host_outputs else codes
+            results += self._advance([seqs[i] for i in going], sent, codec_sum)
+        elif self.host_outputs and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
         return results
 
     # ---- internals ----------------------------------------------------------------------------------------

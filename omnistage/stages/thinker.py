@@ -11,7 +11,7 @@ from transformers import DynamicCache
 from ..core.engine import StepResult
 from ..core.errors import BadRequestError
 from ..core.scheduler import Sequence
-from .host_copy import to_device
+from .host_copy import outputs_to_host, to_device, to_host
 from .kv_cache import SlotKVCache
 from .sampler import Sampler
 from .static_decode import StaticDecoder
@@ -67,10 +67,13 @@ class _SlotState:
 
 class ThinkerRunner:
     def __init__(self, model, config, *, max_slots: int, max_seq_len: int, device, dtype, seed: int = 0,
-                 cuda_graphs: bool = False, max_prefills: int = 16, own_stream: bool = False):  # fmt: skip
+                 cuda_graphs: bool = False, max_prefills: int = 16, own_stream: bool = False,
+                 host_outputs: bool = False):  # fmt: skip
         self.model, self.config, self.device, self.dtype = (model, config, torch.device(device), dtype)
         # own_stream: prefill/decode/release on a CUDA stream of their own (step_stream.py)
         self.step_stream = StepStream(self.device, own_stream)
+        # host_outputs: outputs leave in pinned host memory, copied at the step's own sync (handoff "cpu")
+        self.host_outputs = host_outputs
         text = config.thinker_config.text_config
         self.text_config = text
         self.max_seq_len = max_seq_len
@@ -122,7 +125,10 @@ class ThinkerRunner:
         else:
             results = self._prefill_text(text) if len(text) > 1 else []
         batched = {id(r.seq) for r in results}
-        return results + [self._prefill_one(s) for s in seqs if id(s) not in batched]
+        results += [self._prefill_one(s) for s in seqs if id(s) not in batched]
+        if self.host_outputs:  # the talker's conditioning was gathered after the tokens' sync: one more sync
+            outputs_to_host([r.output for r in results], lambda: torch.cuda.current_stream(self.device).synchronize())
+        return results
 
     @torch.inference_mode()
     def capture_graphs(self) -> None:
@@ -139,6 +145,8 @@ class ThinkerRunner:
         slots = to_device([s.slot for s in seqs], self.device)
         tokens = self._sample(self.decoder.logits_out[slots], seqs)
         rows = self._text_rows(tokens, seqs)
+        if self.host_outputs and rows is not None:  # complete at tokens.tolist(), the step's one sync
+            rows = to_host(rows)
         results = []
         for i, (seq, token) in enumerate(zip(seqs, tokens.tolist())):
             self.slots[seq.slot].length += 1

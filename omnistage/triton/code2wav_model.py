@@ -11,6 +11,7 @@ import threading
 import time
 from typing import Any, NamedTuple
 
+import torch
 import triton_python_backend_utils as pb_utils
 
 from ..core.errors import BadRequestError, OmniError
@@ -18,6 +19,7 @@ from ..core.protocol import CODE2WAV, PAST_FRAMES
 from ..models import fused
 from ..models.checkpoint import load_stage
 from ..stages.code2wav import Code2WavRunner, state_from_tensors, state_to_tensors
+from ..stages.host_copy import to_host
 from ..stages.step_stream import StepStream
 from .logs import stop_fault_reports
 from .metrics import MetricsPublisher
@@ -49,6 +51,8 @@ class Code2WavModel:
         self.max_batch = int(params.get("max_batch_windows", 64))
         # step_stream: the worker decodes on a CUDA stream of its own (stages/step_stream.py)
         self.step_stream = StepStream(self.device, flag(params, "step_stream"))
+        # handoff "cpu": audio and state leave in pinned host memory, one sync per decoded group
+        self.host_outputs = (params.get("handoff") or "gpu").lower() == "cpu"
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         # written by the worker, read by the metrics thread
         self.last_batch, self.chunks, self.batches, self.busy_seconds = 0, 0, 0, 0.0
@@ -105,9 +109,14 @@ class Code2WavModel:
                 # ranges were checked by _turn_away_bad_ranges: no second device sync for them
                 with self.step_stream.run():
                     for done in self.runner.decode_groups([p.chunk for p in batch], check_ranges=False):
-                        responses = [(i, output_tensors({"audio": wav.float(), **state_to_tensors(state)},
-                                                        batch[i].bf16_bytes)) for i, (wav, state) in done]  # fmt: skip
-                        self.step_stream.sync()  # Triton copies the tensors on the default stream
+                        values = [(i, {"audio": wav.float(), **state_to_tensors(state)}) for i, (wav, state) in done]
+                        if self.host_outputs:  # queued behind the forward, complete at one sync for the group
+                            values = [(i, {k: to_host(v) for k, v in d.items()}) for i, d in values]
+                            if self.device.type == "cuda":
+                                torch.cuda.current_stream(self.device).synchronize()
+                        else:
+                            self.step_stream.sync()  # Triton copies the tensors on the default stream
+                        responses = [(i, output_tensors(d, batch[i].bf16_bytes)) for i, d in values]
                         self._send(batch, responses, answered)
             except Exception as e:
                 log.exception("[code2wav] decode failed")

@@ -80,6 +80,8 @@ class StageModel:
                         self.max_seq_len)  # fmt: skip
         self.cuda_graphs = flag(self.params, "cuda_graphs")
         self.own_stream = flag(self.params, "step_stream")
+        # handoff "cpu": the runner copies its outputs to the host at its step's own sync (stages/host_copy.py)
+        self.host_outputs = (self.params.get("handoff") or "gpu").lower() == "cpu"
         self.max_prefills = int(self.params.get("max_prefills_per_step", 4))
         if self.device.type == "cuda" and flag(self.params, "fused_kernels"):
             log.info("[%s] fused kernels installed: %s", self.STAGE, fused.install(model))

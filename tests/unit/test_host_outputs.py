@@ -1,0 +1,93 @@
+# handoff "cpu": the thinker and talker runners hand their outputs over in pinned host memory, copied
+# behind the step's work and complete at the step's own sync (omnistage/stages/host_copy.py). The outputs
+# must be the same values, on the host, whichever way a step ends (rows finishing or going on).
+import copy
+
+import pytest
+import torch
+
+from omnistage.core.sampling import SamplingParams
+from omnistage.models.processor import prepare_inputs
+from omnistage.stages.host_copy import outputs_to_host, to_host
+from omnistage.stages.talker import TalkerPrompt, TalkerRunner
+from omnistage.stages.thinker import ThinkerOutput, ThinkerPrompt, ThinkerRunner
+
+from .. import oracle
+from .test_stage_oracle import REPLY, run_thinker, running
+
+
+def run_pair(model, input_ids, device, host_outputs):
+    """A thinker reply, then two talker streams of different lengths side by side (the shorter one
+    finishes while the other goes on). Returns the thinker output and each stream's frames."""
+    kw = dict(max_slots=4, max_seq_len=512, device=device, dtype=torch.float32, host_outputs=host_outputs)
+    thinker = ThinkerRunner(model.thinker, model.config, **kw)
+    prompt = ThinkerPrompt(input_ids, export_talker=True)
+    out, _ = run_thinker(thinker, running("t", SamplingParams(max_tokens=REPLY), prompt, slot=1))
+    talker = TalkerRunner(model.talker, model.config, **kw)
+    seqs = [running(name, SamplingParams(max_tokens=n, repetition_penalty=1.05),
+                    TalkerPrompt(out.talker, 2302, list(out.text_rows.unbind(0)), True), slot)
+            for name, n, slot in (("short", 3, 0), ("long", 7, 2))]  # fmt: skip
+    frames = {s.request_id: [] for s in seqs}
+    results = talker.prefill(seqs)
+    live = list(seqs)
+    while live:
+        results = talker.decode(live)
+        for r in results:
+            if r.output is not None:
+                frames[r.seq.request_id].append(r.output.codes)
+        live = [r.seq for r in results if r.finish_reason is None]
+    return out, {k: torch.cat(v) for k, v in frames.items()}
+
+
+def host_tensors(obj):
+    found = []
+    for value in vars(obj).values():
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif hasattr(value, "__dataclass_fields__"):
+            found += host_tensors(value)
+    return found
+
+
+def test_host_outputs_leave_a_cpu_runner_as_they_are(hf_model, processor):
+    ids = prepare_inputs(processor, oracle.messages("text"))["input_ids"][0]
+    want_out, want_frames = run_pair(hf_model, ids, "cpu", host_outputs=False)
+    out, frames = run_pair(hf_model, ids, "cpu", host_outputs=True)
+    assert out.token_ids == want_out.token_ids and torch.equal(out.text_rows, want_out.text_rows)
+    assert [f.shape[0] for f in frames.values()] == [3, 7]
+    assert all(torch.equal(frames[k], want_frames[k]) for k in frames)
+
+
+def test_outputs_to_host_syncs_only_when_it_copied():
+    calls = []
+    out = ThinkerOutput(token_ids=[1], text_rows=torch.ones(1, 4))
+    outputs_to_host([out, None], lambda: calls.append(1))
+    assert calls == [] and to_host(out.text_rows) is out.text_rows
+
+
+@pytest.mark.gpu
+def test_cuda_outputs_arrive_on_the_host_complete(hf_model, processor):
+    ids = prepare_inputs(processor, oracle.messages("text"))["input_ids"][0]
+    model = copy.deepcopy(hf_model).to("cuda")
+    want_out, want_frames = run_pair(model, ids, "cuda", host_outputs=False)
+    out, frames = run_pair(model, ids, "cuda", host_outputs=True)
+    assert out.token_ids == want_out.token_ids
+    tensors = host_tensors(out) + list(frames.values())
+    assert all(t.device.type == "cpu" for t in tensors)
+    for got, want in zip(host_tensors(out), host_tensors(want_out)):
+        assert torch.equal(got, want.cpu())
+    assert all(torch.equal(frames[k], want_frames[k].cpu()) for k in frames)
+
+
+@pytest.mark.gpu
+def test_to_host_is_complete_after_the_streams_sync():
+    x = torch.randn(4096, 4096, device="cuda")
+    y = x @ x  # still running when the copy is queued
+    host = to_host(y)
+    assert host.is_pinned()
+    torch.cuda.current_stream().synchronize()
+    assert torch.equal(host, y.cpu())
+    calls = []
+    out = ThinkerOutput(token_ids=[1], text_rows=y[:2])
+    outputs_to_host([out], lambda: calls.append(torch.cuda.current_stream().synchronize()))
+    assert len(calls) == 1 and out.text_rows.device.type == "cpu" and torch.equal(out.text_rows, y[:2].cpu())
