@@ -11,8 +11,9 @@
 # scaled (prefill16 + 2 code2wav and 2 omni_ensemble instances), scaled_mps (scaled under the CUDA MPS
 # daemon, when the machine has it), mps (base under CUDA MPS), gpu_inputs (prefill16 with the profile's
 # gpu_inputs: true), step_stream (every GPU stage with step_stream: true), thinker_host (the thinker's
-# responses as host tensors), host (every stage hands over host tensors: handoff cpu), host_mps (host under
-# CUDA MPS).
+# responses as host tensors), host (every stage hands over host tensors: handoff cpu, the cuda default since
+# the 2026-12-03 third session), host_mps (host under CUDA MPS), gpu_handoff (every stage hands over CUDA
+# tensors: handoff gpu, the default before).
 set -u
 OUT="${1:?usage: bash perf/gpu_variants.sh OUT_DIR [variant ...]}"
 shift
@@ -34,6 +35,7 @@ THINKER_HOST=(--set thinker.handoff=cpu)
 # every stage's outputs in pinned host memory, copied at each step's own sync (stages/host_copy.py), and
 # omni_ensemble's too: no stage response carries a CUDA tensor, so omni_ensemble never touches the GPU
 HOST=(--set thinker.handoff=cpu --set talker.handoff=cpu --set code2wav.handoff=cpu --set omni_ensemble.handoff=cpu)
+GPU_HANDOFF=(--set thinker.handoff=gpu --set talker.handoff=gpu --set code2wav.handoff=gpu --set omni_ensemble.handoff=gpu)
 
 run_variant() {  # name, then perf.gpu_bench args
   local name=$1
@@ -84,11 +86,12 @@ for n in (16, 64): print('smoke burst', n, {k: v for k, v in r.get(f'burst_{n}',
     thinker_host) run_variant thinker_host "${THINKER_HOST[@]}" ;;
     host) run_variant host "${HOST[@]}" ;;
     host_mps) under_mps host_mps "${HOST[@]}" ;;
+    gpu_handoff) run_variant gpu_handoff "${GPU_HANDOFF[@]}" ;;
     mps) under_mps mps ;;
     scaled_mps) under_mps scaled_mps "${SCALED[@]}" ;;
     *) echo "unknown variant $v" | tee -a "$OUT/variants.log" ;;
   esac
 done
 # the device returns few files: one archive of the variants' directories
-dirs=$(cd "$OUT" && ls -d base prefill16 scaled mps scaled_mps gpu_inputs step_stream thinker_host host host_mps 2> /dev/null)
+dirs=$(cd "$OUT" && ls -d base prefill16 scaled mps scaled_mps gpu_inputs step_stream thinker_host host host_mps gpu_handoff 2> /dev/null)
 [ -n "$dirs" ] && tar czf "$OUT/variants.tar.gz" -C "$OUT" $dirs && (cd "$OUT" && rm -rf $dirs)

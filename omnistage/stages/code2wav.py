@@ -112,6 +112,25 @@ def conv_reach_frames(module: torch.nn.Module, samples_per_frame: int, tail_samp
     return reach
 
 
+def chunk_key(codes: torch.Tensor, state: StreamState | None) -> tuple[int, int, int]:
+    """(W, n, C'): the carried K/V frames, the new frames and the carried conv-context rows of a chunk. Chunks
+    of one key run as one forward, and lower keys have decoded less: a stream's first chunk is (0, n, 0)."""
+    if state is None:
+        return 0, int(codes.shape[0]), 0
+    return int(state.kv.shape[3]), int(codes.shape[0]), int(state.hidden.shape[0])
+
+
+def take_group(items: list, key, limit: int) -> tuple[list, list]:
+    """Splits queued chunks into the next forward's group, the oldest `limit` of those with the lowest
+    key(item), and the rest in their order. A serving loop that takes one group at a time, and adds what
+    arrived meanwhile before it takes the next, runs a stream's first chunk after at most one forward."""
+    lowest = min(key(item) for item in items)
+    group, rest = [], []
+    for item in items:
+        (group if len(group) < limit and key(item) == lowest else rest).append(item)
+    return group, rest
+
+
 def _last(t: torch.Tensor, dim: int, keep: int) -> torch.Tensor:
     return t.narrow(dim, max(0, t.shape[dim] - keep), min(keep, t.shape[dim]))
 
@@ -203,28 +222,28 @@ class Code2WavRunner:
         Checks every chunk before any forward runs; check_ranges=False skips the value ranges (and their
         device sync) for a caller that has just run range_errors() on these chunks."""
         states: list[StreamState] = []
-        groups: dict[tuple[int, int, int], list[int]] = defaultdict(list)  # (n, W, C') -> chunk indices
+        groups: dict[tuple[int, int, int], list[int]] = defaultdict(list)  # chunk_key -> chunk indices
         for i, (codes, state) in enumerate(chunks):
             try:
                 states.append(self._check(codes, state))
             except BadRequestError as e:
                 raise BadRequestError(f"code2wav chunk {i}: {e}") from None
-            groups[(codes.shape[0], states[-1].kv.shape[3], states[-1].hidden.shape[0])].append(i)
+            groups[chunk_key(codes, states[-1])].append(i)
         # Value ranges with one host sync, before any forward runs.
         for i, error in enumerate(self.range_errors([codes for codes, _ in chunks]) if check_ranges else ()):
             if error is not None:
                 raise BadRequestError(f"code2wav chunk {i}: {error}")
-        for key in sorted(groups, key=lambda k: (k[1], k[0])):  # least decoded so far first
+        for key in sorted(groups):  # least decoded so far first
             idx = groups[key]
+            _, n, context = key
             group_states = [states[i] for i in idx]
             codes = torch.stack([chunks[i][0].to(self.device, torch.long) for i in idx])  # [B, n, Q]
             wav, kv, hidden = self._forward(codes, group_states)
             self.forwards += 1
-            first = key[2] * self.samples_per_frame - self.tail_samples if key[2] else 0
+            first = context * self.samples_per_frame - self.tail_samples if context else 0
             # Audio: a view of the batch output (the caller copies it out). State: own storage, so one
             # stream's state does not keep the whole batch alive.
-            yield [(i, (wav[row, first:].float(), StreamState(kv[row].clone(), hidden[row].clone(),
-                                                               s.position + key[0])))
+            yield [(i, (wav[row, first:].float(), StreamState(kv[row].clone(), hidden[row].clone(), s.position + n)))
                    for row, (i, s) in enumerate(zip(idx, group_states))]  # fmt: skip
 
     def _forward(self, codes: torch.Tensor, states: list[StreamState]):

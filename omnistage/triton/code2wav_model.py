@@ -2,7 +2,7 @@
 # state the stream's previous chunk returned. The model keeps no per-stream state, so whatever chunks have
 # queued (from any number of streams) are decoded together. Triton 2.51 hands a max_batch_size-0 Python
 # model one request per execute(), so the batching happens here: execute() only enqueues, and a worker
-# thread drains the queue, decodes the batch and sends.
+# thread takes the queued chunks of one shape (one forward) at a time, decodes them and sends.
 from __future__ import annotations
 
 import logging
@@ -18,7 +18,7 @@ from ..core.errors import BadRequestError, OmniError
 from ..core.protocol import CODE2WAV, PAST_FRAMES
 from ..models import fused
 from ..models.checkpoint import load_stage
-from ..stages.code2wav import Code2WavRunner, state_from_tensors, state_to_tensors
+from ..stages.code2wav import Code2WavRunner, chunk_key, state_from_tensors, state_to_tensors, take_group
 from ..stages.host_copy import to_host
 from ..stages.step_stream import StepStream
 from .logs import stop_fault_reports
@@ -89,41 +89,48 @@ class Code2WavModel:
         return None
 
     def _loop(self) -> None:
+        pending: list[PendingChunk] = []
         while True:
-            batch = [self._queue.get()]
-            while len(batch) < self.max_batch:
+            # One forward's group at a time, from what has queued so far: a stream's first chunk (the time
+            # to its first audio) waits for at most the forward in flight, not for a whole batch of shapes.
+            if not pending:
+                pending.append(self._queue.get())
+            while True:
                 try:
-                    batch.append(self._queue.get_nowait())
+                    pending.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            if any(item is None for item in batch):
+            if any(item is None for item in pending):
                 return
-            batch = self._turn_away_bad_ranges(batch)
-            if not batch:
-                continue
-            self.last_batch, self.chunks, self.batches = len(batch), self.chunks + len(batch), self.batches + 1
-            t0 = time.perf_counter()
-            answered: set[int] = set()
-            try:
-                # each group of one shape is answered as soon as it is decoded, streams' first chunks first
-                # ranges were checked by _turn_away_bad_ranges: no second device sync for them
-                with self.step_stream.run():
-                    for done in self.runner.decode_groups([p.chunk for p in batch], check_ranges=False):
-                        values = [(i, {"audio": wav.float(), **state_to_tensors(state)}) for i, (wav, state) in done]
-                        if self.host_outputs:  # queued behind the forward, complete at one sync for the group
-                            values = [(i, {k: to_host(v) for k, v in d.items()}) for i, d in values]
-                            if self.device.type == "cuda":
-                                torch.cuda.current_stream(self.device).synchronize()
-                        else:
-                            self.step_stream.sync()  # Triton copies the tensors on the default stream
-                        responses = [(i, output_tensors(d, batch[i].bf16_bytes)) for i, d in values]
-                        self._send(batch, responses, answered)
-            except Exception as e:
-                log.exception("[code2wav] decode failed")
-                for i, p in enumerate(batch):
-                    if i not in answered:
-                        send_final(p.sender, error_response(e if isinstance(e, OmniError) else OmniError(str(e))))
-            self.busy_seconds += time.perf_counter() - t0
+            group, pending = take_group(pending, lambda p: chunk_key(*p.chunk), self.max_batch)
+            group = self._turn_away_bad_ranges(group)
+            if group:
+                self._decode(group)
+
+    def _decode(self, batch: list[PendingChunk]) -> None:
+        """Decodes chunks of one shape (one forward) and answers each."""
+        self.last_batch, self.chunks, self.batches = len(batch), self.chunks + len(batch), self.batches + 1
+        t0 = time.perf_counter()
+        answered: set[int] = set()
+        try:
+            # ranges were checked by _turn_away_bad_ranges: no second device sync for them
+            with self.step_stream.run():
+                for done in self.runner.decode_groups([p.chunk for p in batch], check_ranges=False):
+                    values = [(i, {"audio": wav.float(), **state_to_tensors(state)}) for i, (wav, state) in done]
+                    if self.host_outputs:  # queued behind the forward, complete at one sync for the group
+                        values = [(i, {k: to_host(v) for k, v in d.items()}) for i, d in values]
+                        if self.device.type == "cuda":
+                            torch.cuda.current_stream(self.device).synchronize()
+                    else:
+                        self.step_stream.sync()  # Triton copies the tensors on the default stream
+                    responses = [(i, output_tensors(d, batch[i].bf16_bytes)) for i, d in values]
+                    self._send(batch, responses, answered)
+        except Exception as e:
+            log.exception("[code2wav] decode failed")
+            for i, p in enumerate(batch):
+                if i not in answered:
+                    send_final(p.sender, error_response(e if isinstance(e, OmniError) else OmniError(str(e))))
+        self.busy_seconds += time.perf_counter() - t0
 
     @staticmethod
     def _send(batch: list[PendingChunk], responses, answered: set[int]) -> None:

@@ -16,9 +16,11 @@ from omnistage.stages.code2wav import (
     PAST_KV,
     Code2WavRunner,
     StreamState,
+    chunk_key,
     native_cpu_convs,
     state_from_tensors,
     state_to_tensors,
+    take_group,
 )
 
 TOL = 1e-5
@@ -209,3 +211,22 @@ def test_decode_groups_answers_first_chunks_first(deep):
     for g in groups:
         for i, (audio, st) in g:
             assert torch.equal(audio, together[i][0]) and st.position == together[i][1].position
+
+
+def test_take_group_picks_the_least_decoded_shape_oldest_first(deep):
+    """The Code2Wav worker's order: one forward's group at a time, the lowest chunk_key first (new streams,
+    then shorter chunks), oldest first up to the limit; what is left keeps its order."""
+    codes = random_codes(40, seed=9)
+    [(_, state)] = deep.decode([(codes[:8], None)])
+    assert chunk_key(codes[:4], None) == (0, 4, 0)
+    assert chunk_key(codes[8:20], state) == (state.kv.shape[3], 12, state.hidden.shape[0])
+    queued = ["late-25", "first-4a", "late-12", "first-4b", "first-4c", "first-6"]
+    chunks = {"late-25": (codes[8:33], state), "late-12": (codes[8:20], state), "first-4a": (codes[:4], None),
+              "first-4b": (codes[4:8], None), "first-4c": (codes[:4], None), "first-6": (codes[:6], None)}
+    key = lambda name: chunk_key(*chunks[name])  # noqa: E731
+    group, rest = take_group(queued, key, limit=2)
+    assert group == ["first-4a", "first-4b"] and rest == ["late-25", "late-12", "first-4c", "first-6"]
+    group, rest = take_group(rest, key, limit=8)
+    assert group == ["first-4c"] and rest == ["late-25", "late-12", "first-6"]
+    assert take_group(rest, key, limit=8)[0] == ["first-6"]
+    assert take_group(["late-25", "late-12"], key, limit=8) == (["late-12"], ["late-25"])

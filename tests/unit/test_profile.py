@@ -96,9 +96,10 @@ def test_overlay_wins_over_the_base_platform_block(tmp_path):
 
 
 def test_handoff_goes_to_every_model(tmp_path):
-    assert {s.parameters["handoff"] for s in render.default_spec(MODEL, "cuda").values()} == {"gpu"}
-    spec = render.profile_spec(load_profile(overlay(tmp_path, "platforms: {cuda: {handoff: cpu}}\n"), "cuda"), MODEL)
-    assert {name: s.parameters["handoff"] for name, s in spec.items()} == dict.fromkeys(spec, "cpu")
+    assert {s.parameters["handoff"] for s in render.default_spec(MODEL, "cpu").values()} == {"gpu"}
+    assert {s.parameters["handoff"] for s in render.default_spec(MODEL, "cuda").values()} == {"cpu"}
+    spec = render.profile_spec(load_profile(overlay(tmp_path, "platforms: {cuda: {handoff: gpu}}\n"), "cuda"), MODEL)
+    assert {name: s.parameters["handoff"] for name, s in spec.items()} == dict.fromkeys(spec, "gpu")
 
 
 def test_gpu_inputs_keeps_cuda_stage_inputs_on_the_device(tmp_path):
