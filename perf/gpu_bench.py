@@ -73,14 +73,17 @@ def hardware() -> dict:
 
 
 def omni_metrics(url: str) -> dict:
-    """The stages' own gauges / counters (omni_<stage>_<what>) from Triton's metrics endpoint."""
+    """The stages' own gauges / counters (omni_<stage>_<what>) from Triton's metrics endpoint: name -> the
+    values of its series; a labelled series (histogram buckets aside) also as 'name{labels}' -> [value]."""
     try:
         text = urllib.request.urlopen(url, timeout=5).read().decode()
     except OSError as exc:
         return {"error": str(exc)}
     out: dict[str, list[float]] = {}
-    for name, value in re.findall(r"^(omni_\w+)(?:\{[^}]*\})? (\S+)$", text, re.MULTILINE):
+    for name, labels, value in re.findall(r"^(omni_\w+)(\{[^}]*\})? (\S+)$", text, re.MULTILINE):
         out.setdefault(name, []).append(float(value))
+        if labels and not name.endswith("_bucket"):
+            out.setdefault(name + labels, []).append(float(value))
     return out
 
 

@@ -47,6 +47,7 @@ run_variant() {  # name, then perf.gpu_bench args
 import json, sys
 path, name = sys.argv[1:]
 b = json.load(open(path))
+before = {}
 for lv in b.get("ours", {}).get("w1", {}).get("levels", []):
     if "throughput_rps" not in lv:
         print(name, lv)
@@ -55,6 +56,13 @@ for lv in b.get("ours", {}).get("w1", {}).get("levels", []):
     print(f"{name} c={lv['concurrency']}: {lv['completed']}/{lv['num_prompts']} {lv['throughput_rps']:.2f} req/s "
           f"TTFT {lv['ttft_ms']['mean']:.0f} TTFP {lv['ttfp_ms']['mean']:.0f} RTF {lv['rtf']['mean']:.3f} "
           f"wall {lv['wall_s']:.1f}s cpu {lv.get('cpu_seconds')} gpu {lv.get('gpu_utilization')}")
+    # the level's mean time from arrival to each milestone (omni_milestone_seconds), in ms
+    delta = lambda k: sum(m.get(k, [0])) - sum(before.get(k, [0]))  # noqa: E731
+    keys = [k[len("omni_milestone_seconds_sum"):] for k in m if k.startswith("omni_milestone_seconds_sum{")]
+    means = {k.split('"')[1]: round(1e3 * delta("omni_milestone_seconds_sum" + k) / n)
+             for k in keys if (n := delta("omni_milestone_seconds_count" + k))}
+    print(f"{name} c={lv['concurrency']} milestones_ms {dict(sorted(means.items(), key=lambda kv: kv[1]))}")
+    before = m
 PYEOF
 }
 

@@ -98,7 +98,8 @@ Emit = Callable[[OmniOutput | None, "str | None", "OmniError | None"], None]
 
 class OmniRequest:
     def __init__(self, session: str, inputs: dict, options: OmniOptions, stages: StageClient, tokenizer,
-                 schedule: ChunkSchedule, emit: Emit, on_hop: Callable[[str, float], None] | None = None):  # fmt: skip
+                 schedule: ChunkSchedule, emit: Emit, on_hop: Callable[[str, float], None] | None = None,
+                 arrival: float | None = None):  # fmt: skip
         self.session, self.inputs, self.options, self.stages = session, inputs, options, stages
         self.schedule, self.emit = schedule, emit
         self.detok = IncrementalDetokenizer(tokenizer)
@@ -119,10 +120,11 @@ class OmniRequest:
         # handoff round trips, for usage and, through on_hop(name, seconds), for metrics
         self.hops = {name: HopTimer(functools.partial(on_hop, name) if on_hop else None)
                      for name in ("talker_append", "code2wav")}  # fmt: skip
-        # when each milestone was first reached, ms after the request began (usage["timeline_ms"]): says
-        # where a slow first audio packet spent its time, one request at a time, on any deployment
-        self._t0 = time.perf_counter()
+        # when each milestone was first reached, ms after the request arrived (`arrival`, perf_counter; else
+        # now) (usage["timeline_ms"]): says where a slow first audio packet spent its time, on any deployment
+        self._t0 = time.perf_counter() if arrival is None else arrival
         self.timeline: dict[str, float] = {}
+        self._mark("preprocessed")  # the turn (admission) and the messages' preprocessing are behind it
 
     # ---- public -------------------------------------------------------------------------------------------
     def run(self) -> None:

@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 
 HANDOFF_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
 TTFP_BUCKETS = [0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0]
+# a request's milestones (OmniRequest.timeline), in the order a spoken reply reaches them
+MILESTONES = ("preprocessed", "thinker_first_output", "talker_started", "talker_first_frames", "first_chunk_cut",
+              "first_audio_sent", "thinker_done", "end")
 RTF_BUCKETS = [0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0]
 
 
@@ -79,6 +82,9 @@ class OmniModel:
                        "(thinker rows in) or a Code2Wav chunk (codes in, audio out)", HANDOFF_BUCKETS,
                        [{"hop": "talker_append"}, {"hop": "code2wav"}])
             .histogram("omni_audio_ttfp_seconds", "request arrival to its first audio chunk", TTFP_BUCKETS)
+            .histogram("omni_milestone_seconds", "request arrival to each milestone of a finished request "
+                       "(usage timeline_ms): where the time to first audio goes", TTFP_BUCKETS,
+                       [{"milestone": m} for m in MILESTONES])
             .histogram("omni_audio_rtf", "real-time factor: arrival to last audio chunk over the audio's "
                        "duration (< 1: faster than it plays)", RTF_BUCKETS)
         )  # fmt: skip
@@ -118,7 +124,7 @@ class OmniModel:
                 return
             on_hop = lambda hop, seconds: self.metrics.observe("omni_handoff_latency_seconds", seconds, hop=hop)  # noqa: E731
             request = OmniRequest(session, inputs, options, self.stages, self.processor.tokenizer, self.schedule, emit,
-                                  on_hop)  # fmt: skip
+                                  on_hop, arrival=self.clocks[session].start)  # fmt: skip
             self.requests[session] = request  # from here on _cancel() reaches it
             if session in self.left_while_queued:  # the client left while it was queued
                 emit(None, "abort", None)
@@ -132,6 +138,9 @@ class OmniModel:
         clock = self.clocks.get(session)
         if output is not None and output.usage is not None:
             output.usage["replicas"] = self.stages.placement(session)
+            for milestone, ms in output.usage.get("timeline_ms", {}).items():
+                if milestone in MILESTONES:
+                    self.metrics.observe("omni_milestone_seconds", ms / 1e3, milestone=milestone)
         if clock is not None and output is not None and output.audio is not None and output.audio.numel():
             if clock.audio_samples == 0:
                 self.metrics.observe("omni_audio_ttfp_seconds", time.perf_counter() - clock.start)

@@ -157,9 +157,15 @@ def test_orchestrator_publishes_handoff_ttfp_and_rtf(triton_server):
     assert delta("omni_talker_decode_rows_total") >= FRAMES - 1
     # the request's own timeline: milestones in causal order, the orchestrator's first audio before the client's
     t = r.usage["timeline_ms"]
-    order = ["thinker_first_output", "talker_started", "talker_first_frames", "first_chunk_cut", "first_audio_sent"]
+    order = ["preprocessed", "thinker_first_output", "talker_started", "talker_first_frames", "first_chunk_cut",
+             "first_audio_sent"]
     assert [t[m] for m in order] == sorted(t[m] for m in order) and t["first_audio_sent"] <= t["end"], t
     assert t["thinker_done"] <= t["end"] and t["first_audio_sent"] / 1e3 <= first_audio
+    # ...counted from the request's arrival, as the TTFP histogram is, and published per milestone
+    assert t["first_audio_sent"] / 1e3 == pytest.approx(delta("omni_audio_ttfp_seconds_sum"), abs=0.02)
+    for milestone, ms in t.items():
+        assert delta("omni_milestone_seconds_count", milestone=milestone) == 1, milestone
+        assert delta("omni_milestone_seconds_sum", milestone=milestone) == pytest.approx(ms / 1e3, abs=1e-3)
     sessions = series(after, "omni_replica_sessions")
     assert len(sessions) == 4 and sum(sessions) == 0  # 2 stages x 2 replicas, all sessions released
     assert series(after, "omni_requests_in_flight") == [0]

@@ -123,3 +123,30 @@ def test_no_outputs_recorded_still_gives_first_response():
     }
     s = experiment_summary(exp)
     assert s["first_response_ms"]["mean"] == 5 and s["ttfp_ms"] is None and not s["outputs_recorded"]
+
+
+def test_omni_metrics_keeps_labelled_series_by_label(tmp_path):
+    import functools
+    import http.server
+    import threading
+
+    from perf.gpu_bench import omni_metrics
+
+    (tmp_path / "metrics").write_text(
+        'nv_inference_count{model="x"} 3\n'
+        "omni_talker_steps_total 12\n"
+        'omni_milestone_seconds_sum{milestone="preprocessed"} 0.5\n'
+        'omni_milestone_seconds_sum{milestone="end"} 9.25\n'
+        'omni_milestone_seconds_bucket{milestone="end",le="1"} 0\n'
+    )
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        got = omni_metrics(f"http://127.0.0.1:{server.server_address[1]}/metrics")
+    finally:
+        server.shutdown()
+    assert got["omni_talker_steps_total"] == [12.0]
+    assert got["omni_milestone_seconds_sum"] == [0.5, 9.25]
+    assert got['omni_milestone_seconds_sum{milestone="end"}'] == [9.25]
+    assert "nv_inference_count" not in got and not any(k.startswith("omni_milestone_seconds_bucket{") for k in got)
