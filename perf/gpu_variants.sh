@@ -13,7 +13,8 @@
 # gpu_inputs: true), step_stream (every GPU stage with step_stream: true), thinker_host (the thinker's
 # responses as host tensors), host (every stage hands over host tensors: handoff cpu, the cuda default since
 # the 2026-12-03 third session), host_mps (host under CUDA MPS), gpu_handoff (every stage hands over CUDA
-# tensors: handoff gpu, the default before).
+# tensors: handoff gpu, the default before), first_chunk2 (first audio chunk after 2 frames instead of 4),
+# gil1ms (stage processes with a 1 ms GIL switch interval: OMNI_SWITCH_INTERVAL_MS).
 set -u
 OUT="${1:?usage: bash perf/gpu_variants.sh OUT_DIR [variant ...]}"
 shift
@@ -44,7 +45,7 @@ run_variant() {  # name, then perf.gpu_bench args
   PERF_BUDGET_S=${PERF_BUDGET_S:-185} PERF_HARD_LIMIT_S=${PERF_HARD_LIMIT_S:-200} bash perf/gpu_bench.sh "$OUT/$name" \
     --skip-baseline --skip-w2 --w1-concurrency 1 64 --warmup 3 --bench-min-s 60 "$@" > "$OUT/$name.console.log" 2>&1
   "$PY" - "$OUT/$name/bench.json" "$name" <<'PYEOF' | tee -a "$OUT/variants.log"
-import json, sys
+import json, re, sys
 path, name = sys.argv[1:]
 b = json.load(open(path))
 before = {}
@@ -59,7 +60,7 @@ for lv in b.get("ours", {}).get("w1", {}).get("levels", []):
     # the level's mean time from arrival to each milestone (omni_milestone_seconds), in ms
     delta = lambda k: sum(m.get(k, [0])) - sum(before.get(k, [0]))  # noqa: E731
     keys = [k[len("omni_milestone_seconds_sum"):] for k in m if k.startswith("omni_milestone_seconds_sum{")]
-    means = {k.split('"')[1]: round(1e3 * delta("omni_milestone_seconds_sum" + k) / n)
+    means = {re.search(r'milestone="([^"]+)"', k).group(1): round(1e3 * delta("omni_milestone_seconds_sum" + k) / n)
              for k in keys if (n := delta("omni_milestone_seconds_count" + k))}
     print(f"{name} c={lv['concurrency']} milestones_ms {dict(sorted(means.items(), key=lambda kv: kv[1]))}")
     before = m
@@ -95,11 +96,13 @@ for n in (16, 64): print('smoke burst', n, {k: v for k, v in r.get(f'burst_{n}',
     host) run_variant host "${HOST[@]}" ;;
     host_mps) under_mps host_mps "${HOST[@]}" ;;
     gpu_handoff) run_variant gpu_handoff "${GPU_HANDOFF[@]}" ;;
+    first_chunk2) run_variant first_chunk2 --set omni_ensemble.first_chunk_frames=2 ;;
+    gil1ms) OMNI_SWITCH_INTERVAL_MS=1 run_variant gil1ms ;;
     mps) under_mps mps ;;
     scaled_mps) under_mps scaled_mps "${SCALED[@]}" ;;
     *) echo "unknown variant $v" | tee -a "$OUT/variants.log" ;;
   esac
 done
 # the device returns few files: one archive of the variants' directories
-dirs=$(cd "$OUT" && ls -d base prefill16 scaled mps scaled_mps gpu_inputs step_stream thinker_host host host_mps gpu_handoff 2> /dev/null)
+dirs=$(cd "$OUT" && ls -d base prefill16 scaled mps scaled_mps gpu_inputs step_stream thinker_host host host_mps gpu_handoff first_chunk2 gil1ms 2> /dev/null)
 [ -n "$dirs" ] && tar czf "$OUT/variants.tar.gz" -C "$OUT" $dirs && (cd "$OUT" && rm -rf $dirs)
