@@ -13,8 +13,7 @@
 # gpu_inputs: true), step_stream (every GPU stage with step_stream: true), thinker_host (the thinker's
 # responses as host tensors), host (every stage hands over host tensors: handoff cpu, the cuda default since
 # the 2026-12-03 third session), host_mps (host under CUDA MPS), gpu_handoff (every stage hands over CUDA
-# tensors: handoff gpu, the default before), first_chunk2 (first audio chunk after 2 frames instead of 4),
-# gil1ms (stage processes with a 1 ms GIL switch interval: OMNI_SWITCH_INTERVAL_MS).
+# tensors: handoff gpu, the default before), first_chunk2 (first audio chunk after 2 frames instead of 4).
 set -u
 OUT="${1:?usage: bash perf/gpu_variants.sh OUT_DIR [variant ...]}"
 shift
@@ -97,12 +96,11 @@ for n in (16, 64): print('smoke burst', n, {k: v for k, v in r.get(f'burst_{n}',
     host_mps) under_mps host_mps "${HOST[@]}" ;;
     gpu_handoff) run_variant gpu_handoff "${GPU_HANDOFF[@]}" ;;
     first_chunk2) run_variant first_chunk2 --set omni_ensemble.first_chunk_frames=2 ;;
-    gil1ms) OMNI_SWITCH_INTERVAL_MS=1 run_variant gil1ms ;;
     mps) under_mps mps ;;
     scaled_mps) under_mps scaled_mps "${SCALED[@]}" ;;
     *) echo "unknown variant $v" | tee -a "$OUT/variants.log" ;;
   esac
 done
 # the device returns few files: one archive of the variants' directories
-dirs=$(cd "$OUT" && ls -d base prefill16 scaled mps scaled_mps gpu_inputs step_stream thinker_host host host_mps gpu_handoff first_chunk2 gil1ms 2> /dev/null)
+dirs=$(cd "$OUT" && ls -d base prefill16 scaled mps scaled_mps gpu_inputs step_stream thinker_host host host_mps gpu_handoff first_chunk2 2> /dev/null)
 [ -n "$dirs" ] && tar czf "$OUT/variants.tar.gz" -C "$OUT" $dirs && (cd "$OUT" && rm -rf $dirs)

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import sys
 import uuid
 from dataclasses import replace
 
@@ -50,10 +48,6 @@ def stage_dtype(params: dict[str, str], device: torch.device) -> torch.dtype:
 def init_instance(args) -> tuple[dict[str, str], torch.device, torch.dtype]:
     """What every stage instance does first: logging, its parameters, and its device and dtype."""
     setup_logging()
-    # OMNI_SWITCH_INTERVAL_MS (environment, experimental): the GIL switch interval of stage processes (Python's
-    # default is 5 ms), i.e. how long the response thread may wait for the GIL while the engine thread runs
-    if os.environ.get("OMNI_SWITCH_INTERVAL_MS"):
-        sys.setswitchinterval(float(os.environ["OMNI_SWITCH_INTERVAL_MS"]) / 1e3)
     params = model_parameters(args)
     configure_handoff(params.get("handoff"))
     device = instance_device(args, params)
