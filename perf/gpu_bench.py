@@ -19,7 +19,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from omnistage.launch.proc_stats import dump_stub_stacks, server_cpu_seconds
+from omnistage.launch.proc_stats import dump_stub_stacks, process_state, server_cpu_seconds, stub_pids
 from perf import loadgen, workloads
 from perf.bench_server import BenchServer, by_model, stage_setting
 from perf.compare import comparison, plot_bench, reference, summary_text
@@ -114,6 +114,7 @@ class Bench:
             "baseline": None,
         }
         self.server: BenchServer | None = None
+        self.stubs: dict[str, list[int]] = {}  # model -> its stubs' pids, as the server started
 
     # ---- bookkeeping ----------------------------------------------------------------------------------
     def save(self) -> None:
@@ -183,6 +184,8 @@ class Bench:
             self.phase("server_start", "failed", t0, note=str(exc)[-2000:])
             return False
         self.report["server"]["triton_ready_s"] = ready
+        # the stubs as started: a stall's evidence names each one's state, also once it is gone from the tree
+        self.stubs = stub_pids(self.server.triton.process.pid)
         self.phase("server_start", "ok", t0)
         return True
 
@@ -241,6 +244,7 @@ class Bench:
                 entry["stage_metrics_after"] = omni_metrics(self.server.triton.metrics_url)
                 if entry.get("cut_by_deadline"):  # stalled requests: what every stub's threads are doing now
                     entry["stub_stacks_dumped"] = self.dump_stub_stacks()
+                    entry["stub_states"] = self.stall_evidence()
                 result["levels"].append(entry)
                 say(f"{name} c={c}: {loadgen._line(entry)}")
                 self.save()
@@ -251,6 +255,21 @@ class Bench:
     def dump_stub_stacks(self) -> int:
         process = self.server.triton.process if self.server else None
         return dump_stub_stacks(process.pid) if process and process.pid else 0
+
+    def stall_evidence(self) -> dict[str, list[dict]]:
+        """Each stub's process state (a stub that is gone or in D state writes no stacks), and beside the
+        stacks the GPU's view (nvidia-smi) and the kernel log's end (driver Xid errors), once per run."""
+        stacks = Path(os.environ.get("OMNI_STACKS_DIR", self.tmp / "stacks"))
+        stacks.mkdir(parents=True, exist_ok=True)
+        for name, cmd in (("nvidia-smi.txt", ["nvidia-smi"]), ("dmesg.txt", ["dmesg"])):
+            if not (stacks / name).exists():
+                try:  # a hung GPU can hang nvidia-smi too
+                    run = subprocess.run(cmd, capture_output=True, text=True, timeout=15, check=False)
+                    (stacks / name).write_text((run.stdout + run.stderr)[-20000:])
+                except (OSError, subprocess.TimeoutExpired) as exc:
+                    (stacks / name).write_text(f"{cmd[0]}: {exc}\n")
+        return {model: [dict(process_state(pid), pid=str(pid)) for pid in pids]
+                for model, pids in self.stubs.items()}  # fmt: skip
 
     def pack_stacks(self) -> None:
         """stacks.tar.gz in OUT when a level dumped the stubs' stacks (the device returns few files)."""

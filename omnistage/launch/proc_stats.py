@@ -50,6 +50,21 @@ def dump_stub_stacks(server_pid: int) -> int:
     return len(pids)
 
 
+def process_state(pid: int) -> dict[str, str]:
+    """A process's scheduler state as /proc shows it (R running, S sleeping, D uninterruptible: waiting in the
+    kernel or a driver, where it does not even take signals, Z exited and not yet reaped) and the kernel
+    function it waits in; {"state": "gone"} for a pid that no longer exists."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return {"state": "gone"}
+    try:
+        wchan = Path(f"/proc/{pid}/wchan").read_text().strip()
+    except OSError:
+        wchan = ""
+    return {"state": state, "wchan": wchan}
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds the process has used so far (0 if it is gone)."""
     try:

@@ -23,3 +23,30 @@ def test_cpu_seconds_grows_with_work_and_is_zero_for_a_gone_process():
         pass
     assert cpu_seconds(os.getpid()) - before >= 0.2
     assert cpu_seconds(2**22 + 12345) == 0.0  # above the kernel's pid_max default
+
+
+def test_process_state_tells_running_exited_and_gone_processes_apart():
+    import subprocess
+
+    from omnistage.launch.proc_stats import process_state
+
+    assert process_state(os.getpid())["state"] in ("R", "S")
+    child = subprocess.Popen(["sleep", "0"])
+    deadline = time.monotonic() + 5
+    while process_state(child.pid)["state"] != "Z" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert process_state(child.pid)["state"] == "Z"  # exited, not yet reaped
+    child.wait()
+    assert process_state(child.pid) == {"state": "gone"}
+
+
+def test_stall_evidence_names_each_stub_state_and_keeps_the_gpu_and_kernel_view(tmp_path, monkeypatch):
+    from perf.gpu_bench import Bench
+
+    monkeypatch.setenv("OMNI_STACKS_DIR", str(tmp_path / "stacks"))
+    bench = Bench.__new__(Bench)  # only what stall_evidence reads
+    bench.tmp, bench.stubs = tmp_path, {"talker": [os.getpid()], "code2wav": [2**22 + 1]}
+    states = bench.stall_evidence()
+    assert states["talker"][0]["state"] in ("R", "S") and states["talker"][0]["pid"] == str(os.getpid())
+    assert states["code2wav"] == [{"state": "gone", "pid": str(2**22 + 1)}]
+    assert {p.name for p in (tmp_path / "stacks").iterdir()} == {"nvidia-smi.txt", "dmesg.txt"}
