@@ -257,8 +257,9 @@ class Bench:
         return dump_stub_stacks(process.pid) if process and process.pid else 0
 
     def stall_evidence(self) -> dict[str, list[dict]]:
-        """Each stub's process state (a stub that is gone or in D state writes no stacks), and beside the
-        stacks the GPU's view (nvidia-smi) and the kernel log's end (driver Xid errors), once per run."""
+        """Each stub's and the server's process state (a stub that is gone or in D state writes no stacks; the
+        server's thread count shows its BLS pool), and beside the stacks the GPU's view (nvidia-smi) and the
+        kernel log's end (driver Xid errors), once per run."""
         stacks = Path(os.environ.get("OMNI_STACKS_DIR", self.tmp / "stacks"))
         stacks.mkdir(parents=True, exist_ok=True)
         for name, cmd in (("nvidia-smi.txt", ["nvidia-smi"]), ("dmesg.txt", ["dmesg"])):
@@ -268,8 +269,10 @@ class Bench:
                     (stacks / name).write_text((run.stdout + run.stderr)[-20000:])
                 except (OSError, subprocess.TimeoutExpired) as exc:
                     (stacks / name).write_text(f"{cmd[0]}: {exc}\n")
-        return {model: [dict(process_state(pid), pid=str(pid)) for pid in pids]
-                for model, pids in self.stubs.items()}  # fmt: skip
+        processes = dict(self.stubs)
+        if self.server is not None and self.server.triton.process is not None:  # its threads: the BLS pool
+            processes["tritonserver"] = [self.server.triton.process.pid]
+        return {name: [dict(process_state(pid), pid=str(pid)) for pid in pids] for name, pids in processes.items()}
 
     def pack_stacks(self) -> None:
         """stacks.tar.gz in OUT when a level dumped the stubs' stacks (the device returns few files)."""

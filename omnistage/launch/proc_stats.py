@@ -52,8 +52,9 @@ def dump_stub_stacks(server_pid: int) -> int:
 
 def process_state(pid: int) -> dict[str, str]:
     """A process's scheduler state as /proc shows it (R running, S sleeping, D uninterruptible: waiting in the
-    kernel or a driver, where it does not even take signals, Z exited and not yet reaped) and the kernel
-    function it waits in; {"state": "gone"} for a pid that no longer exists."""
+    kernel or a driver, where it does not even take signals, Z exited and not yet reaped), the kernel
+    function it waits in and its thread count (a pool that ran dry shows as a plateau);
+    {"state": "gone"} for a pid that no longer exists."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
@@ -62,7 +63,7 @@ def process_state(pid: int) -> dict[str, str]:
         wchan = Path(f"/proc/{pid}/wchan").read_text().strip()
     except OSError:
         wchan = ""
-    return {"state": state, "wchan": wchan}
+    return {"state": state, "wchan": wchan, "threads": str(_count(f"/proc/{pid}/task"))}
 
 
 def cpu_seconds(pid: int) -> float:

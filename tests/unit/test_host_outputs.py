@@ -19,7 +19,7 @@ from .test_stage_oracle import REPLY, run_thinker, running
 def run_pair(model, input_ids, device, host_outputs):
     """A thinker reply, then two talker streams of different lengths side by side (the shorter one
     finishes while the other goes on). Returns the thinker output and each stream's frames."""
-    kw = dict(max_slots=4, max_seq_len=512, device=device, dtype=torch.float32, host_outputs=host_outputs)
+    kw = {"max_slots": 4, "max_seq_len": 512, "device": device, "dtype": torch.float32, "host_outputs": host_outputs}
     thinker = ThinkerRunner(model.thinker, model.config, **kw)
     prompt = ThinkerPrompt(input_ids, export_talker=True)
     out, _ = run_thinker(thinker, running("t", SamplingParams(max_tokens=REPLY), prompt, slot=1))

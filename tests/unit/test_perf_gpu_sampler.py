@@ -45,8 +45,9 @@ def test_stall_evidence_names_each_stub_state_and_keeps_the_gpu_and_kernel_view(
 
     monkeypatch.setenv("OMNI_STACKS_DIR", str(tmp_path / "stacks"))
     bench = Bench.__new__(Bench)  # only what stall_evidence reads
-    bench.tmp, bench.stubs = tmp_path, {"talker": [os.getpid()], "code2wav": [2**22 + 1]}
+    bench.tmp, bench.server, bench.stubs = tmp_path, None, {"talker": [os.getpid()], "code2wav": [2**22 + 1]}
     states = bench.stall_evidence()
     assert states["talker"][0]["state"] in ("R", "S") and states["talker"][0]["pid"] == str(os.getpid())
+    assert int(states["talker"][0]["threads"]) >= 1
     assert states["code2wav"] == [{"state": "gone", "pid": str(2**22 + 1)}]
     assert {p.name for p in (tmp_path / "stacks").iterdir()} == {"nvidia-smi.txt", "dmesg.txt"}
