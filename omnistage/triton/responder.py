@@ -38,7 +38,8 @@ def send_final(sender, response=None) -> None:
     try:
         sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
     except Exception as e:  # the client may be gone (cancelled); nothing else to do for it
-        log.debug("final send failed: %s", e)
+        # a warning, not a debug line: when the caller is omni_ensemble, a lost final leaves its stream open
+        log.warning("final send failed: %s", e)
 
 
 class Responder:
