@@ -1,6 +1,7 @@
 # StageClient over Triton BLS: how omni_ensemble reaches thinker, talker and code2wav inside the server.
-# Tensors stay where they are (GPU tensors go out through DLPack); every request parameter is sent as a
-# string, since BLS parameters take str/int/bool only and the stages coerce them back. Every stream is read
+# Tensors go out where they are (GPU tensors through DLPack) and come back as copies that own their memory
+# (_read says why); every request parameter is sent as a string, since BLS parameters take str/int/bool
+# only and the stages coerce them back. Every stream is read
 # to its end and its iterator handed to the reaper, which drops it once the 2.51 stub's native thread has
 # let go of it (iterator_reaper.py says why). Every call also asks the stage for its host tensors as BF16
 # views of their bytes, for which the stub makes no numpy array of the data (core/bf16_bytes.py).
@@ -42,9 +43,13 @@ def _read(response, outputs: dict[str, TensorSpec]) -> dict:
     out = {}
     for t in response.output_tensors():
         value = bls_output(t, outputs[t.name()].data_type)
-        # own the memory of GPU tensors: they live in Triton's CUDA pool, reused once the response is gone.
-        # Host tensors keep their response's shared memory alive through DLPack for as long as they live.
-        out[t.name()] = value.clone() if isinstance(value, torch.Tensor) and value.is_cuda else value
+        # Own the memory of every tensor, GPU (Triton's CUDA pool, reused once the response is gone) and host
+        # (the response's shared memory) alike. A view would keep the response's tensor alive through DLPack
+        # past the moment the reaper drops the stream's iterator (iterator_reaper.py), so the tensor would be
+        # released later, on whichever thread let go of the view, outside that protocol. Host handoffs made
+        # such views the rule (frames, text rows, Code2Wav states) and the one server freeze seen with them
+        # had omni_ensemble's threads stuck right here (perf/README.md, 2026-12-03 third session).
+        out[t.name()] = value.clone() if isinstance(value, torch.Tensor) else value
     return out
 
 

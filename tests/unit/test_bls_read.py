@@ -1,0 +1,60 @@
+# omni_ensemble's BLS client keeps nothing of a stage's response memory: every tensor it reads is a copy
+# that owns its storage, so a response's tensors are released only when the iterator reaper drops the
+# stream (omnistage/triton/bls.py::_read, omnistage/triton/iterator_reaper.py). Runs against a stand-in
+# for the stub's module and response objects, which exist only inside a Triton Python-backend stub.
+import sys
+import types
+
+import pytest
+import torch
+from torch.utils import dlpack
+
+from omnistage.core.bf16_bytes import to_bf16_bytes
+from omnistage.core.protocol import CODE2WAV
+
+
+class StubTensor:  # what a BLS response's output tensor offers: its name and a DLPack view of its memory
+    def __init__(self, name, carrier):
+        self._name, self.carrier = name, carrier
+
+    def name(self):
+        return self._name
+
+    def to_dlpack(self):
+        return dlpack.to_dlpack(self.carrier)
+
+
+class StubResponse:
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+    def has_error(self):
+        return False
+
+    def output_tensors(self):
+        return self.tensors
+
+
+@pytest.fixture
+def bls(monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", types.ModuleType("triton_python_backend_utils"))
+    for name in ("omnistage.triton.bls", "omnistage.triton.tensors"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    import omnistage.triton.bls as module
+
+    yield module
+    for name in ("omnistage.triton.bls", "omnistage.triton.tensors"):  # not left bound to the stand-in
+        sys.modules.pop(name, None)
+
+
+def test_read_copies_host_tensors_out_of_the_response(bls):
+    audio, frames = torch.randn(3840), torch.tensor([7], dtype=torch.int64)
+    carriers = {"audio": to_bf16_bytes(audio), "past_frames": to_bf16_bytes(frames)}
+    response = StubResponse([StubTensor(name, c) for name, c in carriers.items()])
+    out = bls._read(response, {t.name: t for t in CODE2WAV.outputs})
+    assert torch.equal(out["audio"], audio) and torch.equal(out["past_frames"], frames)
+    for name, carrier in carriers.items():
+        assert out[name].untyped_storage().data_ptr() != carrier.untyped_storage().data_ptr(), name
+    want = audio.clone()
+    carriers["audio"].zero_()  # the response's memory reused: what was read stays
+    assert torch.equal(out["audio"], want) and not torch.equal(audio, want)
