@@ -30,9 +30,16 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     return host.copy_(t, non_blocking=True)
 
 
-def outputs_to_host(outputs, stream_sync) -> None:
+def sync_current_stream(device: torch.device) -> None:
+    """Waits for the work queued on the device's current stream (copies made by to_host are then complete);
+    nothing to wait for on the CPU."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+def outputs_to_host(outputs, device: torch.device) -> None:
     """Moves the CUDA tensor fields of dataclass outputs to pinned host memory in place (nested dataclasses
-    too), then calls stream_sync() once if anything was copied."""
+    too), then syncs the device's current stream once if anything was copied."""
     copied = False
 
     def visit(obj) -> None:
@@ -48,4 +55,4 @@ def outputs_to_host(outputs, stream_sync) -> None:
         if output is not None:
             visit(output)
     if copied:
-        stream_sync()
+        sync_current_stream(device)

@@ -12,7 +12,7 @@ from ..core.engine import StepResult
 from ..core.errors import BadRequestError
 from ..core.scheduler import Sequence
 from .code_predictor import CodePredictor, StaticCodePredictor
-from .host_copy import to_device, to_host
+from .host_copy import sync_current_stream, to_device, to_host
 from .kv_cache import SlotKVCache
 from .sampler import Sampler
 from .static_decode import StaticDecoder
@@ -168,8 +168,8 @@ class TalkerRunner:
                 codes, codec_sum = codes[keep], codec_sum[keep]
                 sent = to_host(codes) if self.host_outputs else codes
             results += self._advance([seqs[i] for i in going], sent, codec_sum)
-        elif self.host_outputs and self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+        elif self.host_outputs:
+            sync_current_stream(self.device)
         return results
 
     # ---- internals ----------------------------------------------------------------------------------------

@@ -127,7 +127,7 @@ class ThinkerRunner:
         batched = {id(r.seq) for r in results}
         results += [self._prefill_one(s) for s in seqs if id(s) not in batched]
         if self.host_outputs:  # the talker's conditioning was gathered after the tokens' sync: one more sync
-            outputs_to_host([r.output for r in results], lambda: torch.cuda.current_stream(self.device).synchronize())
+            outputs_to_host([r.output for r in results], self.device)
         return results
 
     @torch.inference_mode()

@@ -11,7 +11,6 @@ import threading
 import time
 from typing import Any, NamedTuple
 
-import torch
 import triton_python_backend_utils as pb_utils
 
 from ..core.errors import BadRequestError, OmniError
@@ -19,13 +18,13 @@ from ..core.protocol import CODE2WAV, PAST_FRAMES
 from ..models import fused
 from ..models.checkpoint import load_stage
 from ..stages.code2wav import Code2WavRunner, chunk_key, state_from_tensors, state_to_tensors, take_group
-from ..stages.host_copy import to_host
+from ..stages.host_copy import sync_current_stream, to_host
 from ..stages.step_stream import StepStream
 from .logs import stop_fault_reports
 from .metrics import MetricsPublisher
 from .responder import error_response, send_final
 from .stage_model import flag, init_instance
-from .tensors import input_tensors, is_probe, output_tensors, request_parameters, wants_bf16_bytes
+from .tensors import host_handoff, input_tensors, is_probe, output_tensors, request_parameters, wants_bf16_bytes
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +51,7 @@ class Code2WavModel:
         # step_stream: the worker decodes on a CUDA stream of its own (stages/step_stream.py)
         self.step_stream = StepStream(self.device, flag(params, "step_stream"))
         # handoff "cpu": audio and state leave in pinned host memory, one sync per decoded group
-        self.host_outputs = (params.get("handoff") or "gpu").lower() == "cpu"
+        self.host_outputs = host_handoff()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         # written by the worker, read by the metrics thread
         self.last_batch, self.chunks, self.batches, self.busy_seconds = 0, 0, 0, 0.0
@@ -119,8 +118,7 @@ class Code2WavModel:
                     values = [(i, {"audio": wav.float(), **state_to_tensors(state)}) for i, (wav, state) in done]
                     if self.host_outputs:  # queued behind the forward, complete at one sync for the group
                         values = [(i, {k: to_host(v) for k, v in d.items()}) for i, d in values]
-                        if self.device.type == "cuda":
-                            torch.cuda.current_stream(self.device).synchronize()
+                        sync_current_stream(self.device)
                     else:
                         self.step_stream.sync()  # Triton copies the tensors on the default stream
                     responses = [(i, output_tensors(d, batch[i].bf16_bytes)) for i, d in values]

@@ -20,7 +20,12 @@ from ..stages.kv_budget import kv_budget_bytes, kv_bytes_per_slot, plan_slots
 from .logs import setup_logging, stop_fault_reports
 from .metrics import StageMetrics
 from .responder import Responder, error_response, send_final
-from .tensors import configure_handoff, request_parameters, wants_bf16_bytes
+from .tensors import (
+    configure_handoff,
+    host_handoff,
+    request_parameters,
+    wants_bf16_bytes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +86,7 @@ class StageModel:
         self.cuda_graphs = flag(self.params, "cuda_graphs")
         self.own_stream = flag(self.params, "step_stream")
         # handoff "cpu": the runner copies its outputs to the host at its step's own sync (stages/host_copy.py)
-        self.host_outputs = (self.params.get("handoff") or "gpu").lower() == "cpu"
+        self.host_outputs = host_handoff()
         self.max_prefills = int(self.params.get("max_prefills_per_step", 4))
         if self.device.type == "cuda" and flag(self.params, "fused_kernels"):
             log.info("[%s] fused kernels installed: %s", self.STAGE, fused.install(model))

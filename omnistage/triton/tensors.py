@@ -79,6 +79,12 @@ def configure_handoff(kind: str | None) -> None:
     _handoff = kind
 
 
+def host_handoff() -> bool:
+    """Whether this process hands its outputs over in host memory (handoff "cpu"): its runners then copy them
+    to the host themselves, at their steps' own syncs (stages/host_copy.py)."""
+    return _handoff == "cpu"
+
+
 def output_tensors(values: dict, bf16_bytes: bool = False) -> list:
     """name -> torch.Tensor or str (TYPE_STRING) into response tensors. bf16_bytes: host tensors and strings
     as BF16 views of their bytes, for a BLS caller (see wants_bf16_bytes)."""
