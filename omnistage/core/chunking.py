@@ -37,6 +37,21 @@ class ChunkSchedule:
         return ChunkCutter(self)
 
 
+@dataclass(frozen=True)
+class ChunkPolicy:
+    """Which schedule a new request gets. `light` (typically a smaller first chunk) while at most
+    `light_load_requests` requests are in flight, the new one counted: a lone stream then hears its first
+    audio sooner, at a cost (more, smaller Code2Wav forwards) that only matters under load, where
+    `schedule` applies. Without `light`, always `schedule`."""
+
+    schedule: ChunkSchedule = ChunkSchedule()
+    light: ChunkSchedule | None = None
+    light_load_requests: int = 1
+
+    def for_load(self, in_flight: int) -> ChunkSchedule:
+        return self.light if self.light is not None and in_flight <= self.light_load_requests else self.schedule
+
+
 class ChunkCutter:
     """Cuts one request's frame stream into chunks; push() as frames arrive, finish() once at the end."""
 

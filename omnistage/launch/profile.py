@@ -32,7 +32,8 @@ _KEYS = {
 _KEYS["talker"] = _KEYS["thinker"]
 _TOP_KEYS = {"base", "description", "platform", "dtype", "handoff", "gpu_inputs", "model", "stages", "chunks",
              "platforms"}  # fmt: skip
-_CHUNK_KEYS = {"first_chunk_frames", "chunk_frames", "left_context_frames"}
+_CHUNK_KEYS = {"first_chunk_frames", "chunk_frames", "left_context_frames", "light_first_chunk_frames",
+               "light_load_requests"}
 
 
 class ProfileError(ValueError):
@@ -227,8 +228,13 @@ def _chunks(raw: dict, talker_seq_len: int) -> dict[str, int | None]:
     unknown = set(raw) - _CHUNK_KEYS
     if unknown:
         raise ProfileError(f"chunks: unknown key(s) {', '.join(sorted(unknown))}; valid: {', '.join(sorted(_CHUNK_KEYS))}")
-    chunks = {"first_chunk_frames": 4, "chunk_frames": 25, "left_context_frames": None, **raw}
-    for key in ("first_chunk_frames", "chunk_frames"):
+    chunks = {"first_chunk_frames": 4, "chunk_frames": 25, "left_context_frames": None,
+              "light_first_chunk_frames": None, "light_load_requests": 1, **raw}  # fmt: skip
+    _int("chunks.light_load_requests", chunks["light_load_requests"])
+    sized = ["first_chunk_frames", "chunk_frames"]
+    if chunks["light_first_chunk_frames"] is not None:  # null: no light-load schedule
+        sized.append("light_first_chunk_frames")
+    for key in sized:
         _int(f"chunks.{key}", chunks[key])
         # a chunk is cut once that many frames exist; a talker slot never holds more than max_seq_len
         if chunks[key] > talker_seq_len:

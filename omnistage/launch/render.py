@@ -85,6 +85,10 @@ def profile_spec(profile: Profile, model_path: str | None = None) -> dict[str, M
             **common,
             "first_chunk_frames": str(profile.chunks["first_chunk_frames"]),
             "chunk_frames": str(profile.chunks["chunk_frames"]),
+            # a smaller first chunk while the server is nearly idle (core/chunking.py ChunkPolicy); unset: off
+            **({"light_first_chunk_frames": str(profile.chunks["light_first_chunk_frames"]),
+                "light_load_requests": str(profile.chunks["light_load_requests"])}
+               if profile.chunks["light_first_chunk_frames"] is not None else {}),
             "max_inflight": str(omni.settings.get("max_inflight", 128)),
             "max_queue": str(omni.settings.get("max_queue", 256)),
             # request media limits (omnistage.models.media.MediaLimits); unset: its defaults

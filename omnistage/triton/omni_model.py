@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core.admission import Admission
-from ..core.chunking import ChunkSchedule
+from ..core.chunking import ChunkPolicy, ChunkSchedule
 from ..core.errors import BadRequestError, OmniError
 from ..core.protocol import SAMPLE_RATE
 from ..models.checkpoint import load_config
@@ -55,7 +55,11 @@ class OmniModel:
         self.processor = load_processor(source)
         media.configure(media.MediaLimits.from_parameters(params))
         self.speakers = {k.lower() for k in self.config.talker_config.speaker_id}
-        self.schedule = ChunkSchedule(int(params.get("first_chunk_frames", 4)), int(params.get("chunk_frames", 25)))
+        chunk_frames = int(params.get("chunk_frames", 25))
+        light = params.get("light_first_chunk_frames")
+        self.chunk_policy = ChunkPolicy(ChunkSchedule(int(params.get("first_chunk_frames", 4)), chunk_frames),
+                                        ChunkSchedule(int(light), chunk_frames) if light else None,
+                                        int(params.get("light_load_requests", 1)))  # fmt: skip
         # a session's stage calls all go to one replica; new sessions to the least loaded (pipeline/replicas.py)
         # finished stage streams wait here until the Responder's next cancellation query (iterator_reaper.py)
         self.reaper = IteratorReaper()
@@ -123,7 +127,9 @@ class OmniModel:
                 emit(None, None, BadRequestError(f"could not process the messages: {e}"))
                 return
             on_hop = lambda hop, seconds: self.metrics.observe("omni_handoff_latency_seconds", seconds, hop=hop)  # noqa: E731
-            request = OmniRequest(session, inputs, options, self.stages, self.processor.tokenizer, self.schedule, emit,
+            # the requests in flight (queued ones too), this one counted, choose its chunk schedule
+            schedule = self.chunk_policy.for_load(len(self.clocks))
+            request = OmniRequest(session, inputs, options, self.stages, self.processor.tokenizer, schedule, emit,
                                   on_hop, arrival=self.clocks[session].start)  # fmt: skip
             self.requests[session] = request  # from here on _cancel() reaches it
             if session in self.left_while_queued:  # the client left while it was queued

@@ -34,10 +34,12 @@ def talker_kv_budget(tiny_checkpoint) -> int:
 @pytest.fixture(scope="module")
 def repo_spec(tiny_checkpoint, tmp_path_factory):
     path = tmp_path_factory.mktemp("profile") / "replicas.yaml"
-    # the talker's sampling default from the profile (greedy) replaces its built-in temperature 0.9
+    # the talker's sampling default from the profile (greedy) replaces its built-in temperature 0.9; a
+    # request alone on the server gets a 2-frame first chunk (the cuda profile's light-load schedule)
     path.write_text(f"base: {BASE_PROFILE}\nstages: {{thinker: {{replicas: 2}}, code2wav: {{replicas: 2}}, "
                     "talker: {replicas: 2, sampling: {temperature: 0}, "
-                    f"kv_cache_bytes: {talker_kv_budget(tiny_checkpoint)}}}}}\n")  # fmt: skip
+                    f"kv_cache_bytes: {talker_kv_budget(tiny_checkpoint)}}}}}\n"
+                    "chunks: {light_first_chunk_frames: 2}\n")  # fmt: skip
     spec = profile_spec(load_profile(path, "cpu"), str(tiny_checkpoint))
     assert spec["code2wav"].instances == 2
     # what `gpu_inputs: true` renders on cuda, here on every stage: the backend takes it and, with host
@@ -126,7 +128,8 @@ def test_orchestrator_publishes_handoff_ttfp_and_rtf(triton_server):
     r = OmniStream(triton_server.grpc_url, oracle.messages("text"), params).run()
     elapsed = time.perf_counter() - started
     assert r.error is None, r.error
-    chunks = len(r.audio)  # 40 frames: 4, then 25, then 11
+    chunks = len(r.audio)  # 40 frames, alone on the server: 2, then 25, then 13
+    assert r.audio[0].shape[0] == 2 * 1920 - 555  # the light-load first chunk
 
     def grew(name, by, **labels):
         return sum(series(triton_server.metrics(), name, **labels)) - sum(series(before, name, **labels)) >= by

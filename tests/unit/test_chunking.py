@@ -2,7 +2,7 @@ import itertools
 
 import pytest
 
-from omnistage.core.chunking import ChunkCutter, ChunkSchedule, Window
+from omnistage.core.chunking import ChunkCutter, ChunkPolicy, ChunkSchedule, Window
 
 
 def cut(schedule, pushes):
@@ -138,3 +138,11 @@ def test_core_chunking_is_torch_free():
     root = str(pathlib.Path(omnistage.__file__).resolve().parents[1])
     code = "import sys, omnistage.core.chunking; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": root})
+
+
+def test_policy_gives_the_light_schedule_only_while_load_is_light():
+    usual, light = ChunkSchedule(4, 25), ChunkSchedule(2, 25)
+    policy = ChunkPolicy(usual, light, light_load_requests=2)
+    assert [policy.for_load(n) for n in (1, 2, 3, 64)] == [light, light, usual, usual]
+    assert ChunkPolicy(usual).for_load(1) is usual  # no light schedule: always the usual one
+    assert all_windows(light, 40)[0] == Window(0, 2) and all_windows(usual, 40)[0] == Window(0, 4)

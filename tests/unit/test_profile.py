@@ -42,6 +42,9 @@ def test_base_profile_is_the_default_layout(platform):
     assert all(spec[name].parameters["step_stream"] == "false" for name in ("thinker", "talker", "code2wav"))
     omni = spec["omni_ensemble"].parameters
     assert (omni["first_chunk_frames"], omni["chunk_frames"], omni["max_inflight"]) == ("4", "25", "128")
+    # a lone request's smaller first chunk: on cuda only (CPU tests count the 4-frame first chunk)
+    light = (omni.get("light_first_chunk_frames"), omni.get("light_load_requests"))
+    assert light == (("2", "1") if cuda else (None, None))
     assert (omni["thinker_models"], omni["talker_models"]) == ("thinker", "talker")
     for name, s in spec.items():
         assert (s.kind, s.gpus) == (("KIND_GPU", (0,)) if cuda and name != "omni_ensemble" else ("KIND_CPU", ()))
@@ -133,6 +136,8 @@ def test_gpu_inputs_keeps_cuda_stage_inputs_on_the_device(tmp_path):
         ("chunks: {chunk_frames: 5000}", "chunks.chunk_frames (5000) is longer than any talker stream can be"),
         ("chunks: {left_context_frames: 0}", "chunks.left_context_frames must be an integer >= 1"),
         ("chunks: {left_context: 3}", "chunks: unknown key(s) left_context"),
+        ("chunks: {light_first_chunk_frames: 0}", "chunks.light_first_chunk_frames must be an integer >= 1, got 0"),
+        ("chunks: {light_load_requests: 0}", "chunks.light_load_requests must be an integer >= 1, got 0"),
         ("stages: {thinker: {memory_fraction: 0.8}, talker: {memory_fraction: 0.3}}",
          "GPU 0: memory_fraction of its stage instances adds up to 1.1 (thinker 0.8, talker 0.3)"),
         ("stages: {talker: {kv_cache_memory_fraction: 1.5}}",
