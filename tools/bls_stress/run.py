@@ -5,7 +5,7 @@
 # never fault; --bf16-bytes sends host tensors the way our stages answer BLS.
 #
 #   python tools/bls_stress/run.py [--concurrency 32] [--rounds 10] [--device cpu|cuda|mixed] [--state 1200000]
-#                                  [--reaper] [--bf16-bytes] [--free-probe]
+#                                  [--reaper] [--bf16-bytes] [--free-probe] [--keep-views]
 #                                  [--triton-arg=--pinned-memory-pool-byte-size=0]
 #
 # `--free-probe` (without --bf16-bytes) faults within a round on this CPU machine unless --reaper is given:
@@ -71,6 +71,7 @@ def main() -> int:
     ap.add_argument("--free-probe", action="store_true", help="fault if a response array is freed off the GIL")
     ap.add_argument("--reaper", action="store_true", help="hold finished iterators as omni_ensemble does")
     ap.add_argument("--early", action="store_true", help="leave each BLS call at its first response")
+    ap.add_argument("--keep-views", action="store_true", help="keep received tensors as views, not copies")
     # e.g. --triton-arg=--pinned-memory-pool-byte-size=0: the H200 machine has a 256 MB pinned pool for
     # host tensors, this CPU machine none, and the fault shows only there (a lead, see perf/README.md)
     ap.add_argument("--triton-arg", action="append", default=[], help="extra tritonserver argument (repeat)")
@@ -86,7 +87,7 @@ def main() -> int:
     env = dict(os.environ, BLS_STRESS_DEVICE=args.device, BLS_STRESS_STATE=str(args.state),
                BLS_STRESS_EARLY="1" if args.early else "0", BLS_STRESS_BF16_BYTES="1" if args.bf16_bytes else "0",
                BLS_STRESS_FREE_PROBE="1" if args.free_probe else "0",
-               BLS_STRESS_REAPER="1" if args.reaper else "0")  # fmt: skip
+               BLS_STRESS_REAPER="1" if args.reaper else "0", BLS_STRESS_VIEWS="1" if args.keep_views else "0")  # fmt: skip
     gpus = [0] if args.device in ("cuda", "mixed") else []
     server = TritonServer.on_free_ports(repo, run, gpus=gpus, env=env, extra_args=args.triton_arg)
     server.start_and_wait(timeout=180)

@@ -26,6 +26,9 @@ POLL = os.environ.get("BLS_STRESS_POLL", "1") == "1"
 # EARLY=1: leave each call at its first response, dropping the iterator before its end (as omni_ensemble's
 # code2wav() did until 2026-12-03)
 EARLY = os.environ.get("BLS_STRESS_EARLY", "0") == "1"
+# VIEWS=1: keep what a response carries as DLPack views of its memory, the state until the next call
+# replaces it (as omni_ensemble did with host tensors until 6cf3333), instead of copies
+VIEWS = os.environ.get("BLS_STRESS_VIEWS", "0") == "1"
 
 
 def tensor(name, t):
@@ -87,7 +90,7 @@ class TritonPythonModel:
                 for response in responses:
                     if response.has_error():
                         raise RuntimeError(response.error().message())
-                    outs = {t.name(): to_torch(t).clone() for t in response.output_tensors()}
+                    outs = {t.name(): to_torch(t) if VIEWS else to_torch(t).clone() for t in response.output_tensors()}
                     if FREE_PROBE and not BF16_BYTES:  # BF16 tensors have no numpy array to free
                         for t in response.output_tensors():
                             if t.is_cpu():
