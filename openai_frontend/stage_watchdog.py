@@ -7,8 +7,11 @@
 # must run with --model-control-mode=explicit), which starts a fresh stub in seconds. Confirming first
 # matters: the backend also says "not healthy" when a live stub misses its 1 s health-lock deadline on a
 # starved CPU, and reloading a live model strands its in-flight requests (measured: they never end). So
-# before a reload the `on_reload` callbacks run: the client fails its open requests to this server.
-# `/health` is ready only while every model is READY and its latest probe passed.
+# before a reload the `on_outage` callbacks run: the client fails its open requests to this server.
+# A model whose probe goes unanswered `confirm_probes` times in a row is hung (seen once: omni_ensemble, its
+# stub alive but answering nothing, perf/README.md): it is not reloaded (unloading a hung stub may hang
+# too), but the `on_outage` callbacks run once per outage, so its open requests end with an error instead
+# of waiting for ever. `/health` is ready only while every model is READY and its latest probe passed.
 from __future__ import annotations
 
 import asyncio
@@ -25,6 +28,8 @@ from omnistage.core.errors import PROBE_ACTION, STUB_DEAD_MARK
 
 log = logging.getLogger("openai_frontend.watchdog")
 
+UNANSWERED = "probe not answered"
+
 _NUMPY = {"TYPE_BOOL": np.bool_, "TYPE_INT32": np.int32, "TYPE_INT64": np.int64, "TYPE_FP16": np.float16,
           "TYPE_FP32": np.float32, "TYPE_BF16": np.float32, "TYPE_STRING": np.object_}  # fmt: skip
 
@@ -36,6 +41,7 @@ class ModelHealth:
     reloads: int = 0
     last_reload: float = 0.0
     failures: int = 0  # failed probes in a row
+    hung: bool = False  # confirmed hung in this outage (on_outage ran)
 
 
 class StageWatchdog:
@@ -43,7 +49,9 @@ class StageWatchdog:
                  reload_backoff_s: float = 10.0, confirm_probes: int = 3):  # fmt: skip
         self.url, self.interval_s, self.timeout_s = url, interval_s, timeout_s
         self.reload, self.reload_backoff_s, self.confirm_probes = reload, reload_backoff_s, confirm_probes
-        self.on_reload: list[Callable[[str], None]] = []  # called with the model's name before its reload
+        # called with a model's name when its open requests can no longer end: before its reload, or once
+        # it is confirmed hung
+        self.on_outage: list[Callable[[str], None]] = []
         self.models: dict[str, ModelHealth] = {}
         self.checked = False  # one full round done
         self._first_round = asyncio.Event()
@@ -107,7 +115,7 @@ class StageWatchdog:
         if error is None:
             if not health.ok:
                 log.info("watchdog: %s is serving", name)
-            health.ok, health.error, health.failures = True, None, 0
+            health.ok, health.error, health.failures, health.hung = True, None, 0, False
             return
         if health.ok or health.error != error:
             log.warning("watchdog: %s is down: %s", name, error)
@@ -116,6 +124,11 @@ class StageWatchdog:
         dead = (STUB_DEAD_MARK in error or state == "UNAVAILABLE") and health.failures >= self.confirm_probes
         if dead and self.reload and time.monotonic() - health.last_reload >= self.reload_backoff_s:
             await self._reload(name, health)
+        elif error.startswith(UNANSWERED) and health.failures >= self.confirm_probes and not health.hung:
+            health.hung = True
+            log.error("watchdog: %s answered no probe %d times in a row: failing its open requests", name,
+                      health.failures)  # fmt: skip
+            self._outage(name)
 
     async def _probe(self, name: str) -> str | None:
         try:
@@ -132,7 +145,7 @@ class StageWatchdog:
 
             return await asyncio.wait_for(first_answer(), self.timeout_s)
         except asyncio.TimeoutError:
-            return f"probe not answered within {self.timeout_s:.0f}s"
+            return f"{UNANSWERED} within {self.timeout_s:.0f}s"
         except Exception as e:  # noqa: BLE001 - anything but an answer is a failed probe
             return f"probe failed: {e}"
 
@@ -154,12 +167,15 @@ class StageWatchdog:
         self._inputs[name] = inputs
         return inputs
 
+    def _outage(self, name: str) -> None:
+        for callback in self.on_outage:
+            callback(name)
+
     async def _reload(self, name: str, health: ModelHealth) -> None:
         health.last_reload = time.monotonic()
         health.reloads += 1
         log.warning("watchdog: reloading %s (reload #%d)", name, health.reloads)
-        for callback in self.on_reload:
-            callback(name)
+        self._outage(name)
         started = time.monotonic()
         try:
             await self._client.load_model(name)

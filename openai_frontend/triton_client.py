@@ -47,9 +47,9 @@ class TritonOmniClient(OmniClient):
         # with a watchdog, ready means every model of the server answers probes (stage_watchdog.py), and
         # a model whose stub died is reloaded; without, Triton's model readiness (blind to dead stubs)
         self.watchdog = watchdog
-        self._open: dict[Any, bool] = {}  # open Triton streams -> failed by a model reload
+        self._open: dict[Any, str | None] = {}  # open Triton streams -> the model whose outage failed them
         if watchdog is not None:
-            watchdog.on_reload.append(self._fail_open_streams)
+            watchdog.on_outage.append(self._fail_open_streams)
         self._client: grpcclient.InferenceServerClient | None = None
 
     def _grpc(self) -> grpcclient.InferenceServerClient:
@@ -60,10 +60,10 @@ class TritonOmniClient(OmniClient):
         return self._client
 
     def _fail_open_streams(self, model: str) -> None:
-        # A reload strands the requests in flight on the old model instance (they never end), so they end
-        # here, as a 503 the client may retry.
+        # A reload strands the requests in flight on the old model instance, and a hung model answers none
+        # (they never end), so they end here, as a 503 the client may retry.
         for responses in list(self._open):
-            self._open[responses] = True
+            self._open[responses] = model
             responses.cancel()
 
     async def start(self) -> None:
@@ -105,7 +105,7 @@ class TritonOmniClient(OmniClient):
             raise TritonUnavailableError(f"cannot reach Triton at {self.url}: {exc}") from exc
         decoder = ResponseDecoder()
         finished = False
-        self._open[responses] = False
+        self._open[responses] = None
         try:
             async for result, error in responses:
                 if error is not None:
@@ -122,7 +122,8 @@ class TritonOmniClient(OmniClient):
                 chunk = OmniChunk(finish_reason=decoder.finish_reason, usage=decoder.usage)
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
             if self._open.get(responses):
-                raise StageUnavailableError(f"Triton at {self.url} is restarting a failed model; retry") from exc
+                raise StageUnavailableError(f"Triton at {self.url} lost model {self._open[responses]} (a failed stage "
+                                            "being restarted, or one that stopped answering); retry") from exc
             if isinstance(exc, asyncio.CancelledError):
                 raise
             raise _rpc_error(exc, self.url) from exc

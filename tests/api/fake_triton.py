@@ -12,7 +12,7 @@ from typing import Any
 
 import grpc
 import numpy as np
-from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from tritonclient.utils import deserialize_bytes_tensor
 
 
@@ -113,13 +113,22 @@ class FakeTriton:
     async def ServerLive(self, request, context):
         return service_pb2.ServerLiveResponse(live=True)
 
+    async def RepositoryIndex(self, request, context):  # what the stage watchdog lists and probes
+        model = service_pb2.RepositoryIndexResponse.ModelIndex(name="omni_ensemble", version="1", state="READY")
+        return service_pb2.RepositoryIndexResponse(models=[model])
+
+    async def ModelConfig(self, request, context):
+        messages = model_config_pb2.ModelInput(name="messages", data_type=model_config_pb2.TYPE_STRING, dims=[1])
+        return service_pb2.ModelConfigResponse(config=model_config_pb2.ModelConfig(name=request.name, input=[messages]))
+
     # ---- lifecycle -----------------------------------------------------------------------------------
     # Served on the test's own event loop (`async with`): grpc.aio misbehaves with a server loop in
     # another thread of the same process (its stop() hangs once a second loop has run).
     async def __aenter__(self) -> FakeTriton:
         self._server = grpc.aio.server()
         servicer = type("Servicer", (service_pb2_grpc.GRPCInferenceServiceServicer,), {
-            name: getattr(self, name) for name in ("ModelStreamInfer", "ModelReady", "ServerReady", "ServerLive")
+            name: getattr(self, name)
+            for name in ("ModelStreamInfer", "ModelReady", "ServerReady", "ServerLive", "RepositoryIndex", "ModelConfig")
         })()
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, self._server)
         self.port = self._server.add_insecure_port("127.0.0.1:0")

@@ -121,3 +121,25 @@ async def test_unreachable_triton():
         await collect(client)
     assert info.value.code == 503
     await client.close()
+
+
+async def test_a_model_that_stops_answering_probes_fails_the_open_streams_once():
+    """A hung omni_ensemble (its stub alive, answering nothing) is not reloaded, but after confirm_probes
+    unanswered probes the open streams to that server end with a 503 error rather than never."""
+    from openai_frontend.stage_watchdog import StageWatchdog
+    from openai_frontend.triton_codec import StageUnavailableError
+
+    async with FakeTriton(replies=[], hang_after_replies=True) as triton:  # nothing is ever answered
+        watchdog = StageWatchdog(triton.url, interval_s=0.01, timeout_s=0.1, confirm_probes=3)
+        outages = []
+        watchdog.on_outage.append(outages.append)
+        client = TritonOmniClient(triton.url, watchdog=watchdog)
+        await client.start()
+        with pytest.raises(StageUnavailableError, match="lost model omni_ensemble .*stopped answering"):
+            await asyncio.wait_for(collect(client), 10)
+        await asyncio.sleep(0.5)  # several more unanswered probes: the same outage, no second call
+        report = client.health_report()["omni_ensemble"]
+        await watchdog.stop()
+        await client.close()
+    assert outages == ["omni_ensemble"]
+    assert report["ok"] is False and "probe not answered" in report["error"] and report["reloads"] == 0
