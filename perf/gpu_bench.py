@@ -242,7 +242,9 @@ class Bench:
                 entry["cpu_seconds"] = {k: round(v - cpu_before.get(k, 0.0), 2) for k, v in self.cpu_seconds().items()}
                 entry["requests"] = [r.to_json() for r in level.records]
                 entry["stage_metrics_after"] = omni_metrics(self.server.triton.metrics_url)
-                if entry.get("cut_by_deadline"):  # stalled requests: what every stub's threads are doing now
+                # stalled requests (cut by the deadline, or failed: the frontend ends a hung server's requests
+                # with a 503): what every stub's threads are doing now
+                if entry.get("cut_by_deadline") or entry.get("failed"):
                     entry["stub_stacks_dumped"] = self.dump_stub_stacks()
                     entry["stub_states"] = self.stall_evidence()
                 result["levels"].append(entry)
