@@ -13,7 +13,10 @@
 # gpu_inputs: true), step_stream (every GPU stage with step_stream: true), thinker_host (the thinker's
 # responses as host tensors), host (every stage hands over host tensors: handoff cpu, the cuda default since
 # the 2026-12-03 third session), host_mps (host under CUDA MPS), gpu_handoff (every stage hands over CUDA
-# tensors: handoff gpu, the default before), first_chunk2 (first audio chunk after 2 frames instead of 4).
+# tensors: handoff gpu, the default before), first_chunk2 (first audio chunk after 2 frames instead of 4),
+# bls_views (no model: tools/bls_stress with 4.8 MB host states kept as views of their BLS responses, as
+# omni_ensemble did until 6cf3333, then copied as it does now: does holding views freeze the 2.51 stub on
+# this machine? perf/README.md, 2026-12-03 third session).
 set -u
 OUT="${1:?usage: bash perf/gpu_variants.sh OUT_DIR [variant ...]}"
 shift
@@ -96,6 +99,12 @@ for n in (16, 64): print('smoke burst', n, {k: v for k, v in r.get(f'burst_{n}',
     host_mps) under_mps host_mps "${HOST[@]}" ;;
     gpu_handoff) run_variant gpu_handoff "${GPU_HANDOFF[@]}" ;;
     first_chunk2) run_variant first_chunk2 --set omni_ensemble.first_chunk_frames=2 ;;
+    bls_views)
+      for flag in "--keep-views" ""; do
+        echo "bls_views [$flag]" | tee -a "$OUT/variants.log"
+        timeout 150 "$PY" tools/bls_stress/run.py --device cpu --concurrency 48 --rounds 60 --bf16-bytes --reaper \
+          $flag --run-dir /tmp/bls_views 2>&1 | grep -v threading.py | tail -4 | tee -a "$OUT/variants.log"
+      done ;;
     mps) under_mps mps ;;
     scaled_mps) under_mps scaled_mps "${SCALED[@]}" ;;
     *) echo "unknown variant $v" | tee -a "$OUT/variants.log" ;;
