@@ -115,6 +115,7 @@ class Bench:
         }
         self.server: BenchServer | None = None
         self.stubs: dict[str, list[int]] = {}  # model -> its stubs' pids, as the server started
+        self.stacks_dir = self.tmp / "stacks"  # where stubs write their stacks: OMNI_STACKS_DIR (start_server)
 
     # ---- bookkeeping ----------------------------------------------------------------------------------
     def save(self) -> None:
@@ -165,6 +166,7 @@ class Bench:
         # each stub writes its stacks there on SIGUSR1 (omnistage/triton/logs.py): sent after any level with
         # requests cut by its deadline, i.e. stalled, and packed into stacks.tar.gz at the end
         os.environ.setdefault("OMNI_STACKS_DIR", str(self.tmp / "stacks"))
+        self.stacks_dir = Path(os.environ["OMNI_STACKS_DIR"])
         try:
             self.server = BenchServer(
                 a.model,
@@ -262,7 +264,7 @@ class Bench:
         """Each stub's and the server's process state (a stub that is gone or in D state writes no stacks; the
         server's thread count shows its BLS pool), and beside the stacks the GPU's view (nvidia-smi) and the
         kernel log's end (driver Xid errors), once per run."""
-        stacks = Path(os.environ.get("OMNI_STACKS_DIR", self.tmp / "stacks"))
+        stacks = self.stacks_dir
         stacks.mkdir(parents=True, exist_ok=True)
         for name, cmd in (("nvidia-smi.txt", ["nvidia-smi"]), ("dmesg.txt", ["dmesg"])):
             if not (stacks / name).exists():
@@ -278,7 +280,7 @@ class Bench:
 
     def pack_stacks(self) -> None:
         """stacks.tar.gz in OUT when a level dumped the stubs' stacks (the device returns few files)."""
-        stacks = Path(os.environ.get("OMNI_STACKS_DIR", self.tmp / "stacks"))
+        stacks = self.stacks_dir
         dumped = any(lv.get("stub_stacks_dumped") for wl in self.report.get("ours", {}).values()
                      for lv in wl.get("levels", []))  # fmt: skip
         if dumped and stacks.is_dir():

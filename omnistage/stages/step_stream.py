@@ -6,8 +6,9 @@
 # carrying a CUDA tensor waited for the step in flight, so a response thread sent about one response per
 # engine step: at 64 streams the talker answered each request ~7 times for its 46 frames (26 times on a
 # stream of its own). A stream created by torch is non-blocking, so that copy no longer waits for the
-# engine. (The thinker's responses stayed at ~2.6 per request on the GPU either way: its send() takes
-# ~12 ms for a reason not found yet.)
+# engine. (The thinker's responses stayed at ~2.6 per request on the GPU either way, at ~12 ms per send();
+# handing outputs over in host memory instead, handoff "cpu", took that to ~1.3 ms: perf/README.md, third
+# session.)
 #
 # The price is ordering by hand: a step first waits for what other threads queued on the default stream
 # (inputs copied there), and its outputs are complete before it returns (the response thread hands them to

@@ -88,7 +88,9 @@ def host_handoff() -> bool:
 def output_tensors(values: dict, bf16_bytes: bool = False) -> list:
     """name -> torch.Tensor or str (TYPE_STRING) into response tensors. bf16_bytes: host tensors and strings
     as BF16 views of their bytes, for a BLS caller (see wants_bf16_bytes)."""
-    host = _handoff == "cpu"
+    # host-handoff runners hand over host tensors already; this catches any CUDA tensor still left, e.g. one
+    # omni_ensemble relays from a stage that runs with handoff gpu
+    host = host_handoff()
     tensors = []
     for name, value in values.items():
         if isinstance(value, str):

@@ -40,12 +40,12 @@ def test_process_state_tells_running_exited_and_gone_processes_apart():
     assert process_state(child.pid) == {"state": "gone"}
 
 
-def test_stall_evidence_names_each_stub_state_and_keeps_the_gpu_and_kernel_view(tmp_path, monkeypatch):
+def test_stall_evidence_names_each_stub_state_and_keeps_the_gpu_and_kernel_view(tmp_path):
     from perf.gpu_bench import Bench
 
-    monkeypatch.setenv("OMNI_STACKS_DIR", str(tmp_path / "stacks"))
     bench = Bench.__new__(Bench)  # only what stall_evidence reads
-    bench.tmp, bench.server, bench.stubs = tmp_path, None, {"talker": [os.getpid()], "code2wav": [2**22 + 1]}
+    bench.stacks_dir, bench.server = tmp_path / "stacks", None
+    bench.stubs = {"talker": [os.getpid()], "code2wav": [2**22 + 1]}
     states = bench.stall_evidence()
     assert states["talker"][0]["state"] in ("R", "S") and states["talker"][0]["pid"] == str(os.getpid())
     assert int(states["talker"][0]["threads"]) >= 1
