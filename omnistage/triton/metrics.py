@@ -120,6 +120,7 @@ _STAGE_COUNTERS = {
     "decode_rows_total": "sequences over all decode steps (/ steps: mean decode batch)",
     "response_encode_seconds_total": "seconds the response thread spent making response tensors",
     "response_send_seconds_total": "seconds the response thread spent in Triton's send()",
+    "response_poll_seconds_total": "seconds the response thread spent asking whether clients left (is_cancelled())",
 }
 
 
@@ -150,6 +151,7 @@ class StageMetrics(MetricsPublisher):
             "decode_rows_total": s["decoded_rows"],
             "response_encode_seconds_total": self.responder.encode_seconds,
             "response_send_seconds_total": self.responder.send_seconds,
+            "response_poll_seconds_total": self.responder.poll_seconds,
             "kv_cache_slots": self.kv.slots,
             "kv_cache_bytes": self.kv.cache_bytes,
             "gpu_memory_peak_bytes": self._peak_gpu_bytes(),

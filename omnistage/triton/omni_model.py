@@ -80,6 +80,9 @@ class OmniModel:
             .gauge("omni_requests_in_flight", "requests accepted and not yet finished (queued ones included)")
             .gauge("omni_requests_queued", "accepted requests waiting for a turn (admission: max_queue)")
             .counter("omni_requests_refused_total", "requests refused as overloaded (503)")
+            .counter("omni_ensemble_response_send_seconds_total", "seconds the response thread spent in Triton's send()")
+            .counter("omni_ensemble_response_poll_seconds_total", "seconds the response thread spent asking whether "
+                     "clients left (is_cancelled())")
             .gauge("omni_replica_sessions", "sessions pinned to each thinker / talker replica",
                    [{"stage": s, "replica": r} for s, router in self.stages.routers.items() for r in router.replicas])
             .histogram("omni_handoff_latency_seconds", "round trip of one stage handoff: a talker append "
@@ -201,7 +204,9 @@ class OmniModel:
         sessions = [("omni_replica_sessions", {"stage": stage, "replica": replica}, n)
                     for stage, router in self.stages.routers.items() for replica, n in router.load().items()]  # fmt: skip
         admission = [("omni_requests_queued", {}, self.admission.waiting), ("omni_requests_refused_total", {}, self.admission.rejected)]
-        return [("omni_requests_in_flight", {}, len(self.clocks))] + admission + sessions
+        responder = [("omni_ensemble_response_send_seconds_total", {}, self.responder.send_seconds),
+                     ("omni_ensemble_response_poll_seconds_total", {}, self.responder.poll_seconds)]  # fmt: skip
+        return [("omni_requests_in_flight", {}, len(self.clocks))] + admission + sessions + responder
 
     def finalize(self) -> None:
         self.metrics.stop()

@@ -1,7 +1,8 @@
-# The response thread of a decoupled stage model. The engine thread hands outputs over without blocking;
-# this thread sends them, because response_sender.send() blocks for an IPC round trip (~0.3 ms). Whatever
-# piled up for one request while it was sending is merged into a single response, so under load the
-# number of responses per request falls instead of the backlog growing (adaptive coalescing).
+# The response thread(s) of a decoupled model. The engine thread hands outputs over without blocking;
+# these threads send them, because response_sender.send() blocks for an IPC round trip (~0.3 ms idle, ~1 ms
+# under load). Whatever piled up for one request while its thread was sending is merged into a single
+# response, so under load the number of responses per request falls instead of the backlog growing
+# (adaptive coalescing). The first thread also asks Triton which clients have left.
 from __future__ import annotations
 
 import logging
@@ -14,12 +15,15 @@ from typing import Any, Callable
 import triton_python_backend_utils as pb_utils
 
 from ..core.errors import EngineError, OmniError
+from ..core.poll_ring import PollRing
 from .iterator_reaper import IteratorReaper
 from .tensors import output_tensors
 
 log = logging.getLogger(__name__)
 
 CANCEL_POLL_SECONDS = 0.05
+# is_cancelled() queries per poll stop after this long; the next poll goes on from there (core/poll_ring.py)
+POLL_BUDGET_SECONDS = 0.002
 
 
 def error_response(error: Exception):
@@ -44,69 +48,90 @@ def send_final(sender, response=None) -> None:
 
 class Responder:
     def __init__(self, name: str, encode: Callable[[Any, "str | None"], dict], on_cancel: Callable[[str], None],
-                 reaper: IteratorReaper | None = None):  # fmt: skip
+                 reaper: IteratorReaper | None = None, threads: int = 1):  # fmt: skip
         self.name = name
         self.encode = encode  # (output or None, finish_reason or None) -> {name: torch.Tensor or str}
         self.on_cancel = on_cancel
         # A model that makes BLS calls (omni_ensemble) passes its reaper: this thread's cancellation queries
         # are the barriers after which it drops finished stream iterators. Every is_cancelled() call of this
-        # model's requests is made here, on this one thread, which the reaper requires.
+        # model's requests is made here, on this one thread, which the reaper requires (so threads == 1).
         self.reaper = reaper
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        if reaper is not None and threads != 1:
+            raise ValueError("a responder with an iterator reaper must make its is_cancelled() calls on one thread")
+        # threads > 1: send() waits for the server to take the response (~0.5-1.4 ms per response on the H200
+        # at 64 streams) rather than working, and Triton handles the sends of one stub in a thread pool, so
+        # several threads send in parallel; a request always goes through the same one (its order is kept)
+        self._queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(max(1, threads))]
         # request id -> (sender, bf16_bytes): bf16_bytes for omni_ensemble's BLS calls (tensors.wants_bf16_bytes)
         self._senders: dict[str, tuple[Any, bool]] = {}
         self._cancelled: set[str] = set()
+        self._poll_ring = PollRing()  # who is asked next whether its client left
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._loop, name=f"{name}-responder", daemon=True)
+        self._threads = [threading.Thread(target=self._loop, args=(i,), name=f"{name}-responder-{i}", daemon=True)
+                         for i in range(len(self._queues))]  # fmt: skip
         self._running = True
-        self.responses_sent = 0
-        # where the response thread's time goes: making the tensors, and Triton's send() (an IPC round trip,
-        # plus a device copy per CUDA tensor); their sum over wall time is the thread's busy share
-        self.encode_seconds = 0.0
-        self.send_seconds = 0.0
+        # where the response threads' time goes: making the tensors, Triton's send() (an IPC round trip, plus a
+        # device copy per CUDA tensor) and is_cancelled() queries (a round trip each); per thread, summed below
+        self._stats = [{"sent": 0, "encode": 0.0, "send": 0.0, "poll": 0.0} for _ in self._queues]
+
+    def _total(self, key: str):
+        return sum(s[key] for s in self._stats)
+
+    responses_sent = property(lambda self: self._total("sent"))
+    encode_seconds = property(lambda self: self._total("encode"))
+    send_seconds = property(lambda self: self._total("send"))
+    poll_seconds = property(lambda self: self._total("poll"))
 
     def start(self) -> None:
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
 
     def stop(self) -> None:
         self._running = False
-        self._queue.put(None)
-        self._thread.join(5)
+        for q in self._queues:
+            q.put(None)
+        for thread in self._threads:
+            thread.join(5)
 
     def register(self, request_id: str, sender, bf16_bytes: bool = False) -> None:
         with self._lock:
             self._senders[request_id] = (sender, bf16_bytes)
+        self._poll_ring.add(request_id)
 
     def unregister(self, request_id: str, sender) -> None:
         with self._lock:
             if self._senders.get(request_id, (None,))[0] is sender:
                 del self._senders[request_id]
+                self._poll_ring.discard(request_id)
 
     def emit(self, request_id: str, output, finish_reason: str | None, error: OmniError | None) -> None:
         """Engine callback: must not block."""
-        self._queue.put((request_id, output, finish_reason, error))
+        self._queues[hash(request_id) % len(self._queues)].put((request_id, output, finish_reason, error))
 
     @property
     def active(self) -> int:
         return len(self._senders)
 
-    def _loop(self) -> None:
+    def _loop(self, index: int) -> None:
+        inbox, stats, polls = self._queues[index], self._stats[index], index == 0
         last_poll = 0.0
         while self._running:
             try:
-                items = [self._queue.get(timeout=CANCEL_POLL_SECONDS)]
+                items = [inbox.get(timeout=CANCEL_POLL_SECONDS)]
             except queue.Empty:
                 items = []
             while True:
                 try:
-                    items.append(self._queue.get_nowait())
+                    items.append(inbox.get_nowait())
                 except queue.Empty:
                     break
             for request_id, (output, finish_reason, error) in self._coalesce(items).items():
-                self._send(request_id, output, finish_reason, error)
-            if time.monotonic() - last_poll >= CANCEL_POLL_SECONDS:
+                self._send(request_id, output, finish_reason, error, stats)
+            if polls and time.monotonic() - last_poll >= CANCEL_POLL_SECONDS:
                 last_poll = time.monotonic()
+                t0 = time.perf_counter()
                 self._poll_cancellation()
+                stats["poll"] += time.perf_counter() - t0
 
     @staticmethod
     def _coalesce(items) -> "OrderedDict[str, list]":
@@ -125,10 +150,12 @@ class Responder:
             entry[2] = entry[2] or error
         return merged
 
-    def _send(self, request_id: str, output, finish_reason: str | None, error: OmniError | None) -> None:
+    def _send(self, request_id: str, output, finish_reason: str | None, error: OmniError | None, stats: dict) -> None:
         final = finish_reason is not None or error is not None
         with self._lock:
             entry = self._senders.pop(request_id, None) if final else self._senders.get(request_id)
+        if final:
+            self._poll_ring.discard(request_id)
         if entry is None:
             return
         sender, bf16_bytes = entry
@@ -154,7 +181,7 @@ class Responder:
             self._end(request_id, sender, final, error_response(EngineError(f"[{self.name}] bad response: {e}")))
             return
         t1 = time.perf_counter()
-        self.encode_seconds += t1 - t0
+        stats["encode"] += t1 - t0
         try:
             if data is not None:
                 sender.send(data)
@@ -163,13 +190,13 @@ class Responder:
                 self.reaper.barrier(lambda: not sender.is_cancelled())
             if last is not None:
                 sender.send(last, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-            self.responses_sent += 1
+            stats["sent"] += 1
         except Exception as e:  # Triton refused it (the client is gone...): this sender is never used again
             log.warning("[%s] send for %s failed: %s", self.name, request_id, e)
             if not final:
                 self._end(request_id, sender, final, None)
         finally:
-            self.send_seconds += time.perf_counter() - t1
+            stats["send"] += time.perf_counter() - t1
             if final:
                 self._cancelled.discard(request_id)
 
@@ -178,26 +205,29 @@ class Responder:
         if not final:
             with self._lock:
                 self._senders.pop(request_id, None)
+            self._poll_ring.discard(request_id)
             self.on_cancel(request_id)
         if response is not None:
             send_final(sender, response)
 
     def _poll_cancellation(self) -> None:
-        with self._lock:
-            senders = list(self._senders.items())
         if self.reaper is None:
-            self._ask_cancelled(senders)
+            self._ask_cancelled()
         else:
-            self.reaper.barrier(lambda: self._ask_cancelled(senders))
+            self.reaper.barrier(self._ask_cancelled)
 
-    def _ask_cancelled(self, senders) -> bool:
-        """Queries the open requests not yet known cancelled and cancels those whose client left; returns
-        whether one answered False (made the round trip: what the reaper's barrier needs)."""
+    def _ask_cancelled(self) -> bool:
+        """Asks open requests not yet known cancelled, for about POLL_BUDGET_SECONDS (at least one), whether
+        their client left, and cancels those whose client did; returns whether one answered False (made the
+        round trip: what the reaper's barrier needs)."""
         answered = False
-        for request_id, (sender, _) in senders:
-            if request_id in self._cancelled:
+        deadline = time.perf_counter() + POLL_BUDGET_SECONDS
+        for request_id in self._poll_ring.lap(lambda: time.perf_counter() < deadline):
+            with self._lock:
+                entry = self._senders.get(request_id)
+            if entry is None or request_id in self._cancelled:
                 continue
-            if sender.is_cancelled():
+            if entry[0].is_cancelled():
                 self._cancelled.add(request_id)
                 self.on_cancel(request_id)
             else:
