@@ -91,6 +91,7 @@ class StageEngine:
             "prefill_seconds": self.phase_seconds["prefill"],
             "decode_seconds": self.phase_seconds["decode"],
             "decoded_rows": self.decoded_rows,
+            **(self.runner.stats() if hasattr(self.runner, "stats") else {}),
         }
 
     def _post(self, kind: str, item: Any) -> None:

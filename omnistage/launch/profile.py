@@ -30,7 +30,8 @@ _KEYS = {
     "code2wav": _PLACED | {"max_batch_size", "fused_kernels"},
     "omni_ensemble": {"replicas", "max_inflight", "max_queue", "max_audio_seconds", "max_image_pixels", "max_media_items"},
 }
-_KEYS["talker"] = _KEYS["thinker"]
+_KEYS["talker"] = set(_KEYS["thinker"])
+_KEYS["thinker"] |= {"prefix_cache_bytes"}
 _TOP_KEYS = {"base", "description", "platform", "dtype", "handoff", "gpu_inputs", "model", "stages", "chunks",
              "platforms"}  # fmt: skip
 _CHUNK_KEYS = {"first_chunk_frames", "chunk_frames", "left_context_frames", "light_first_chunk_frames",
@@ -204,6 +205,8 @@ def _stage(name: str, raw: dict, platform: str, gpu_count: int | None) -> StageP
         if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
                                      or not 0 < fraction <= 1):  # fmt: skip
             raise ProfileError(f"{where}.{key} must be in (0, 1], got {fraction!r}")
+    if settings.get("prefix_cache_bytes") is not None:
+        _int(f"{where}.prefix_cache_bytes", settings["prefix_cache_bytes"], low=0)
     if settings.get("kv_cache_bytes") is not None:
         _int(f"{where}.kv_cache_bytes", settings["kv_cache_bytes"])
         if settings.get("kv_cache_memory_fraction") is not None:

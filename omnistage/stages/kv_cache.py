@@ -6,12 +6,15 @@ import torch
 
 
 class SlotKVCache:
-    """Per layer: k, v [slots, kv_heads, max_len, head_dim]. Row r of a decode batch is slot r."""
+    """Per layer: k, v [slots, kv_heads, max_len, head_dim]. Row r of a decode batch is slot r.
+    The layers are views of one tensor each for K and V ([layers, slots, ...]), so that a prompt's prefix
+    moves between a slot and the prefix cache in one copy for all layers (stages/prefix_cache.py)."""
 
     def __init__(self, layers: int, slots: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
-        shape = (slots, kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        shape = (layers, slots, kv_heads, max_len, head_dim)
+        self.k_all = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_all = torch.zeros(shape, dtype=dtype, device=device)
+        self.k, self.v = list(self.k_all.unbind(0)), list(self.v_all.unbind(0))
         self.slots, self.max_len = slots, max_len
 
     def load_prefill(self, slot: int, past_key_values, row: int = 0, length: int | None = None) -> int:

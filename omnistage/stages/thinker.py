@@ -11,8 +11,10 @@ from transformers import DynamicCache
 from ..core.engine import StepResult
 from ..core.errors import BadRequestError
 from ..core.scheduler import Sequence
+from .chunk_prefill import ChunkPrefill
 from .host_copy import outputs_to_host, to_device, to_host
 from .kv_cache import SlotKVCache
+from .prefix_cache import PrefixCache
 from .sampler import Sampler
 from .static_decode import StaticDecoder
 from .static_prefill import StaticPrefill
@@ -68,7 +70,7 @@ class _SlotState:
 class ThinkerRunner:
     def __init__(self, model, config, *, max_slots: int, max_seq_len: int, device, dtype, seed: int = 0,
                  cuda_graphs: bool = False, max_prefills: int = 16, own_stream: bool = False,
-                 host_outputs: bool = False):  # fmt: skip
+                 host_outputs: bool = False, prefix_cache_bytes: int = 0):  # fmt: skip
         self.model, self.config, self.device, self.dtype = (model, config, torch.device(device), dtype)
         # own_stream: prefill/decode/release on a CUDA stream of their own (step_stream.py)
         self.step_stream = StepStream(self.device, own_stream)
@@ -86,6 +88,10 @@ class ThinkerRunner:
         # text-only prompts of up to 512 tokens (W1's are ~150) prefill from static buffers (graphs on CUDA)
         self.static_prefill = StaticPrefill("thinker", model.model, self.cache, max_rows=min(max_prefills, max_slots),
                                             max_tokens=512, cuda_graphs=cuda_graphs)  # fmt: skip
+        # text-only prompts that start like earlier ones take the kept prefix's K/V and prefill only the rest
+        self.prefix = PrefixCache(self.cache, prefix_cache_bytes) if prefix_cache_bytes else None
+        self.chunk_prefill = (ChunkPrefill("thinker", model.model, self.cache, max_rows=min(max_prefills, max_slots),
+                                           cuda_graphs=cuda_graphs) if self.prefix else None)  # fmt: skip
         self.sampler = Sampler(self.device, seed)
         self.eos_ids = {config.im_end_token_id, 151643}  # <|im_end|>, <|endoftext|>
         self.accept_layer = config.talker_config.accept_hidden_layer
@@ -120,12 +126,19 @@ class ThinkerRunner:
     def prefill(self, seqs: list[Sequence]) -> list[StepResult]:
         # text-only prompts of one step share a forward (right-padded); a multimodal one runs alone
         text = [s for s in seqs if s.payload.is_text_only]
+        found = {id(s): self.prefix.match(s.payload.input_ids.tolist()) for s in text} if self.prefix else {}
+        hits = self._chunk_hits(text, found)
+        results = self._prefill_static(hits, found) if hits else []
+        text = [s for s in text if all(s is not h for h in hits)]
         if text and self.static_prefill.fits(len(text), max(int(s.payload.input_ids.numel()) for s in text)):
-            results = self._prefill_static(text)
+            results += self._prefill_static(text)
         else:
-            results = self._prefill_text(text) if len(text) > 1 else []
+            results += self._prefill_text(text) if len(text) > 1 else []
         batched = {id(r.seq) for r in results}
         results += [self._prefill_one(s) for s in seqs if id(s) not in batched]
+        if self.prefix is not None:  # keep the blocks worth keeping (copied in stream order: after the prefill)
+            for seq in text + hits:
+                self.prefix.store(seq.slot, found[id(seq)])
         if self.host_outputs:  # the talker's conditioning was gathered after the tokens' sync: one more sync
             outputs_to_host([r.output for r in results], self.device)
         return results
@@ -134,6 +147,12 @@ class ThinkerRunner:
     def capture_graphs(self) -> None:
         self.decoder.capture_all()
         self.static_prefill.capture_all()
+        if self.chunk_prefill is not None:
+            self.chunk_prefill.capture_all()
+
+    def stats(self) -> dict:
+        p = self.prefix
+        return {"prefix_hit_tokens": p.hit_tokens if p else 0, "prefix_prompt_tokens": p.prompt_tokens if p else 0}
 
     @on_step_stream
     @torch.inference_mode()
@@ -180,12 +199,30 @@ class ThinkerRunner:
         output = ThinkerOutput(talker=talker, prompt_tokens=length, text_rows=tail)
         return self._accept(seq, int(token[0]), output, self._text_rows(token, [seq]))
 
-    def _prefill_static(self, seqs: list[Sequence]) -> list[StepResult]:
-        """Text-only prompts through the static prefill (stages/static_prefill.py). The talker's conditioning
-        of a text-only prompt needs only its input embeddings (no audio/image rows take hidden states)."""
+    def _chunk_hits(self, seqs: list[Sequence], found: dict) -> list[Sequence]:
+        """The prompts with a kept prefix, when they fit one ChunkPrefill step together (else none: they
+        prefill in full, which is correct, only slower)."""
+        hits = [s for s in seqs if found.get(id(s)) is not None and found[id(s)].entries]
+        if not hits:
+            return []
+        suffix = max(int(s.payload.input_ids.numel()) - found[id(s)].tokens for s in hits)
+        fits = self.chunk_prefill.fits(len(hits), suffix, max(found[id(s)].tokens for s in hits))
+        return hits if fits else []
+
+    def _prefill_static(self, seqs: list[Sequence], found: dict | None = None) -> list[StepResult]:
+        """Text-only prompts through the static prefill (stages/static_prefill.py) or, given their kept
+        prefixes (`found`), through the chunk prefill of what follows them (stages/chunk_prefill.py). The
+        talker's conditioning of a text-only prompt needs only its input embeddings (no audio/image rows
+        take hidden states)."""
         embed = self.model.get_input_embeddings()
         embeds = [embed(to_device(s.payload.input_ids, self.device)) for s in seqs]
-        last = self.static_prefill.run(embeds, [s.slot for s in seqs])
+        if found is None:
+            last = self.static_prefill.run(embeds, [s.slot for s in seqs])
+        else:
+            starts = [found[id(s)].tokens for s in seqs]
+            for s in seqs:
+                self.prefix.load(s.slot, found[id(s)])
+            last = self.chunk_prefill.run([e[p:] for e, p in zip(embeds, starts)], [s.slot for s in seqs], starts)
         tokens = self._sample(self.model.lm_head(last), seqs)
         rows = self._text_rows(tokens, seqs)
         # no audio/image rows, so the accept layer's hidden states are never read: the embeddings stand in

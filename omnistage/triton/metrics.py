@@ -121,6 +121,8 @@ _STAGE_COUNTERS = {
     "response_encode_seconds_total": "seconds the response thread spent making response tensors",
     "response_send_seconds_total": "seconds the response thread spent in Triton's send()",
     "response_poll_seconds_total": "seconds the response thread spent asking whether clients left (is_cancelled())",
+    "prefix_cache_prompt_tokens_total": "prompt tokens of text-only prompts looked up in the prefix cache",
+    "prefix_cache_hit_tokens_total": "prompt tokens whose K/V came from the prefix cache instead of a prefill",
 }
 
 
@@ -152,6 +154,8 @@ class StageMetrics(MetricsPublisher):
             "response_encode_seconds_total": self.responder.encode_seconds,
             "response_send_seconds_total": self.responder.send_seconds,
             "response_poll_seconds_total": self.responder.poll_seconds,
+            "prefix_cache_prompt_tokens_total": s.get("prefix_prompt_tokens", 0),
+            "prefix_cache_hit_tokens_total": s.get("prefix_hit_tokens", 0),
             "kv_cache_slots": self.kv.slots,
             "kv_cache_bytes": self.kv.cache_bytes,
             "gpu_memory_peak_bytes": self._peak_gpu_bytes(),

@@ -1,0 +1,82 @@
+# Which block-aligned prompt prefixes have their K/V kept by a stage's prefix cache, and in which pool
+# entry (torch-free; stages/prefix_cache.py owns the device memory). A block is BLOCK consecutive prompt
+# tokens; it is named by a digest of its tokens chained to its predecessor's name, so a name stands for the
+# whole prefix up to the block's end. Blocks are admitted on their second sighting: a prompt's unique tail
+# (W1's user sentence) costs a digest on the host, never a device copy, while a shared system prompt is
+# kept from its second request on. Entries are evicted least recently used first.
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+
+BLOCK = 16
+
+
+@dataclass
+class PrefixMatch:
+    names: list[bytes]  # the prompt's cacheable blocks (at most (L - 1) // BLOCK: one token is always computed)
+    entries: list[int]  # pool entries of its longest kept prefix: blocks 0 .. len(entries) - 1
+
+    @property
+    def tokens(self) -> int:
+        return len(self.entries) * BLOCK
+
+
+class PrefixIndex:
+    def __init__(self, capacity: int, admit_after: int = 2):
+        self.capacity = capacity
+        self.admit_after = admit_after
+        self._entries: OrderedDict[bytes, int] = OrderedDict()  # name -> pool entry, least recently used first
+        self._free = list(range(capacity - 1, -1, -1))
+        self._seen: OrderedDict[bytes, int] = OrderedDict()  # sightings of blocks not kept (bounded)
+        self._max_seen = max(1024, 8 * capacity)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @staticmethod
+    def names(ids: list[int]) -> list[bytes]:
+        out, previous = [], b""
+        for start in range(0, len(ids) - 1 - (len(ids) - 1) % BLOCK, BLOCK):
+            block = array("q", ids[start : start + BLOCK]).tobytes()
+            previous = hashlib.blake2b(previous + block, digest_size=16).digest()
+            out.append(previous)
+        return out
+
+    def match(self, ids: list[int]) -> PrefixMatch:
+        names = self.names(ids)
+        entries = []
+        for name in names:
+            entry = self._entries.get(name)
+            if entry is None:
+                break
+            self._entries.move_to_end(name)
+            entries.append(entry)
+        return PrefixMatch(names, entries)
+
+    def admit(self, match: PrefixMatch) -> list[tuple[int, int]]:
+        """Counts a sighting of each of the prompt's blocks past its kept prefix; those seen admit_after times
+        take a pool entry (evicting the least recently used) as long as every block before them is kept too (a
+        block is no use without its predecessors). Returns (block number, entry) pairs: the caller copies
+        those blocks from the prompt's slot into the pool."""
+        admitted, chained = [], self.capacity > 0
+        for number in range(len(match.entries), len(match.names)):
+            name = match.names[number]
+            if name in self._entries:
+                continue  # kept meanwhile, by an earlier prompt of the same step
+            seen = self._seen.pop(name, 0) + 1
+            if not chained or seen < self.admit_after:
+                chained = False
+                self._seen[name] = seen
+                continue
+            if not self._free:
+                _, entry = self._entries.popitem(last=False)
+                self._free.append(entry)
+            entry = self._free.pop()
+            self._entries[name] = entry
+            admitted.append((number, entry))
+        while len(self._seen) > self._max_seen:
+            self._seen.popitem(last=False)
+        return admitted

@@ -1,0 +1,99 @@
+# Prefill of prompt suffixes into slots whose first positions already hold the prompt's prefix (copied from
+# the prefix cache, stages/prefix_cache.py), replayed as a CUDA graph per (rows, tokens, kv) bucket like
+# StaticPrefill. Row r's tokens sit at positions starts[r] .. starts[r] + tokens - 1 of slot slots[r]; each
+# layer writes their K/V there and attends causally over the slot's positions [0, kv): the kept prefix and
+# the suffix so far. Rows are right-padded to the bucket's tokens (the padded positions lie past the
+# prompt, are masked for its real tokens and are overwritten by its decode steps before anything reads
+# them); padding rows repeat row 0. Text-only prompts: MRoPE positions equal on every section.
+from __future__ import annotations
+
+import torch
+
+from .cuda_graphs import GraphBank, batch_buckets, bucket_for
+from .host_copy import to_device
+from .kv_cache import SlotKVCache
+
+TOKEN_BUCKETS = (32, 64)  # longer suffixes prefill in full (StaticPrefill): W1's are ~40 tokens
+KV_BUCKETS = (256, 512)
+
+
+class ChunkPrefill:
+    def __init__(self, name: str, text_model, cache: SlotKVCache, *, max_rows: int, cuda_graphs: bool):
+        self.text_model, self.cache = text_model, cache
+        device, dtype = cache.k[0].device, cache.k[0].dtype
+        hidden = text_model.norm.weight.shape[0]
+        self.max_rows, self.max_tokens = max_rows, TOKEN_BUCKETS[-1]
+        self.max_kv = min(KV_BUCKETS[-1], cache.max_len)
+        self.bank = GraphBank(f"{name}_chunk_prefill", device, cuda_graphs)
+        # without graphs, exact sizes (no padding to pay for); the CPU tests drive this same code
+        self.row_buckets = batch_buckets(max_rows) if self.bank.enabled else None
+        self.kv_buckets = [b for b in KV_BUCKETS if b < self.max_kv] + [self.max_kv]
+        self.embeds = torch.zeros(max_rows, self.max_tokens, hidden, dtype=dtype, device=device)
+        self.index = torch.zeros(3, max_rows, dtype=torch.long, device=device)  # slots, starts, last token
+        self.hidden_out = torch.zeros(max_rows, hidden, dtype=dtype, device=device)
+
+    def shape_for(self, rows: int, tokens: int, furthest_start: int) -> tuple[int, int, int]:
+        """(rows, tokens, kv_len) a step runs at: every padded position lies below kv_len."""
+        if self.row_buckets is None:
+            return rows, tokens, furthest_start + tokens
+        tokens = bucket_for(tokens, list(TOKEN_BUCKETS))
+        return bucket_for(rows, self.row_buckets), tokens, bucket_for(furthest_start + tokens, self.kv_buckets)
+
+    def fits(self, rows: int, tokens: int, furthest_start: int) -> bool:
+        """rows suffixes of at most `tokens` tokens, the furthest starting at furthest_start."""
+        if rows > self.max_rows or tokens > self.max_tokens:
+            return False
+        padded = bucket_for(tokens, list(TOKEN_BUCKETS)) if self.row_buckets else tokens
+        return furthest_start + padded <= self.max_kv
+
+    def run(self, embeds: list[torch.Tensor], slots: list[int], starts: list[int]) -> torch.Tensor:
+        """embeds: per prompt its suffix [T_i, D] on the device; starts: where each suffix begins in its slot.
+        Returns the normed hidden state at each suffix's last token, [n, D] (a static buffer's view)."""
+        n, lengths = len(embeds), [e.shape[0] for e in embeds]
+        rows, tokens, kv_len = self.shape_for(n, max(lengths), max(starts))
+        pad = rows - n
+        for i, e in enumerate(embeds):
+            self.embeds[i, : e.shape[0]].copy_(e)
+        if pad:
+            self.embeds[n:rows, :tokens].copy_(self.embeds[:1, :tokens].expand(pad, -1, -1))
+        index = [slots + slots[:1] * pad, starts + starts[:1] * pad, [x - 1 for x in lengths + lengths[:1] * pad]]
+        self.index[:, :rows].copy_(to_device(index, self.index.device))
+        self.bank.run((rows, tokens, kv_len), lambda: self._run(rows, tokens, kv_len))
+        return self.hidden_out[:n]
+
+    def capture_all(self) -> None:
+        """Captures every bucket while no slot is in use (they write into slot 0)."""
+        if not self.bank.enabled:
+            return
+        self.index.zero_()
+        keys = [(r, t, k) for r in self.row_buckets for t in TOKEN_BUCKETS for k in self.kv_buckets if t <= k]
+        self.bank.capture_all(keys, lambda key: lambda: self._run(*key))
+
+    def _run(self, rows: int, tokens: int, kv_len: int) -> None:
+        embeds = self.embeds[:rows, :tokens]
+        slots, starts, last = self.index[0, :rows], self.index[1, :rows], self.index[2, :rows]
+        positions = starts[:, None] + torch.arange(tokens, device=embeds.device)[None, :]  # [rows, tokens]
+        position_embeddings = self.text_model.rotary_emb(embeds, positions[None].expand(3, rows, tokens))
+        # [rows, 1, tokens, kv_len]: each token sees the slot's positions up to its own
+        mask = (torch.arange(kv_len, device=embeds.device)[None, None, :] <= positions[:, :, None])[:, None]
+        writer = _ChunkWriter(self.cache, slots, positions, kv_len)
+        hidden = embeds
+        for layer in self.text_model.layers:
+            hidden = layer(hidden, attention_mask=mask, position_embeddings=position_embeddings, past_key_values=writer)
+        last_hidden = hidden[torch.arange(rows, device=hidden.device), last]  # [rows, D]
+        self.hidden_out[:rows].copy_(self.text_model.norm(last_hidden))
+
+
+class _ChunkWriter:
+    """Duck-types transformers' Cache.update(): row r's new K/V go to positions[r] of slot slots[r], and
+    attention reads positions [0, kv_len) of each row's slot."""
+
+    def __init__(self, cache: SlotKVCache, slots: torch.Tensor, positions: torch.Tensor, kv_len: int):
+        self.cache, self.slots, self.positions, self.kv_len = cache, slots, positions, kv_len
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        k, v = self.cache.k[layer_idx], self.cache.v[layer_idx]
+        rows = self.slots[:, None]
+        k[rows, :, self.positions] = key_states.transpose(1, 2)  # [rows, tokens, kv_heads, head_dim]
+        v[rows, :, self.positions] = value_states.transpose(1, 2)
+        return k[self.slots, :, : self.kv_len], v[self.slots, :, : self.kv_len]
