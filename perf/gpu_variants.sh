@@ -16,7 +16,8 @@
 # tensors: handoff gpu, the default before), first_chunk2 (first audio chunk after 2 frames instead of 4),
 # bls_views (no model: tools/bls_stress with 4.8 MB host states kept as views of their BLS responses, as
 # omni_ensemble did until 6cf3333, then copied as it does now: does holding views freeze the 2.51 stub on
-# this machine? perf/README.md, 2026-12-03 third session).
+# this machine? perf/README.md, 2026-12-03 third session), no_prefix (the thinker without its prefix cache:
+# every prompt prefilled in full).
 set -u
 OUT="${1:?usage: bash perf/gpu_variants.sh OUT_DIR [variant ...]}"
 shift
@@ -38,6 +39,7 @@ THINKER_HOST=(--set thinker.handoff=cpu)
 # every stage's outputs in pinned host memory, copied at each step's own sync (stages/host_copy.py), and
 # omni_ensemble's too: no stage response carries a CUDA tensor, so omni_ensemble never touches the GPU
 HOST=(--set thinker.handoff=cpu --set talker.handoff=cpu --set code2wav.handoff=cpu --set omni_ensemble.handoff=cpu)
+NO_PREFIX=(--set thinker.prefix_cache_bytes=0)
 GPU_HANDOFF=(--set thinker.handoff=gpu --set talker.handoff=gpu --set code2wav.handoff=gpu --set omni_ensemble.handoff=gpu)
 
 run_variant() {  # name, then perf.gpu_bench args
@@ -65,6 +67,10 @@ for lv in b.get("ours", {}).get("w1", {}).get("levels", []):
     means = {re.search(r'milestone="([^"]+)"', k).group(1): round(1e3 * delta("omni_milestone_seconds_sum" + k) / n)
              for k in keys if (n := delta("omni_milestone_seconds_count" + k))}
     print(f"{name} c={lv['concurrency']} milestones_ms {dict(sorted(means.items(), key=lambda kv: kv[1]))}")
+    # where the stages' and response threads' time went over the level (seconds, or counts)
+    counters = {k.removeprefix("omni_"): round(delta(k), 2) for k in sorted(m) if not k.startswith("omni_milestone")
+                and re.search(r"(seconds_total|_steps_total|responses_total|tokens_total)$", k)}
+    print(f"{name} c={lv['concurrency']} counters {counters}")
     before = m
 PYEOF
 }
@@ -99,6 +105,7 @@ for n in (16, 64): print('smoke burst', n, {k: v for k, v in r.get(f'burst_{n}',
     host_mps) under_mps host_mps "${HOST[@]}" ;;
     gpu_handoff) run_variant gpu_handoff "${GPU_HANDOFF[@]}" ;;
     first_chunk2) run_variant first_chunk2 --set omni_ensemble.first_chunk_frames=2 ;;
+    no_prefix) run_variant no_prefix "${NO_PREFIX[@]}" ;;
     bls_views)
       for flag in "--keep-views" ""; do
         echo "bls_views [$flag]" | tee -a "$OUT/variants.log"
@@ -111,5 +118,5 @@ for n in (16, 64): print('smoke burst', n, {k: v for k, v in r.get(f'burst_{n}',
   esac
 done
 # the device returns few files: one archive of the variants' directories
-dirs=$(cd "$OUT" && ls -d base prefill16 scaled mps scaled_mps gpu_inputs step_stream thinker_host host host_mps gpu_handoff first_chunk2 2> /dev/null)
+dirs=$(cd "$OUT" && ls -d base prefill16 scaled mps scaled_mps gpu_inputs step_stream thinker_host host host_mps gpu_handoff first_chunk2 no_prefix 2> /dev/null)
 [ -n "$dirs" ] && tar czf "$OUT/variants.tar.gz" -C "$OUT" $dirs && (cd "$OUT" && rm -rf $dirs)

@@ -25,8 +25,7 @@ STAGES = (*ENGINE_STAGES, "code2wav", "omni_ensemble")
 _PLACED = {"devices", "replicas", "cuda_graphs", "memory_fraction", "step_stream"}
 _KEYS = {
     "thinker": _PLACED | {"max_batch_size", "max_seq_len", "max_queue", "max_prefills_per_step", "sampling",
-                          "experts_implementation", "fused_kernels", "kv_cache_bytes", "kv_cache_memory_fraction",
-                          "response_threads"},  # fmt: skip
+                          "experts_implementation", "fused_kernels", "kv_cache_bytes", "kv_cache_memory_fraction"},  # fmt: skip
     "code2wav": _PLACED | {"max_batch_size", "fused_kernels"},
     "omni_ensemble": {"replicas", "max_inflight", "max_queue", "max_audio_seconds", "max_image_pixels", "max_media_items"},
 }
@@ -186,8 +185,7 @@ def _stage(name: str, raw: dict, platform: str, gpu_count: int | None) -> StageP
                                + (f" (0-{gpu_count - 1})" if gpu_count else ""))  # fmt: skip
         if replicas % len(devices):
             raise ProfileError(f"{where}: {replicas} replicas cannot be spread evenly over GPUs {list(devices)}")
-    for key in ("max_batch_size", "max_seq_len", "max_queue", "max_prefills_per_step", "max_inflight",
-                "response_threads"):
+    for key in ("max_batch_size", "max_seq_len", "max_queue", "max_prefills_per_step", "max_inflight"):
         if key in settings:
             _int(f"{where}.{key}", settings[key])
     if name in ENGINE_STAGES:

@@ -1,8 +1,9 @@
-# The response thread(s) of a decoupled model. The engine thread hands outputs over without blocking;
-# these threads send them, because response_sender.send() blocks for an IPC round trip (~0.3 ms idle, ~1 ms
-# under load). Whatever piled up for one request while its thread was sending is merged into a single
-# response, so under load the number of responses per request falls instead of the backlog growing
-# (adaptive coalescing). The first thread also asks Triton which clients have left.
+# The response thread of a decoupled model. The engine thread hands outputs over without blocking; this
+# thread sends them, because response_sender.send() blocks for an IPC round trip (~0.3 ms idle, 0.7-2 ms
+# per response on the H200 at 64 streams). Whatever piled up for one request while it was sending is merged
+# into a single response, so under load the number of responses per request falls instead of the backlog
+# growing (adaptive coalescing). It also asks Triton which clients have left. (Four such threads per stage
+# sent in parallel but each send took 3-5x longer: 25.1 against 27.0 req/s at 64 W1 streams on the H200.)
 from __future__ import annotations
 
 import logging
@@ -48,50 +49,36 @@ def send_final(sender, response=None) -> None:
 
 class Responder:
     def __init__(self, name: str, encode: Callable[[Any, "str | None"], dict], on_cancel: Callable[[str], None],
-                 reaper: IteratorReaper | None = None, threads: int = 1):  # fmt: skip
+                 reaper: IteratorReaper | None = None):  # fmt: skip
         self.name = name
         self.encode = encode  # (output or None, finish_reason or None) -> {name: torch.Tensor or str}
         self.on_cancel = on_cancel
         # A model that makes BLS calls (omni_ensemble) passes its reaper: this thread's cancellation queries
         # are the barriers after which it drops finished stream iterators. Every is_cancelled() call of this
-        # model's requests is made here, on this one thread, which the reaper requires (so threads == 1).
+        # model's requests is made here, on this one thread, which the reaper requires.
         self.reaper = reaper
-        if reaper is not None and threads != 1:
-            raise ValueError("a responder with an iterator reaper must make its is_cancelled() calls on one thread")
-        # threads > 1: send() waits for the server to take the response (~0.5-1.4 ms per response on the H200
-        # at 64 streams) rather than working, and Triton handles the sends of one stub in a thread pool, so
-        # several threads send in parallel; a request always goes through the same one (its order is kept)
-        self._queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(max(1, threads))]
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
         # request id -> (sender, bf16_bytes): bf16_bytes for omni_ensemble's BLS calls (tensors.wants_bf16_bytes)
         self._senders: dict[str, tuple[Any, bool]] = {}
         self._cancelled: set[str] = set()
         self._poll_ring = PollRing()  # who is asked next whether its client left
         self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._loop, args=(i,), name=f"{name}-responder-{i}", daemon=True)
-                         for i in range(len(self._queues))]  # fmt: skip
+        self._thread = threading.Thread(target=self._loop, name=f"{name}-responder", daemon=True)
         self._running = True
-        # where the response threads' time goes: making the tensors, Triton's send() (an IPC round trip, plus a
-        # device copy per CUDA tensor) and is_cancelled() queries (a round trip each); per thread, summed below
-        self._stats = [{"sent": 0, "encode": 0.0, "send": 0.0, "poll": 0.0} for _ in self._queues]
-
-    def _total(self, key: str):
-        return sum(s[key] for s in self._stats)
-
-    responses_sent = property(lambda self: self._total("sent"))
-    encode_seconds = property(lambda self: self._total("encode"))
-    send_seconds = property(lambda self: self._total("send"))
-    poll_seconds = property(lambda self: self._total("poll"))
+        self.responses_sent = 0
+        # where the response thread's time goes: making the tensors, Triton's send() (an IPC round trip, plus a
+        # device copy per CUDA tensor) and is_cancelled() queries (a round trip each)
+        self.encode_seconds = 0.0
+        self.send_seconds = 0.0
+        self.poll_seconds = 0.0
 
     def start(self) -> None:
-        for thread in self._threads:
-            thread.start()
+        self._thread.start()
 
     def stop(self) -> None:
         self._running = False
-        for q in self._queues:
-            q.put(None)
-        for thread in self._threads:
-            thread.join(5)
+        self._queue.put(None)
+        self._thread.join(5)
 
     def register(self, request_id: str, sender, bf16_bytes: bool = False) -> None:
         with self._lock:
@@ -106,32 +93,31 @@ class Responder:
 
     def emit(self, request_id: str, output, finish_reason: str | None, error: OmniError | None) -> None:
         """Engine callback: must not block."""
-        self._queues[hash(request_id) % len(self._queues)].put((request_id, output, finish_reason, error))
+        self._queue.put((request_id, output, finish_reason, error))
 
     @property
     def active(self) -> int:
         return len(self._senders)
 
-    def _loop(self, index: int) -> None:
-        inbox, stats, polls = self._queues[index], self._stats[index], index == 0
+    def _loop(self) -> None:
         last_poll = 0.0
         while self._running:
             try:
-                items = [inbox.get(timeout=CANCEL_POLL_SECONDS)]
+                items = [self._queue.get(timeout=CANCEL_POLL_SECONDS)]
             except queue.Empty:
                 items = []
             while True:
                 try:
-                    items.append(inbox.get_nowait())
+                    items.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
             for request_id, (output, finish_reason, error) in self._coalesce(items).items():
-                self._send(request_id, output, finish_reason, error, stats)
-            if polls and time.monotonic() - last_poll >= CANCEL_POLL_SECONDS:
+                self._send(request_id, output, finish_reason, error)
+            if time.monotonic() - last_poll >= CANCEL_POLL_SECONDS:
                 last_poll = time.monotonic()
                 t0 = time.perf_counter()
                 self._poll_cancellation()
-                stats["poll"] += time.perf_counter() - t0
+                self.poll_seconds += time.perf_counter() - t0
 
     @staticmethod
     def _coalesce(items) -> "OrderedDict[str, list]":
@@ -150,7 +136,7 @@ class Responder:
             entry[2] = entry[2] or error
         return merged
 
-    def _send(self, request_id: str, output, finish_reason: str | None, error: OmniError | None, stats: dict) -> None:
+    def _send(self, request_id: str, output, finish_reason: str | None, error: OmniError | None) -> None:
         final = finish_reason is not None or error is not None
         with self._lock:
             entry = self._senders.pop(request_id, None) if final else self._senders.get(request_id)
@@ -181,7 +167,7 @@ class Responder:
             self._end(request_id, sender, final, error_response(EngineError(f"[{self.name}] bad response: {e}")))
             return
         t1 = time.perf_counter()
-        stats["encode"] += t1 - t0
+        self.encode_seconds += t1 - t0
         try:
             if data is not None:
                 sender.send(data)
@@ -190,13 +176,13 @@ class Responder:
                 self.reaper.barrier(lambda: not sender.is_cancelled())
             if last is not None:
                 sender.send(last, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-            stats["sent"] += 1
+            self.responses_sent += 1
         except Exception as e:  # Triton refused it (the client is gone...): this sender is never used again
             log.warning("[%s] send for %s failed: %s", self.name, request_id, e)
             if not final:
                 self._end(request_id, sender, final, None)
         finally:
-            stats["send"] += time.perf_counter() - t1
+            self.send_seconds += time.perf_counter() - t1
             if final:
                 self._cancelled.discard(request_id)
 

@@ -95,8 +95,7 @@ class StageModel:
         runner = self.build_runner(model)
         if hasattr(runner, "capture_graphs"):  # before serving: capture needs the device to itself
             runner.capture_graphs()
-        self.responder = Responder(self.STAGE, self.encode, self._cancel,
-                                   threads=int(self.params.get("response_threads", 1)))
+        self.responder = Responder(self.STAGE, self.encode, self._cancel)
         scheduler = Scheduler(self.max_slots, self.max_prefills,
                               int(self.params.get("max_queue", 1024)))  # fmt: skip
         self.engine = StageEngine(self.STAGE, runner, scheduler, self.responder.emit)

@@ -27,8 +27,6 @@ def repo_spec(tiny_checkpoint):
     spec = default_spec(str(tiny_checkpoint), "cpu")
     for stage in ("thinker", "talker"):  # the graph-capturable static paths, run eagerly on the CPU
         spec[stage].parameters["cuda_graphs"] = "1"
-        # several response threads: each request's responses must still arrive whole and in order
-        spec[stage].parameters["response_threads"] = "3"
     return RepoSpec(models=spec, src=REPO_ROOT / "model_repository")
 
 
