@@ -1,6 +1,9 @@
 # TalkerRunner: codec frames from the thinker's conditioning, one frame per decode step for every ready
-# request. A request's text arrives in pieces while the thinker is still running (async chunk), so a
-# talker sequence can only step once the reply-token row it needs has arrived or the text has ended.
+# request. A request's text arrives in pieces while the thinker is still running (async chunk). A frame
+# takes two parts: the code predictor completes frame k from codebook 0, which the talker picked the step
+# before, and the talker then reads frame k with reply-token row k to pick frame k+1's codebook 0. Only
+# the second part needs row k, so frame k goes out as soon as it is complete and the sequence waits for
+# row k afterwards: the audio runs one reply token ahead of the thinker instead of behind it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -62,6 +65,7 @@ class _SlotState:
     tts_eos: torch.Tensor  # [D] projected rows fed after the text, once, then forever
     tts_pad: torch.Tensor
     frames: int = 0
+    unfed: bool = False  # frame `frames` is complete and sent, but not yet read back with its text row
 
 
 class TalkerRunner:
@@ -85,6 +89,7 @@ class TalkerRunner:
         )
         self.slots: list[_SlotState | None] = [None] * max_slots
         self.hidden = torch.zeros(max_slots, text.hidden_size, dtype=dtype, device=self.device)  # last normed hidden
+        self.codec_sums = torch.zeros_like(self.hidden)  # each unfed frame's summed codebook embeddings
         self.sampler = Sampler(self.device, seed)
         self.predictor = CodePredictor(model, self.device, dtype)
         self.decoder = StaticDecoder("talker", model.model, self.cache, model.codec_head, text.vocab_size, None,
@@ -120,9 +125,9 @@ class TalkerRunner:
         state = self.slots[seq.slot]
         if state is None:
             return False
-        # the step completes frame k = frames + 1 and, unless that is the last allowed frame, feeds text row k
-        k = state.frames + 1
-        return seq.payload.text_end or k < len(seq.payload.text) or k >= seq.params.max_tokens
+        # the next frame can always be completed; an unfed one is read back with text row `frames` (after the
+        # text, tts_eos / tts_pad), so it waits for that row
+        return not state.unfed or seq.payload.text_end or state.frames < len(seq.payload.text)
 
     @on_step_stream
     def release(self, seq: Sequence) -> None:
@@ -145,32 +150,26 @@ class TalkerRunner:
     @on_step_stream
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> list[StepResult]:
-        slots = to_device([s.slot for s in seqs], self.device)
-        states = [self.slots[s.slot] for s in seqs]
-        c0 = to_device([st.c0 for st in states], self.device)
-        if self.static_predictor is not None:
-            codes, codec_sum = self.static_predictor(self.hidden[slots], c0, [s.params.greedy for s in seqs])
-            codes = codes.clone()  # leaves with the response; the next replay overwrites the static buffer
-        else:
-            pick = lambda step, logits: self._pick_residual(logits, seqs)
-            codes, codec_sum = self.predictor(self.hidden[slots], c0, pick)
-        for st in states:
-            st.frames += 1
-        # host_outputs: the frames go out in pinned host memory, complete at _advance's sync for its tokens (or
-        # at the sync below when no row goes on); until then only views of them are taken, nothing reads them
-        sent = to_host(codes) if self.host_outputs else codes
-        finished = [st.frames >= s.params.max_tokens for s, st in zip(seqs, states)]
-        results = [StepResult(s, TalkerOutput(sent[i : i + 1]), "length") for i, s in enumerate(seqs) if finished[i]]
-        going = [i for i in range(len(seqs)) if not finished[i]]
-        if going:
-            if len(going) < len(seqs):  # a device index: a Python list would copy it synchronously
-                keep = to_device(going, self.device)
-                codes, codec_sum = codes[keep], codec_sum[keep]
-                sent = to_host(codes) if self.host_outputs else codes
-            results += self._advance([seqs[i] for i in going], sent, codec_sum)
-        elif self.host_outputs:
+        states = {id(s): self.slots[s.slot] for s in seqs}
+        complete = [s for s in seqs if not states[id(s)].unfed]
+        codes = self._complete_frames(complete) if complete else None
+        # frames go out in pinned host memory with host_outputs, complete at _advance's sync for its tokens (or
+        # at the sync below when none is read back); until then only views of them are taken
+        sent = to_host(codes) if self.host_outputs and codes is not None else codes
+        frames = {id(s): sent[i : i + 1] for i, s in enumerate(complete)}
+        results = {id(s): StepResult(s, TalkerOutput(frames[id(s)]), "length") for s in complete
+                   if states[id(s)].frames >= s.params.max_tokens}  # fmt: skip
+        going = [s for s in seqs if id(s) not in results]
+        readable = [s for s in going if s.payload.text_end or states[id(s)].frames < len(s.payload.text)]
+        for seq, token in zip(readable, self._advance(readable) if readable else []):
+            frame = frames.get(id(seq))  # None: completed and sent by an earlier step
+            results[id(seq)] = self._accept(seq, states[id(seq)], token, frame if frame is None else TalkerOutput(frame))
+        for seq in going:
+            if id(seq) not in results:  # completed now, waiting for its text row
+                results[id(seq)] = StepResult(seq, TalkerOutput(frames[id(seq)]))
+        if self.host_outputs and codes is not None and not readable:
             sync_current_stream(self.device)
-        return results
+        return [results[id(s)] for s in seqs]
 
     # ---- internals ----------------------------------------------------------------------------------------
     def _prompt(self, seq: Sequence) -> _Prompt:
@@ -240,21 +239,38 @@ class TalkerRunner:
             self.cache.load_prefill(seq.slot, past, row=i, length=n)
         return out.last_hidden_state[torch.arange(batch), torch.tensor(lengths) - 1]  # [B, D]
 
-    def _advance(self, seqs: list[Sequence], codes: torch.Tensor, codec_sum: torch.Tensor) -> list[StepResult]:
-        """Feeds each frame back with its text row and picks the next frame's codebook 0."""
+    def _complete_frames(self, seqs: list[Sequence]) -> torch.Tensor:
+        """The code predictor completes each sequence's next frame from its codebook 0: returns the codes
+        [n, 16]; their summed embeddings wait in codec_sums until the frame is read back."""
+        slots = to_device([s.slot for s in seqs], self.device)
+        c0 = to_device([self.slots[s.slot].c0 for s in seqs], self.device)
+        if self.static_predictor is not None:
+            codes, codec_sum = self.static_predictor(self.hidden[slots], c0, [s.params.greedy for s in seqs])
+            codes = codes.clone()  # leaves with the response; the next replay overwrites the static buffer
+        else:
+            pick = lambda step, logits: self._pick_residual(logits, seqs)  # noqa: E731
+            codes, codec_sum = self.predictor(self.hidden[slots], c0, pick)
+        self.codec_sums[slots] = codec_sum
+        for seq in seqs:
+            state = self.slots[seq.slot]
+            state.frames += 1
+            state.unfed = True
+        return codes
+
+    def _advance(self, seqs: list[Sequence]) -> list[int]:
+        """Reads each sequence's last frame back with its text row and picks the next frame's codebook 0."""
         slots = to_device([s.slot for s in seqs], self.device)
         # rows of occupied slots that are not stepping (waiting for text) write at their next free position
-        self.decoder.embeds[slots, 0] = codec_sum + self._text_inputs(seqs)
+        self.decoder.embeds[slots, 0] = self.codec_sums[slots] + self._text_inputs(seqs)
         states = self.slots[: 1 + max(i for i, s in enumerate(self.slots) if s is not None)]
         self.decoder.step([st.length if st else 0 for st in states], [st.rope_delta if st else 0 for st in states])
         self.hidden[slots] = self.decoder.hidden_out[slots]
         tokens = self._pick_c0(self.decoder.logits_out[slots], seqs).tolist()
-        results = []
-        for i, (seq, token) in enumerate(zip(seqs, tokens)):
+        for seq in seqs:
             state = self.slots[seq.slot]
             state.length += 1
-            results.append(self._accept(seq, state, token, TalkerOutput(codes[i : i + 1])))
-        return results
+            state.unfed = False
+        return tokens
 
     def _accept(self, seq: Sequence, state: _SlotState, token: int, frame: TalkerOutput | None) -> StepResult:
         """The next frame's codebook 0 was picked: EOS ends the stream, anything else is kept for it."""
