@@ -1,9 +1,9 @@
 # TalkerRunner: codec frames from the thinker's conditioning, one frame per decode step for every ready
 # request. A request's text arrives in pieces while the thinker is still running (async chunk). A frame
-# takes two parts: the code predictor completes frame k from codebook 0, which the talker picked the step
-# before, and the talker then reads frame k with reply-token row k to pick frame k+1's codebook 0. Only
-# the second part needs row k, so frame k goes out as soon as it is complete and the sequence waits for
-# row k afterwards: the audio runs one reply token ahead of the thinker instead of behind it.
+# takes two parts: the talker reads frame k-1 back with reply-token row k-1 and picks frame k's codebook 0,
+# then the code predictor completes frame k. A step does both, in that order, so frame k goes out as soon
+# as row k-1 is in, and the sequence then waits for row k: the audio runs one reply token ahead of the
+# thinker instead of behind it (frame k used to wait for row k).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -61,7 +61,6 @@ class _Prompt:
 class _SlotState:
     length: int
     rope_delta: int
-    c0: int  # codebook-0 token of the frame the next step completes
     tts_eos: torch.Tensor  # [D] projected rows fed after the text, once, then forever
     tts_pad: torch.Tensor
     frames: int = 0
@@ -90,6 +89,7 @@ class TalkerRunner:
         self.slots: list[_SlotState | None] = [None] * max_slots
         self.hidden = torch.zeros(max_slots, text.hidden_size, dtype=dtype, device=self.device)  # last normed hidden
         self.codec_sums = torch.zeros_like(self.hidden)  # each unfed frame's summed codebook embeddings
+        self.c0 = torch.zeros(max_slots, dtype=torch.long, device=self.device)  # next frame's codebook 0
         self.sampler = Sampler(self.device, seed)
         self.predictor = CodePredictor(model, self.device, dtype)
         self.decoder = StaticDecoder("talker", model.model, self.cache, model.codec_head, text.vocab_size, None,
@@ -125,8 +125,8 @@ class TalkerRunner:
         state = self.slots[seq.slot]
         if state is None:
             return False
-        # the next frame can always be completed; an unfed one is read back with text row `frames` (after the
-        # text, tts_eos / tts_pad), so it waits for that row
+        # the next frame can be completed once the last one is read back with text row `frames` (after the
+        # text: tts_eos, then tts_pad), so a sequence with an unfed frame waits for that row
         return not state.unfed or seq.payload.text_end or state.frames < len(seq.payload.text)
 
     @on_step_stream
@@ -150,26 +150,29 @@ class TalkerRunner:
     @on_step_stream
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> list[StepResult]:
-        states = {id(s): self.slots[s.slot] for s in seqs}
-        complete = [s for s in seqs if not states[id(s)].unfed]
-        codes = self._complete_frames(complete) if complete else None
-        # frames go out in pinned host memory with host_outputs, complete at _advance's sync for its tokens (or
-        # at the sync below when none is read back); until then only views of them are taken
-        sent = to_host(codes) if self.host_outputs and codes is not None else codes
-        frames = {id(s): sent[i : i + 1] for i, s in enumerate(complete)}
-        results = {id(s): StepResult(s, TalkerOutput(frames[id(s)]), "length") for s in complete
-                   if states[id(s)].frames >= s.params.max_tokens}  # fmt: skip
-        going = [s for s in seqs if id(s) not in results]
-        readable = [s for s in going if s.payload.text_end or states[id(s)].frames < len(s.payload.text)]
-        for seq, token in zip(readable, self._advance(readable) if readable else []):
-            frame = frames.get(id(seq))  # None: completed and sent by an earlier step
-            results[id(seq)] = self._accept(seq, states[id(seq)], token, frame if frame is None else TalkerOutput(frame))
-        for seq in going:
-            if id(seq) not in results:  # completed now, waiting for its text row
-                results[id(seq)] = StepResult(seq, TalkerOutput(frames[id(seq)]))
-        if self.host_outputs and codes is not None and not readable:
+        # read back the frames sent by earlier steps (their rows are in: is_ready), then complete the next frame
+        # of every sequence; one sync at the end, for the picked tokens and (host_outputs) the frames' copy
+        unfed = [s for s in seqs if self.slots[s.slot].unfed]
+        picked = self._advance(unfed) if unfed else None
+        codes = self._complete_frames(seqs)
+        # a frame completed from an EOS pick is dropped below; until the sync only views of the copy are taken
+        sent = to_host(codes) if self.host_outputs else codes
+        tokens = dict(zip(map(id, unfed), picked.tolist())) if unfed else {}
+        if self.host_outputs and not unfed:
             sync_current_stream(self.device)
-        return [results[id(s)] for s in seqs]
+        results = []
+        for i, seq in enumerate(seqs):
+            state = self.slots[seq.slot]
+            if id(seq) in tokens:
+                stop = self._accept(seq, tokens[id(seq)])
+                if stop.finish_reason is not None:
+                    results.append(stop)  # EOS: the frame just completed from it is not one
+                    continue
+            state.frames += 1
+            state.unfed = True
+            frame = TalkerOutput(sent[i : i + 1])
+            results.append(StepResult(seq, frame, "length" if state.frames >= seq.params.max_tokens else None))
+        return results
 
     # ---- internals ----------------------------------------------------------------------------------------
     def _prompt(self, seq: Sequence) -> _Prompt:
@@ -214,12 +217,14 @@ class TalkerRunner:
             hidden = self.static_prefill.run([p.embeds for p in prompts], [s.slot for s in seqs])
         else:
             hidden = self._prefill_eager(seqs, prompts, lengths)
-        self.hidden[to_device([s.slot for s in seqs], self.device)] = hidden
-        tokens = self._pick_c0(self.model.codec_head(hidden), seqs).tolist()
+        slots = to_device([s.slot for s in seqs], self.device)
+        self.hidden[slots] = hidden
+        picked = self._pick_c0(self.model.codec_head(hidden), seqs)
+        self.c0[slots] = picked
         results = []
-        for seq, p, n, token in zip(seqs, prompts, lengths, tokens):
-            state = self.slots[seq.slot] = _SlotState(n, p.rope_delta, 0, p.tts_eos, p.tts_pad)
-            results.append(self._accept(seq, state, token, None))
+        for seq, p, n, token in zip(seqs, prompts, lengths, picked.tolist()):
+            self.slots[seq.slot] = _SlotState(n, p.rope_delta, p.tts_eos, p.tts_pad)
+            results.append(self._accept(seq, token))
         return results
 
     def _prefill_eager(self, seqs: list[Sequence], prompts: list[_Prompt], lengths: list[int]) -> torch.Tensor:
@@ -240,45 +245,42 @@ class TalkerRunner:
         return out.last_hidden_state[torch.arange(batch), torch.tensor(lengths) - 1]  # [B, D]
 
     def _complete_frames(self, seqs: list[Sequence]) -> torch.Tensor:
-        """The code predictor completes each sequence's next frame from its codebook 0: returns the codes
-        [n, 16]; their summed embeddings wait in codec_sums until the frame is read back."""
+        """The code predictor completes each sequence's next frame from its codebook 0 (self.c0, on the
+        device: no sync since the pick): returns the codes [n, 16]; their summed embeddings wait in
+        codec_sums until the frame is read back."""
         slots = to_device([s.slot for s in seqs], self.device)
-        c0 = to_device([self.slots[s.slot].c0 for s in seqs], self.device)
         if self.static_predictor is not None:
-            codes, codec_sum = self.static_predictor(self.hidden[slots], c0, [s.params.greedy for s in seqs])
+            codes, codec_sum = self.static_predictor(self.hidden[slots], self.c0[slots], [s.params.greedy for s in seqs])
             codes = codes.clone()  # leaves with the response; the next replay overwrites the static buffer
         else:
-            pick = lambda step, logits: self._pick_residual(logits, seqs)  # noqa: E731
-            codes, codec_sum = self.predictor(self.hidden[slots], c0, pick)
+            pick = lambda step, logits: self._pick_residual(logits, seqs)
+            codes, codec_sum = self.predictor(self.hidden[slots], self.c0[slots], pick)
         self.codec_sums[slots] = codec_sum
-        for seq in seqs:
-            state = self.slots[seq.slot]
-            state.frames += 1
-            state.unfed = True
         return codes
 
-    def _advance(self, seqs: list[Sequence]) -> list[int]:
-        """Reads each sequence's last frame back with its text row and picks the next frame's codebook 0."""
+    def _advance(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Reads each sequence's last frame back with its text row and picks the next frame's codebook 0
+        (returned on the device, and kept in self.c0)."""
         slots = to_device([s.slot for s in seqs], self.device)
         # rows of occupied slots that are not stepping (waiting for text) write at their next free position
         self.decoder.embeds[slots, 0] = self.codec_sums[slots] + self._text_inputs(seqs)
         states = self.slots[: 1 + max(i for i, s in enumerate(self.slots) if s is not None)]
         self.decoder.step([st.length if st else 0 for st in states], [st.rope_delta if st else 0 for st in states])
         self.hidden[slots] = self.decoder.hidden_out[slots]
-        tokens = self._pick_c0(self.decoder.logits_out[slots], seqs).tolist()
+        picked = self._pick_c0(self.decoder.logits_out[slots], seqs)
+        self.c0[slots] = picked
         for seq in seqs:
             state = self.slots[seq.slot]
             state.length += 1
             state.unfed = False
-        return tokens
+        return picked
 
-    def _accept(self, seq: Sequence, state: _SlotState, token: int, frame: TalkerOutput | None) -> StepResult:
+    def _accept(self, seq: Sequence, token: int) -> StepResult:
         """The next frame's codebook 0 was picked: EOS ends the stream, anything else is kept for it."""
         if token == self.eos:
-            return StepResult(seq, frame, "stop")
+            return StepResult(seq, None, "stop")
         seq.generated.append(token)
-        state.c0 = token
-        return StepResult(seq, frame)
+        return StepResult(seq, None)
 
     def _text_inputs(self, seqs: list[Sequence]) -> torch.Tensor:
         """[n, D] rows fed with frame k (k = frames so far): reply row k (projected in one batch), then

@@ -87,3 +87,28 @@ def test_talker_waits_for_text_it_has_not_received(hf_model, processor):
         if result.finish_reason:
             break
     assert torch.equal(torch.cat(frames), want_codes)
+
+
+def test_talker_eos_ends_the_stream_without_a_frame_for_it(hf_model, processor):
+    """Frames are completed right after their codebook 0 is picked, in the same step: one picked as EOS
+    ends the stream with the frames before it, and nothing is completed from the EOS itself."""
+    inputs = prepare_inputs(processor, oracle.messages("text"))
+    kw = dict(max_slots=2, max_seq_len=512, device="cpu", dtype=torch.float32)
+    thinker = ThinkerRunner(hf_model.thinker, hf_model.config, **kw)
+    out, _ = run_thinker(thinker, running("t", SamplingParams(max_tokens=REPLY),
+                                          ThinkerPrompt(inputs["input_ids"][0], export_talker=True), 0))  # fmt: skip
+
+    def speak(eos=None):
+        talker = TalkerRunner(hf_model.talker, hf_model.config, **kw)
+        if eos is not None:
+            talker.eos = eos  # a codebook-0 token of the full run stands in for EOS
+        prompt = TalkerPrompt(out.talker, 2302, list(out.text_rows.unbind(0)), True)
+        return run_talker(talker, running("a", SamplingParams(max_tokens=FRAMES, repetition_penalty=1.05), prompt, 1))
+
+    codes, reason = speak()
+    assert reason == "length" and codes.shape[0] == FRAMES
+    # the first frame from frame 3 on whose codebook-0 token is new: picking it again ends the stream there
+    k = next(k for k in range(2, FRAMES) if codes[k, 0] not in codes[:k, 0])
+    stopped, reason = speak(eos=int(codes[k, 0]))
+    assert reason == "stop"
+    assert torch.equal(stopped, codes[:k])
