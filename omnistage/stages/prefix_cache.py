@@ -22,7 +22,6 @@ class PrefixCache:
         self.k = torch.zeros(shape, dtype=cache.k_all.dtype, device=cache.k_all.device)
         self.v = torch.zeros_like(self.k)
         self.index = PrefixIndex(capacity)
-        self.bytes = 2 * self.k.numel() * self.k.element_size()
         self.hit_tokens = 0  # prompt tokens served from the pool, over all prefills
         self.prompt_tokens = 0  # prompt tokens of the prompts looked up
 
