@@ -13,8 +13,9 @@
 # gpu_inputs: true), step_stream (every GPU stage with step_stream: true), thinker_host (the thinker's
 # responses as host tensors), host (every stage hands over host tensors: handoff cpu, the cuda default since
 # the 2026-12-03 third session), host_mps (host under CUDA MPS), gpu_handoff (every stage hands over CUDA
-# tensors: handoff gpu, the default before), first_chunk2 (first audio chunk after 2 frames instead of 4),
-# bls_views (no model: tools/bls_stress with 4.8 MB host states kept as views of their BLS responses, as
+# tensors: handoff gpu, the default before), first_chunk2 (first audio chunk after 2 frames: the cuda
+# default since the fourth session of 2026-12-03), first_chunk4 (after 4 frames: vLLM-Omni's, our default
+# before), bls_views (no model: tools/bls_stress with 4.8 MB host states kept as views of their BLS responses, as
 # omni_ensemble did until 6cf3333, then copied as it does now: does holding views freeze the 2.51 stub on
 # this machine? perf/README.md, 2026-12-03 third session), no_prefix (the thinker without its prefix cache:
 # every prompt prefilled in full), omp1 (every process with OMP_NUM_THREADS=1: a stage's small host-tensor
@@ -106,6 +107,7 @@ for n in (16, 64): print('smoke burst', n, {k: v for k, v in r.get(f'burst_{n}',
     host_mps) under_mps host_mps "${HOST[@]}" ;;
     gpu_handoff) run_variant gpu_handoff "${GPU_HANDOFF[@]}" ;;
     first_chunk2) run_variant first_chunk2 --set omni_ensemble.first_chunk_frames=2 ;;
+    first_chunk4) run_variant first_chunk4 --set omni_ensemble.first_chunk_frames=4 ;;
     no_prefix) run_variant no_prefix "${NO_PREFIX[@]}" ;;
     omp1) OMP_NUM_THREADS=1 run_variant omp1 ;;
     bls_views)
@@ -120,5 +122,5 @@ for n in (16, 64): print('smoke burst', n, {k: v for k, v in r.get(f'burst_{n}',
   esac
 done
 # the device returns few files: one archive of the variants' directories
-dirs=$(cd "$OUT" && ls -d base prefill16 scaled mps scaled_mps gpu_inputs step_stream thinker_host host host_mps gpu_handoff first_chunk2 no_prefix omp1 2> /dev/null)
+dirs=$(cd "$OUT" && ls -d base prefill16 scaled mps scaled_mps gpu_inputs step_stream thinker_host host host_mps gpu_handoff first_chunk2 first_chunk4 no_prefix omp1 2> /dev/null)
 [ -n "$dirs" ] && tar czf "$OUT/variants.tar.gz" -C "$OUT" $dirs && (cd "$OUT" && rm -rf $dirs)

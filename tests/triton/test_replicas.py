@@ -35,7 +35,7 @@ def talker_kv_budget(tiny_checkpoint) -> int:
 def repo_spec(tiny_checkpoint, tmp_path_factory):
     path = tmp_path_factory.mktemp("profile") / "replicas.yaml"
     # the talker's sampling default from the profile (greedy) replaces its built-in temperature 0.9; a
-    # request alone on the server gets a 2-frame first chunk (the cuda profile's light-load schedule)
+    # request alone on the server gets a 2-frame first chunk (a light-load schedule, chunks.light_*)
     path.write_text(f"base: {BASE_PROFILE}\nstages: {{thinker: {{replicas: 2}}, code2wav: {{replicas: 2}}, "
                     "talker: {replicas: 2, sampling: {temperature: 0}, "
                     f"kv_cache_bytes: {talker_kv_budget(tiny_checkpoint)}}}}}\n"

@@ -41,10 +41,10 @@ def test_base_profile_is_the_default_layout(platform):
     assert spec["code2wav"].parameters["fused_kernels"] == ("true" if cuda else "false")
     assert all(spec[name].parameters["step_stream"] == "false" for name in ("thinker", "talker", "code2wav"))
     omni = spec["omni_ensemble"].parameters
-    assert (omni["first_chunk_frames"], omni["chunk_frames"], omni["max_inflight"]) == ("4", "25", "128")
-    # a lone request's smaller first chunk: on cuda only (CPU tests count the 4-frame first chunk)
-    light = (omni.get("light_first_chunk_frames"), omni.get("light_load_requests"))
-    assert light == (("2", "1") if cuda else (None, None))
+    # first audio after 2 frames on cuda (CPU tests count the 4-frame first chunk); no light-load schedule
+    first = "2" if cuda else "4"
+    assert (omni["first_chunk_frames"], omni["chunk_frames"], omni["max_inflight"]) == (first, "25", "128")
+    assert (omni.get("light_first_chunk_frames"), omni.get("light_load_requests")) == (None, None)
     assert (omni["thinker_models"], omni["talker_models"]) == ("thinker", "talker")
     for name, s in spec.items():
         assert (s.kind, s.gpus) == (("KIND_GPU", (0,)) if cuda and name != "omni_ensemble" else ("KIND_CPU", ()))
