@@ -100,3 +100,15 @@ def test_chunk_prefill_graphs_equal_the_full_prefill_on_cuda(tiny_checkpoint, pr
     n = prompt.input_ids.numel()
     for got_kv, ref_kv in zip(cached.cache.k + cached.cache.v, plain.cache.k + plain.cache.v):
         torch.testing.assert_close(got_kv[2, :, :n], ref_kv[2, :, :n], rtol=0.05, atol=0.05)
+
+
+def test_chunk_prefill_buckets_keep_every_padded_position_below_its_kv_length(hf_model):
+    """With graphs' buckets (set by hand on the CPU): a step's padded tokens all land below its kv bucket,
+    and a suffix that would not fit any bucket goes to the full prefill instead (fits() is False)."""
+    runner = _runner(hf_model, 8 << 20)
+    chunk = runner.chunk_prefill
+    chunk.row_buckets = [1, 2, 4]
+    assert chunk.shape_for(3, 20, 200) == (4, 32, 256)
+    assert chunk.shape_for(1, 40, 200) == (1, 64, 512)  # 200 + 64 padded tokens need the 512 bucket
+    assert chunk.fits(4, 64, 448) and not chunk.fits(4, 64, 449)  # 449 + 64 > 512
+    assert not chunk.fits(4, 65, 0) and not chunk.fits(5, 10, 0)  # too long a suffix, too many rows
