@@ -60,7 +60,7 @@ def init_instance(args) -> tuple[dict[str, str], torch.device, torch.dtype]:
         torch.cuda.set_device(device)
         # A GPU stage's host tensors are small, and torch's intra-op pool (a thread per core) mostly spun: on
         # the H200 host (16 cores) at 64 W1 streams the talker used 53 and Code2Wav 27 cpu-s of a 10 s level,
-        # 8 and 6 with one thread, and the same run went from 30.8 to 37.5 req/s (perf/README.md)
+        # 8 and 6 with one thread (that call: 30.8 -> 37.5 req/s; calls differ by up to ~20%, perf/README.md)
         torch.set_num_threads(1)
         if params.get("memory_fraction"):  # a deploy profile's share of this GPU for this instance
             torch.cuda.set_per_process_memory_fraction(float(params["memory_fraction"]), device)
