@@ -126,7 +126,10 @@ class ThinkerRunner:
     def prefill(self, seqs: list[Sequence]) -> list[StepResult]:
         # text-only prompts of one step share a forward (right-padded); a multimodal one runs alone
         text = [s for s in seqs if s.payload.is_text_only]
-        found = {id(s): self.prefix.match(s.payload.input_ids.tolist()) for s in text} if self.prefix else {}
+        # only prompts the chunk prefill could serve look up and keep prefixes (a 2500-token W2 prompt's
+        # blocks would only push the shared ones out)
+        found = {id(s): self.prefix.match(s.payload.input_ids.tolist()) for s in text
+                 if s.payload.input_ids.numel() <= self.chunk_prefill.max_kv} if self.prefix else {}  # fmt: skip
         hits = self._chunk_hits(text, found)
         results = self._prefill_static(hits, found) if hits else []
         text = [s for s in text if all(s is not h for h in hits)]
@@ -136,8 +139,8 @@ class ThinkerRunner:
             results += self._prefill_text(text) if len(text) > 1 else []
         batched = {id(r.seq) for r in results}
         results += [self._prefill_one(s) for s in seqs if id(s) not in batched]
-        if self.prefix is not None:  # keep the blocks worth keeping (copied in stream order: after the prefill)
-            for seq in text + hits:
+        for seq in text + hits:  # keep the blocks worth keeping (copied in stream order: after the prefill)
+            if id(seq) in found:
                 self.prefix.store(seq.slot, found[id(seq)])
         if self.host_outputs:  # the talker's conditioning was gathered after the tokens' sync: one more sync
             outputs_to_host([r.output for r in results], self.device)
