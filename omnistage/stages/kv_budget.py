@@ -62,4 +62,6 @@ def kv_budget_bytes(params: dict[str, str], device: torch.device) -> int | None:
         log.warning("kv_cache_memory_fraction applies to GPUs only: ignored on %s", device)
         return None
     share = float(params["memory_fraction"]) if params.get("memory_fraction") else None
-    return int(float(fraction) * free_device_bytes(device, share))
+    # the thinker's prefix-cache pool is allocated next to the KV cache: the fraction is of what it leaves
+    pool = int(params.get("prefix_cache_bytes") or 0)
+    return int(float(fraction) * max(0, free_device_bytes(device, share) - pool))
