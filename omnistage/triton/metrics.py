@@ -121,6 +121,8 @@ _STAGE_COUNTERS = {
     "response_encode_seconds_total": "seconds the response thread spent making response tensors",
     "response_send_seconds_total": "seconds the response thread spent in Triton's send()",
     "response_poll_seconds_total": "seconds the response thread spent asking whether clients left (is_cancelled())",
+}
+_THINKER_COUNTERS = {  # the thinker's runner stats (ThinkerRunner.stats)
     "prefix_cache_prompt_tokens_total": "prompt tokens of text-only prompts looked up in the prefix cache",
     "prefix_cache_hit_tokens_total": "prompt tokens whose K/V came from the prefix cache instead of a prefill",
 }
@@ -134,7 +136,8 @@ class StageMetrics(MetricsPublisher):
         self.stage, self.engine, self.responder, self.kv, self.device = stage, engine, responder, kv, device
         for name, text in _STAGE_GAUGES.items():
             self.gauge(f"omni_{stage}_{name}", text)
-        for name, text in _STAGE_COUNTERS.items():
+        self.counters = {**_STAGE_COUNTERS, **(_THINKER_COUNTERS if stage == "thinker" else {})}
+        for name, text in self.counters.items():
             self.counter(f"omni_{stage}_{name}", text)
 
     def _sample_stage(self) -> Sample:
@@ -154,12 +157,13 @@ class StageMetrics(MetricsPublisher):
             "response_encode_seconds_total": self.responder.encode_seconds,
             "response_send_seconds_total": self.responder.send_seconds,
             "response_poll_seconds_total": self.responder.poll_seconds,
-            "prefix_cache_prompt_tokens_total": s.get("prefix_prompt_tokens", 0),
-            "prefix_cache_hit_tokens_total": s.get("prefix_hit_tokens", 0),
             "kv_cache_slots": self.kv.slots,
             "kv_cache_bytes": self.kv.cache_bytes,
             "gpu_memory_peak_bytes": self._peak_gpu_bytes(),
         }
+        if "prefix_cache_hit_tokens_total" in self.counters:
+            values["prefix_cache_prompt_tokens_total"] = s["prefix_prompt_tokens"]
+            values["prefix_cache_hit_tokens_total"] = s["prefix_hit_tokens"]
         return [(f"omni_{self.stage}_{name}", {}, value) for name, value in values.items()]
 
     def _peak_gpu_bytes(self) -> int:

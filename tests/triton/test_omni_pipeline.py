@@ -132,6 +132,21 @@ def test_concurrent_requests_match_each_alone(triton_server, processor):
         assert oracle.rel_error(torch.from_numpy(b.waveform), torch.from_numpy(a.waveform)) < 1e-4
 
 
+def test_a_repeated_prompt_takes_its_prefix_from_the_thinkers_cache(triton_server):
+    """From its third time on, a prompt's blocks come from the thinker's prefix cache (kept on their second
+    sighting), with the same reply and audio; only the thinker exports the cache's counters."""
+    params = dict(GREEDY, max_tokens=4, talker_max_tokens=6)
+    messages = oracle.messages("text", "Read this sentence to me slowly, please, and clearly.")
+    hits = lambda: gauge(triton_server.metrics(), "omni_thinker_prefix_cache_hit_tokens_total")  # noqa: E731
+    before = hits()
+    results = [omni(triton_server.grpc_url, messages, params) for _ in range(3)]
+    assert all(r.error is None for r in results)
+    assert results[2].token_ids == results[0].token_ids
+    assert oracle.rel_error(torch.from_numpy(results[2].waveform), torch.from_numpy(results[0].waveform)) < 1e-4
+    wait_for(lambda: hits() >= before + 16, what="prefix cache hits")  # metrics lag up to 0.25 s
+    assert "omni_talker_prefix_cache" not in triton_server.metrics()
+
+
 def test_many_concurrent_requests_all_finish(triton_server):
     """More requests than Triton's default Python-backend BLS thread pool (32) can hold streams for: with
     that default the orchestrator deadlocked at 64 concurrent requests."""
