@@ -137,7 +137,7 @@ def test_a_repeated_prompt_takes_its_prefix_from_the_thinkers_cache(triton_serve
     sighting), with the same reply and audio; only the thinker exports the cache's counters."""
     params = dict(GREEDY, max_tokens=4, talker_max_tokens=6)
     messages = oracle.messages("text", "Read this sentence to me slowly, please, and clearly.")
-    hits = lambda: gauge(triton_server.metrics(), "omni_thinker_prefix_cache_hit_tokens_total")  # noqa: E731
+    hits = lambda: gauge(triton_server.metrics(), "omni_thinker_prefix_cache_hit_tokens_total")
     before = hits()
     results = [omni(triton_server.grpc_url, messages, params) for _ in range(3)]
     assert all(r.error is None for r in results)
