@@ -12,6 +12,7 @@ import torch
 from .cuda_graphs import GraphBank, batch_buckets, bucket_for
 from .host_copy import to_device
 from .kv_cache import SlotKVCache
+from .static_prefill import load_padded
 
 TOKEN_BUCKETS = (32, 64)  # longer suffixes prefill in full (StaticPrefill): W1's are ~40 tokens
 KV_BUCKETS = (256, 512)
@@ -51,11 +52,7 @@ class ChunkPrefill:
         Returns the normed hidden state at each suffix's last token, [n, D] (a static buffer's view)."""
         n, lengths = len(embeds), [e.shape[0] for e in embeds]
         rows, tokens, kv_len = self.shape_for(n, max(lengths), max(starts))
-        pad = rows - n
-        for i, e in enumerate(embeds):
-            self.embeds[i, : e.shape[0]].copy_(e)
-        if pad:
-            self.embeds[n:rows, :tokens].copy_(self.embeds[:1, :tokens].expand(pad, -1, -1))
+        pad = load_padded(self.embeds, embeds, rows, tokens)
         index = [slots + slots[:1] * pad, starts + starts[:1] * pad, [x - 1 for x in lengths + lengths[:1] * pad]]
         self.index[:, :rows].copy_(to_device(index, self.index.device))
         self.bank.run((rows, tokens, kv_len), lambda: self._run(rows, tokens, kv_len))

@@ -20,6 +20,17 @@ def token_buckets(max_tokens: int, step: int = 64) -> list[int]:
     return list(range(step, max_tokens, step)) + [max_tokens]
 
 
+def load_padded(buffer: torch.Tensor, embeds: list[torch.Tensor], rows: int, tokens: int) -> int:
+    """Copies each prompt's rows [L_i, D] into buffer[i] and fills rows len(embeds)..rows-1 (the bucket's
+    padding) with a repeat of row 0 over `tokens`; returns how many padding rows there are."""
+    n = len(embeds)
+    for i, e in enumerate(embeds):
+        buffer[i, : e.shape[0]].copy_(e)
+    if rows > n:
+        buffer[n:rows, :tokens].copy_(buffer[:1, :tokens].expand(rows - n, -1, -1))
+    return rows - n
+
+
 class StaticPrefill:
     def __init__(self, name: str, text_model, cache: SlotKVCache, *, max_rows: int, max_tokens: int,
                  cuda_graphs: bool):  # fmt: skip
@@ -50,11 +61,7 @@ class StaticPrefill:
         hidden state at each prompt's last position, [n, D] (a view of a static buffer: copy to keep)."""
         n, lengths = len(embeds), [e.shape[0] for e in embeds]
         rows, tokens = self.shape_for(n, max(lengths))
-        pad = rows - n
-        for i, e in enumerate(embeds):
-            self.embeds[i, : e.shape[0]].copy_(e)
-        if pad:
-            self.embeds[n:rows, :tokens].copy_(self.embeds[:1, :tokens].expand(pad, -1, -1))
+        pad = load_padded(self.embeds, embeds, rows, tokens)
         index = to_device([slots + slots[:1] * pad, [x - 1 for x in lengths + lengths[:1] * pad]], self.slots.device)
         self.slots[:rows].copy_(index[0])
         self.last[:rows].copy_(index[1])
