@@ -122,5 +122,5 @@ for n in (16, 64): print('smoke burst', n, {k: v for k, v in r.get(f'burst_{n}',
   esac
 done
 # the device returns few files: one archive of the variants' directories
-dirs=$(cd "$OUT" && ls -d base prefill16 scaled mps scaled_mps gpu_inputs step_stream thinker_host host host_mps gpu_handoff first_chunk2 first_chunk4 no_prefix omp1 2> /dev/null)
+dirs=$(cd "$OUT" && for v in ${VARIANTS[@]}; do [ -d "$v" ] && echo "$v"; done)
 [ -n "$dirs" ] && tar czf "$OUT/variants.tar.gz" -C "$OUT" $dirs && (cd "$OUT" && rm -rf $dirs)
