@@ -19,7 +19,9 @@
 # omni_ensemble did until 6cf3333, then copied as it does now: does holding views freeze the 2.51 stub on
 # this machine? perf/README.md, 2026-12-03 third session), no_prefix (the thinker without its prefix cache:
 # every prompt prefilled in full), omp1 (every process with OMP_NUM_THREADS=1: a stage's small host-tensor
-# ops on torch's 16-thread pool?).
+# ops on torch's 16-thread pool?), no_first_lane (Code2Wav without its first lane: first chunks queue with
+# the rest, eager; the default before the 2026-12-04 session), ens_switch (omni_ensemble with a 0.5 ms GIL
+# switch interval instead of 5 ms), ens2 (two omni_ensemble instances: half the threads per process).
 set -u
 OUT="${1:?usage: bash perf/gpu_variants.sh OUT_DIR [variant ...]}"
 shift
@@ -71,7 +73,7 @@ for lv in b.get("ours", {}).get("w1", {}).get("levels", []):
     print(f"{name} c={lv['concurrency']} milestones_ms {dict(sorted(means.items(), key=lambda kv: kv[1]))}")
     # where the stages' and response threads' time went over the level (seconds, or counts)
     counters = {k.removeprefix("omni_"): round(delta(k), 2) for k in sorted(m) if not k.startswith("omni_milestone")
-                and re.search(r"(seconds_total|_steps_total|responses_total|tokens_total)$", k)}
+                and re.search(r"(seconds_total|_steps_total|responses_total|tokens_total|chunks_total)$", k)}
     print(f"{name} c={lv['concurrency']} counters {counters}")
     before = m
 PYEOF
@@ -110,6 +112,9 @@ for n in (16, 64): print('smoke burst', n, {k: v for k, v in r.get(f'burst_{n}',
     first_chunk4) run_variant first_chunk4 --set omni_ensemble.first_chunk_frames=4 ;;
     no_prefix) run_variant no_prefix "${NO_PREFIX[@]}" ;;
     omp1) OMP_NUM_THREADS=1 run_variant omp1 ;;
+    no_first_lane) run_variant no_first_lane --set code2wav.first_chunk_frames=0 ;;
+    ens_switch) run_variant ens_switch --set omni_ensemble.switch_interval_ms=0.5 ;;
+    ens2) run_variant ens2 --instances omni_ensemble=2 ;;
     bls_views)
       for flag in "--keep-views" ""; do
         echo "bls_views [$flag]" | tee -a "$OUT/variants.log"

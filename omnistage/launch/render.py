@@ -71,6 +71,10 @@ def profile_spec(profile: Profile, model_path: str | None = None) -> dict[str, M
                 params["max_batch_windows"] = params.pop("max_batch_size")
             if profile.chunks["left_context_frames"] is not None:
                 params["left_context_frames"] = str(profile.chunks["left_context_frames"])
+            # the lengths of new streams' first chunks: code2wav's first lane decodes those (CUDA graphs with
+            # cuda_graphs), the other chunks go to its main worker
+            firsts = {profile.chunks[k] for k in ("first_chunk_frames", "light_first_chunk_frames")} - {None}
+            params["first_chunk_frames"] = ",".join(map(str, sorted(firsts)))
             per_gpu = plan.replicas // len(plan.devices)
             place = {"kind": "KIND_GPU", "gpus": plan.devices, "instances": per_gpu} if cuda else {"instances": plan.replicas}
             spec[stage] = ModelSpec(parameters=params, **place)

@@ -198,11 +198,15 @@ class Code2WavRunner:
         self._check(codes, state)
 
     def range_errors(self, codes: list[torch.Tensor]) -> list[str | None]:
-        """Per chunk, why its codes are out of range, or None; one device sync for all of them. A serving
-        loop turns the bad chunks of a batch away on their own instead of failing the batch with them."""
+        """Per chunk, why its codes are out of range, or None; one device sync for all of them (none for host
+        codes). A serving loop turns the bad chunks of a batch away on their own instead of failing the batch
+        with them."""
         if not codes:
             return []
-        bounds = torch.stack([torch.stack([c.min(), c.max()]).to(self.device) for c in codes]).tolist()
+        pairs = [torch.stack([c.min(), c.max()]) for c in codes]
+        if any(p.device.type != "cpu" for p in pairs):  # host codes (as served) need no device at all
+            pairs = [p.to(self.device) for p in pairs]
+        bounds = torch.stack(pairs).tolist()
         return [None if lo >= 0 and hi < self.codebook_size
                 else f"codes must be in [0, {self.codebook_size}), got values in [{lo}, {hi}]" for lo, hi in bounds]  # fmt: skip
 
@@ -249,11 +253,24 @@ class Code2WavRunner:
     def _forward(self, codes: torch.Tensor, states: list[StreamState]):
         # codes [B, n, Q]; states share W and C'.
         # Returns wav [B, (C' + n) * spf - tail] and the next states' kv [B, L, 2, H, W', D], hidden [B, C'', D].
-        n = codes.shape[1]
-        m = self.module
         past_kv = torch.stack([s.kv.to(self.device, self.dtype) for s in states])  # [B, L, 2, H, W, D]
         past_hidden = torch.stack([s.hidden.to(self.device, self.dtype) for s in states])  # [B, C', D]
         position = torch.tensor([s.position for s in states], device=self.device)[:, None]  # [B, 1]
+        return self._forward_tensors(codes, past_kv, past_hidden, position)
+
+    def forward_first(self, codes: torch.Tensor):
+        """_forward for new streams' first chunks, codes [B, n, Q] on the device: nothing but device work, so
+        it can be captured as a CUDA graph (code2wav_first.py)."""
+        b = codes.shape[0]
+        past_kv = torch.zeros(b, len(self.layers), 2, self.kv_heads, 0, self.head_dim, dtype=self.dtype,
+                              device=self.device)  # fmt: skip
+        past_hidden = torch.zeros(b, 0, self.hidden_size, dtype=self.dtype, device=self.device)
+        position = torch.zeros(b, 1, dtype=torch.long, device=self.device)
+        return self._forward_tensors(codes, past_kv, past_hidden, position)
+
+    def _forward_tensors(self, codes, past_kv, past_hidden, position):
+        n = codes.shape[1]
+        m = self.module
         past = past_kv.shape[4]
 
         hidden = m.code_embedding(codes.transpose(1, 2) + m.code_offset).mean(1)  # [B, n, D]

@@ -27,16 +27,21 @@ import torch
 
 
 class StepStream:
-    def __init__(self, device: torch.device | str, enabled: bool = True):
+    """priority: CUDA stream priority (lower runs first; 0 is the default's). wait_default=False: run() does not
+    wait for the default stream first, for work whose inputs are already complete."""
+
+    def __init__(self, device: torch.device | str, enabled: bool = True, priority: int = 0, wait_default: bool = True):
         device = torch.device(device)
-        self.stream = torch.cuda.Stream(device) if enabled and device.type == "cuda" else None
+        self.stream = torch.cuda.Stream(device, priority=priority) if enabled and device.type == "cuda" else None
+        self.wait_default = wait_default
 
     @contextlib.contextmanager
     def run(self):
         if self.stream is None:
             yield
             return
-        self.stream.wait_stream(torch.cuda.default_stream(self.stream.device))
+        if self.wait_default:
+            self.stream.wait_stream(torch.cuda.default_stream(self.stream.device))
         with torch.cuda.stream(self.stream):
             yield
         self.sync()

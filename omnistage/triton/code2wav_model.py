@@ -3,6 +3,9 @@
 # queued (from any number of streams) are decoded together. Triton 2.51 hands a max_batch_size-0 Python
 # model one request per execute(), so the batching happens here: execute() only enqueues, and a worker
 # thread takes the queued chunks of one shape (one forward) at a time, decodes them and sends.
+# New streams' first chunks (what a time to first audio waits for) have a worker of their own, the first
+# lane: on CUDA it runs on a high-priority stream and replays CUDA graphs (stages/code2wav_first.py), so a
+# first chunk no longer waits behind a forward of later chunks (~100 ms at 64 streams on the H200).
 from __future__ import annotations
 
 import logging
@@ -18,6 +21,7 @@ from ..core.protocol import CODE2WAV, PAST_FRAMES
 from ..models import fused
 from ..models.checkpoint import load_stage
 from ..stages.code2wav import Code2WavRunner, chunk_key, state_from_tensors, state_to_tensors, take_group
+from ..stages.code2wav_first import FirstChunkDecoder
 from ..stages.host_copy import sync_current_stream, to_host
 from ..stages.step_stream import StepStream
 from .logs import stop_fault_reports
@@ -33,6 +37,7 @@ class PendingChunk(NamedTuple):
     chunk: tuple  # (codes on the device, the stream's state or None)
     sender: Any
     bf16_bytes: bool  # an omni_ensemble BLS call: host tensors go back as BF16 byte views (tensors.py)
+    arrived: float  # perf_counter() at execute()
 
 
 class Code2WavModel:
@@ -53,18 +58,40 @@ class Code2WavModel:
         # handoff "cpu": audio and state leave in pinned host memory, one sync per decoded group
         self.host_outputs = host_handoff()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        # written by the worker, read by the metrics thread
+        # the first lane: first chunks of the schedule's lengths (first_chunk_frames, from the profile's chunks)
+        lengths = sorted({int(n) for n in params.get("first_chunk_frames", "").split(",") if n.strip()} - {0})  # 0: off
+        self.first_decoders = [FirstChunkDecoder(self.runner, n, self.max_batch, flag(params, "cuda_graphs"))
+                               for n in lengths]  # fmt: skip
+        for decoder in self.first_decoders:
+            decoder.capture_all()
+        # its inputs are host tensors or complete CUDA copies (the Python backend copies synchronously), so it
+        # does not wait for the default stream, where the other worker's forwards may run
+        self.first_stream = StepStream(self.device, True, priority=-1, wait_default=False)
+        self._first_queue: queue.SimpleQueue = queue.SimpleQueue()
+        # written by the workers, read by the metrics thread
+        self._stats_lock = threading.Lock()
         self.last_batch, self.chunks, self.batches, self.busy_seconds = 0, 0, 0, 0.0
+        self.first_lane_seconds, self.first_chunks, self.first_chunk_seconds = 0.0, 0, 0.0
         self.metrics = (MetricsPublisher("code2wav", args.get("model_instance_name", "code2wav"), self._sample)
                         .gauge("omni_code2wav_queue_depth", "chunks waiting for a decode")
                         .gauge("omni_code2wav_batch_size", "chunks in the last decode")
                         .counter("omni_code2wav_chunks_total", "chunks decoded")
                         .counter("omni_code2wav_batches_total", "decodes run")
                         .counter("omni_code2wav_forwards_total", "forwards run (one per chunk shape in a decode)")
-                        .counter("omni_code2wav_busy_seconds_total", "seconds spent decoding and sending"))  # fmt: skip
+                        .counter("omni_code2wav_busy_seconds_total", "seconds spent decoding and sending (both workers)")
+                        .counter("omni_code2wav_first_lane_seconds_total", "of which the first lane's (new streams' "
+                                 "first chunks)")
+                        .counter("omni_code2wav_first_chunks_total", "first chunks answered by the first lane")
+                        .counter("omni_code2wav_first_chunk_seconds_total", "their seconds from execute() to the "
+                                 "response sent"))  # fmt: skip
         self.metrics.start()
-        self._worker = threading.Thread(target=self._loop, name="code2wav-worker", daemon=True)
-        self._worker.start()
+        self._workers = [threading.Thread(target=self._loop, args=(self._queue, self.step_stream, False),
+                                          name="code2wav-worker", daemon=True)]  # fmt: skip
+        if self.first_decoders:
+            self._workers.append(threading.Thread(target=self._loop, args=(self._first_queue, self.first_stream, True),
+                                                  name="code2wav-first", daemon=True))  # fmt: skip
+        for worker in self._workers:
+            worker.start()
 
     def execute(self, requests):
         for request in requests:
@@ -81,22 +108,24 @@ class Code2WavModel:
                 # wait for the decode in flight, and execute() calls come one at a time, so every chunk
                 # would queue behind a whole decode and batches would stay small. The worker does the rest.
                 self.runner.check(inputs["codes"], state)
-                self._queue.put(PendingChunk((inputs["codes"], state), sender,
-                                             wants_bf16_bytes(request_parameters(request))))  # fmt: skip
+                pending = PendingChunk((inputs["codes"], state), sender, wants_bf16_bytes(request_parameters(request)),
+                                       time.perf_counter())  # fmt: skip
+                first = self.first_decoders and any(d.fits([pending.chunk]) for d in self.first_decoders)
+                (self._first_queue if first else self._queue).put(pending)
             except Exception as e:
                 send_final(sender, error_response(e if isinstance(e, OmniError) else BadRequestError(str(e))))
         return None
 
-    def _loop(self) -> None:
+    def _loop(self, chunks: queue.SimpleQueue, stream: StepStream, first_lane: bool) -> None:
         pending: list[PendingChunk] = []
         while True:
             # One forward's group at a time, from what has queued so far: a stream's first chunk (the time
             # to its first audio) waits for at most the forward in flight, not for a whole batch of shapes.
             if not pending:
-                pending.append(self._queue.get())
+                pending.append(chunks.get())
             while True:
                 try:
-                    pending.append(self._queue.get_nowait())
+                    pending.append(chunks.get_nowait())
                 except queue.Empty:
                     break
             if any(item is None for item in pending):
@@ -104,23 +133,28 @@ class Code2WavModel:
             group, pending = take_group(pending, lambda p: chunk_key(*p.chunk), self.max_batch)
             group = self._turn_away_bad_ranges(group)
             if group:
-                self._decode(group)
+                self._decode(group, stream, first_lane)
 
-    def _decode(self, batch: list[PendingChunk]) -> None:
+    def _groups(self, chunks: list, first_lane: bool):
+        """decode_groups(), or the first lane's decoder for first chunks of its length (one group)."""
+        decoder = next((d for d in self.first_decoders if d.fits(chunks)), None) if first_lane else None
+        if decoder is None:  # ranges were checked by _turn_away_bad_ranges: no second device sync for them
+            return self.runner.decode_groups(chunks, check_ranges=False)
+        return [list(enumerate(decoder.decode(chunks)))]
+
+    def _decode(self, batch: list[PendingChunk], stream: StepStream, first_lane: bool) -> None:
         """Decodes chunks of one shape (one forward) and answers each."""
-        self.last_batch, self.chunks, self.batches = len(batch), self.chunks + len(batch), self.batches + 1
         t0 = time.perf_counter()
         answered: set[int] = set()
         try:
-            # ranges were checked by _turn_away_bad_ranges: no second device sync for them
-            with self.step_stream.run():
-                for done in self.runner.decode_groups([p.chunk for p in batch], check_ranges=False):
+            with stream.run():
+                for done in self._groups([p.chunk for p in batch], first_lane):
                     values = [(i, {"audio": wav.float(), **state_to_tensors(state)}) for i, (wav, state) in done]
                     if self.host_outputs:  # queued behind the forward, complete at one sync for the group
                         values = [(i, {k: to_host(v) for k, v in d.items()}) for i, d in values]
                         sync_current_stream(self.device)
                     else:
-                        self.step_stream.sync()  # Triton copies the tensors on the default stream
+                        stream.sync()  # Triton copies the tensors on the default stream
                     responses = [(i, output_tensors(d, batch[i].bf16_bytes)) for i, d in values]
                     self._send(batch, responses, answered)
         except Exception as e:
@@ -128,7 +162,14 @@ class Code2WavModel:
             for i, p in enumerate(batch):
                 if i not in answered:
                     send_final(p.sender, error_response(e if isinstance(e, OmniError) else OmniError(str(e))))
-        self.busy_seconds += time.perf_counter() - t0
+        done = time.perf_counter()
+        with self._stats_lock:
+            self.last_batch, self.chunks, self.batches = len(batch), self.chunks + len(batch), self.batches + 1
+            self.busy_seconds += done - t0
+            if first_lane:
+                self.first_lane_seconds += done - t0
+                self.first_chunks += len(batch)
+                self.first_chunk_seconds += sum(done - p.arrived for p in batch)
 
     @staticmethod
     def _send(batch: list[PendingChunk], responses, answered: set[int]) -> None:
@@ -150,9 +191,13 @@ class Code2WavModel:
         return [("omni_code2wav_queue_depth", {}, self._queue.qsize()), ("omni_code2wav_batch_size", {}, self.last_batch),
                 ("omni_code2wav_chunks_total", {}, self.chunks), ("omni_code2wav_batches_total", {}, self.batches),
                 ("omni_code2wav_forwards_total", {}, self.runner.forwards),
-                ("omni_code2wav_busy_seconds_total", {}, self.busy_seconds)]  # fmt: skip
+                ("omni_code2wav_busy_seconds_total", {}, self.busy_seconds),
+                ("omni_code2wav_first_lane_seconds_total", {}, self.first_lane_seconds),
+                ("omni_code2wav_first_chunks_total", {}, self.first_chunks),
+                ("omni_code2wav_first_chunk_seconds_total", {}, self.first_chunk_seconds)]  # fmt: skip
 
     def finalize(self) -> None:
         self.metrics.stop()
         self._queue.put(None)
+        self._first_queue.put(None)
         stop_fault_reports()

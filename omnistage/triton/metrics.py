@@ -121,6 +121,9 @@ _STAGE_COUNTERS = {
     "response_encode_seconds_total": "seconds the response thread spent making response tensors",
     "response_send_seconds_total": "seconds the response thread spent in Triton's send()",
     "response_poll_seconds_total": "seconds the response thread spent asking whether clients left (is_cancelled())",
+    "first_responses_total": "requests answered with data (their first output sent)",
+    "first_response_seconds_total": "their seconds from arrival to that first response sent: the stage's part of "
+                                    "a request's first output (queue, first step, response thread)",
 }
 _THINKER_COUNTERS = {  # the thinker's runner stats (ThinkerRunner.stats)
     "prefix_cache_prompt_tokens_total": "prompt tokens of text-only prompts looked up in the prefix cache",
@@ -157,6 +160,8 @@ class StageMetrics(MetricsPublisher):
             "response_encode_seconds_total": self.responder.encode_seconds,
             "response_send_seconds_total": self.responder.send_seconds,
             "response_poll_seconds_total": self.responder.poll_seconds,
+            "first_responses_total": self.responder.first_responses,
+            "first_response_seconds_total": self.responder.first_response_seconds,
             "kv_cache_slots": self.kv.slots,
             "kv_cache_bytes": self.kv.cache_bytes,
             "gpu_memory_peak_bytes": self._peak_gpu_bytes(),

@@ -71,6 +71,11 @@ class Responder:
         self.encode_seconds = 0.0
         self.send_seconds = 0.0
         self.poll_seconds = 0.0
+        # requests answered with data, and their summed seconds from register() to that first response sent:
+        # the model's own part of a request's first output (queue, first step, this thread)
+        self._registered_at: dict[str, float] = {}
+        self.first_responses = 0
+        self.first_response_seconds = 0.0
 
     def start(self) -> None:
         self._thread.start()
@@ -83,12 +88,14 @@ class Responder:
     def register(self, request_id: str, sender, bf16_bytes: bool = False) -> None:
         with self._lock:
             self._senders[request_id] = (sender, bf16_bytes)
+            self._registered_at[request_id] = time.perf_counter()
         self._poll_ring.add(request_id)
 
     def unregister(self, request_id: str, sender) -> None:
         with self._lock:
             if self._senders.get(request_id, (None,))[0] is sender:
                 del self._senders[request_id]
+                self._registered_at.pop(request_id, None)
                 self._poll_ring.discard(request_id)
 
     def emit(self, request_id: str, output, finish_reason: str | None, error: OmniError | None) -> None:
@@ -140,6 +147,7 @@ class Responder:
         final = finish_reason is not None or error is not None
         with self._lock:
             entry = self._senders.pop(request_id, None) if final else self._senders.get(request_id)
+            registered_at = self._registered_at.pop(request_id, None) if output is not None or final else None
         if final:
             self._poll_ring.discard(request_id)
         if entry is None:
@@ -177,6 +185,9 @@ class Responder:
             if last is not None:
                 sender.send(last, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             self.responses_sent += 1
+            if registered_at is not None and output is not None:
+                self.first_responses += 1
+                self.first_response_seconds += time.perf_counter() - registered_at
         except Exception as e:  # Triton refused it (the client is gone...): this sender is never used again
             log.warning("[%s] send for %s failed: %s", self.name, request_id, e)
             if not final:
@@ -191,6 +202,7 @@ class Responder:
         if not final:
             with self._lock:
                 self._senders.pop(request_id, None)
+                self._registered_at.pop(request_id, None)
             self._poll_ring.discard(request_id)
             self.on_cancel(request_id)
         if response is not None:

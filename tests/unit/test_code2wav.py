@@ -10,6 +10,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3Omni
 from omnistage.core.errors import BadRequestError
 from omnistage.models.random_init import make_code2wav_audible_
 from omnistage.models.tiny_config import tiny_config_dict
+from omnistage.stages.code2wav_first import FirstChunkDecoder
 from omnistage.stages.code2wav import (
     PAST_FRAMES,
     PAST_HIDDEN,
@@ -230,3 +231,33 @@ def test_take_group_picks_the_least_decoded_shape_oldest_first(deep):
     assert group == ["first-4c"] and rest == ["late-25", "late-12", "first-6"]
     assert take_group(rest, key, limit=8)[0] == ["first-6"]
     assert take_group(["late-25", "late-12"], key, limit=8) == (["late-12"], ["late-25"])
+
+
+def test_first_chunk_decoder_equals_decode(deep):
+    """New streams' first chunks through FirstChunkDecoder (static buffers, padded to a batch bucket: the
+    code a CUDA graph replays) equal decode(): audio, state, and the chunk after, from that state."""
+    streams = [random_codes(20, seed=30 + s) for s in range(3)]
+    first = FirstChunkDecoder(deep, frames=2, max_batch=4, cuda_graphs=False)
+    assert not first.fits([(streams[0][:3], None)]) and not first.fits([(streams[0][:2], None)] * 5)
+    for count in (1, 3, 2):  # buckets 1, 4 (one padded row, stale from the call before), 2
+        chunks = [(codes[:2], None) for codes in streams[:count]]
+        assert first.fits(chunks)
+        for (audio, state), codes in zip(first.decode(chunks), streams):
+            [(audio1, state1)] = deep.decode([(codes[:2], None)])
+            assert rel_err(audio, audio1) < TOL and state.position == state1.position == 2
+            assert torch.allclose(state.kv, state1.kv, atol=1e-6) and torch.allclose(state.hidden, state1.hidden, atol=1e-6)
+            [(after, _)], [(after1, _)] = (deep.decode([(codes[2:9], s)]) for s in (state, state1))
+            assert rel_err(after, after1) < TOL
+
+
+@pytest.mark.gpu
+def test_first_chunk_graphs_equal_eager_on_cuda():
+    module = build(seed=1, num_hidden_layers=3, sliding_window=8, num_key_value_heads=1, dtype=torch.bfloat16)
+    runner = Code2WavRunner(module.cuda(), "cuda", torch.bfloat16)
+    graphed = FirstChunkDecoder(runner, frames=2, max_batch=8, cuda_graphs=True)
+    graphed.capture_all()
+    assert len(graphed.graphs.graphs) == len(graphed.buckets)
+    chunks = [(random_codes(2, seed=40 + s), None) for s in range(5)]
+    for (audio, state), (audio1, state1) in zip(graphed.decode(chunks), runner.decode(chunks)):
+        assert audio.device.type == "cuda" and rel_err(audio, audio1) < 2e-2
+        assert torch.allclose(state.kv.float(), state1.kv.float(), atol=2e-2)
