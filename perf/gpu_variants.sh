@@ -21,7 +21,9 @@
 # every prompt prefilled in full), omp1 (every process with OMP_NUM_THREADS=1: a stage's small host-tensor
 # ops on torch's 16-thread pool?), no_first_lane (Code2Wav without its first lane: first chunks queue with
 # the rest, eager; the default before the 2026-12-04 session), ens_switch (omni_ensemble with a 0.5 ms GIL
-# switch interval instead of 5 ms), ens2 (two omni_ensemble instances: half the threads per process).
+# switch interval instead of 5 ms), ens1 / ens2 / ens3 (one, two (the cuda default since the 2026-12-04
+# session) or three omni_ensemble instances), prefill8 (thinker and talker take at most 8 new prompts per
+# step instead of 16: shorter prefill steps for a cohort of arrivals).
 set -u
 OUT="${1:?usage: bash perf/gpu_variants.sh OUT_DIR [variant ...]}"
 shift
@@ -73,7 +75,7 @@ for lv in b.get("ours", {}).get("w1", {}).get("levels", []):
     print(f"{name} c={lv['concurrency']} milestones_ms {dict(sorted(means.items(), key=lambda kv: kv[1]))}")
     # where the stages' and response threads' time went over the level (seconds, or counts)
     counters = {k.removeprefix("omni_"): round(delta(k), 2) for k in sorted(m) if not k.startswith("omni_milestone")
-                and re.search(r"(seconds_total|_steps_total|responses_total|tokens_total|chunks_total)$", k)}
+                and re.search(r"(seconds_total|_steps_total|responses_total|tokens_total|chunks_total|rows_total|outputs_total)$", k)}
     print(f"{name} c={lv['concurrency']} counters {counters}")
     before = m
 PYEOF
@@ -114,7 +116,10 @@ for n in (16, 64): print('smoke burst', n, {k: v for k, v in r.get(f'burst_{n}',
     omp1) OMP_NUM_THREADS=1 run_variant omp1 ;;
     no_first_lane) run_variant no_first_lane --set code2wav.first_chunk_frames=0 ;;
     ens_switch) run_variant ens_switch --set omni_ensemble.switch_interval_ms=0.5 ;;
+    ens1) run_variant ens1 --instances omni_ensemble=1 ;;
     ens2) run_variant ens2 --instances omni_ensemble=2 ;;
+    ens3) run_variant ens3 --instances omni_ensemble=3 ;;
+    prefill8) run_variant prefill8 --set thinker.max_prefills_per_step=8 --set talker.max_prefills_per_step=8 ;;
     bls_views)
       for flag in "--keep-views" ""; do
         echo "bls_views [$flag]" | tee -a "$OUT/variants.log"

@@ -55,6 +55,12 @@ class StageEngine:
         # wall seconds spent in each phase: with the step's host sync, the stage's share of the device
         self.phase_seconds = {"prefill": 0.0, "decode": 0.0}
         self.decoded_rows = 0  # sequences over all decode steps (/ decode steps = mean decode batch)
+        # a sequence's way to its first output: waiting for its prefill (seconds from add() to the start of
+        # the prefill phase that took it), then up to its first output emitted (seconds from add())
+        self.prefilled_rows = 0
+        self.queue_seconds = 0.0
+        self.first_outputs = 0
+        self.first_output_seconds = 0.0
 
     # ---- called from other threads ------------------------------------------------------------------------
     def start(self) -> None:
@@ -70,6 +76,7 @@ class StageEngine:
 
     def add(self, seq: Sequence) -> None:
         self.runner.validate(seq)  # bad input fails here, before anything is queued
+        seq.added_at = time.perf_counter()
         self._post("add", seq)
 
     def abort(self, request_id: str) -> None:
@@ -91,6 +98,10 @@ class StageEngine:
             "prefill_seconds": self.phase_seconds["prefill"],
             "decode_seconds": self.phase_seconds["decode"],
             "decoded_rows": self.decoded_rows,
+            "prefilled_rows": self.prefilled_rows,
+            "queue_seconds": self.queue_seconds,
+            "first_outputs": self.first_outputs,
+            "first_output_seconds": self.first_output_seconds,
             **(self.runner.stats() if hasattr(self.runner, "stats") else {}),
         }
 
@@ -140,6 +151,9 @@ class StageEngine:
             if not seqs:
                 continue
             t_phase = time.perf_counter()
+            if phase == "prefill":
+                self.prefilled_rows += len(seqs)
+                self.queue_seconds += sum(t_phase - s.added_at for s in seqs)
             try:
                 results = getattr(self.runner, phase)(seqs)
             except Exception as e:  # a failed step fails its sequences, not the engine
@@ -151,7 +165,12 @@ class StageEngine:
                 self.phase_seconds[phase] += time.perf_counter() - t_phase
             if phase == "decode":
                 self.decoded_rows += len(seqs)
+            emitted = time.perf_counter()
             for r in results:
+                if r.output is not None and not r.seq.answered:
+                    r.seq.answered = True
+                    self.first_outputs += 1
+                    self.first_output_seconds += emitted - r.seq.added_at
                 if r.finish_reason is None:
                     if r.output is not None:
                         self.emit(r.seq.request_id, r.output, None, None)

@@ -30,6 +30,8 @@ class Sequence:
     num_generated: int = 0
     state: Any = None  # runner-owned per-sequence state, created at prefill
     generated: list[int] = field(default_factory=list)  # token ids, for penalties and stop checks
+    added_at: float = 0.0  # perf_counter() when the engine took it (StageEngine.add)
+    answered: bool = False  # an output of it was emitted
 
 
 @dataclass

@@ -3,7 +3,8 @@
 # takes two parts: the talker reads frame k-1 back with reply-token row k-1 and picks frame k's codebook 0,
 # then the code predictor completes frame k. A step does both, in that order, so frame k goes out as soon
 # as row k-1 is in, and the sequence then waits for row k: the audio runs one reply token ahead of the
-# thinker instead of behind it (frame k used to wait for row k).
+# thinker instead of behind it (frame k used to wait for row k). Frame 0's codebook 0 comes from the
+# prefill, which completes that frame in the same step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -138,7 +139,18 @@ class TalkerRunner:
     @on_step_stream
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> list[StepResult]:
-        return self._prefill_batch(seqs)
+        results = self._prefill_batch(seqs)
+        # frame 0 needs nothing but the prefill's codebook-0 pick: completed now, a step earlier than a decode
+        # step would (the time to first audio), at the cost of one more sync
+        going = [i for i, r in enumerate(results) if r.finish_reason is None]
+        if going:
+            codes = self._complete_frames([results[i].seq for i in going])
+            sent = to_host(codes) if self.host_outputs else codes
+            if self.host_outputs:
+                sync_current_stream(self.device)
+            for j, i in enumerate(going):
+                results[i] = self._frame_sent(results[i].seq, sent[j : j + 1])
+        return results
 
     @torch.inference_mode()
     def capture_graphs(self) -> None:
@@ -162,17 +174,20 @@ class TalkerRunner:
             sync_current_stream(self.device)
         results = []
         for i, seq in enumerate(seqs):
-            state = self.slots[seq.slot]
             if id(seq) in tokens:
                 stop = self._accept(seq, tokens[id(seq)])
                 if stop.finish_reason is not None:
                     results.append(stop)  # EOS: the frame just completed from it is not one
                     continue
-            state.frames += 1
-            state.unfed = True
-            frame = TalkerOutput(sent[i : i + 1])
-            results.append(StepResult(seq, frame, "length" if state.frames >= seq.params.max_tokens else None))
+            results.append(self._frame_sent(seq, sent[i : i + 1]))
         return results
+
+    def _frame_sent(self, seq: Sequence, codes: torch.Tensor) -> StepResult:
+        """The sequence's next frame (codes [1, 16]) is complete: it goes out, to be read back later."""
+        state = self.slots[seq.slot]
+        state.frames += 1
+        state.unfed = True
+        return StepResult(seq, TalkerOutput(codes), "length" if state.frames >= seq.params.max_tokens else None)
 
     # ---- internals ----------------------------------------------------------------------------------------
     def _prompt(self, seq: Sequence) -> _Prompt:

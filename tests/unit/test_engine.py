@@ -165,3 +165,27 @@ def test_stats_count_phase_seconds_and_decoded_rows():
     assert decode_steps * SlowRunner.DECODE_S <= s["decode_seconds"] < decode_steps * SlowRunner.DECODE_S + 0.5
     # one or two prefill calls (both requests may be admitted in the same step), never counted as decode time
     assert SlowRunner.PREFILL_S <= s["prefill_seconds"] < 2 * SlowRunner.PREFILL_S + 0.5
+
+
+def test_counts_each_sequences_wait_for_its_prefill_and_first_output():
+    """queue: arrival -> the prefill that took it; first output: arrival -> its first output emitted. A
+    prefill held back by a slow step shows in both, and each sequence counts once however many outputs."""
+    slow = threading.Event()
+
+    class SlowFirstDecode(CountingRunner):
+        def decode(self, seqs):
+            if not slow.is_set():
+                slow.set()
+                time.sleep(0.2)  # "b" arrives during this step and waits for it
+            return super().decode(seqs)
+
+    engine, out = make(SlowFirstDecode())
+    engine.add(Sequence("a", SamplingParams(max_tokens=3), None))
+    assert slow.wait(5)
+    engine.add(Sequence("b", SamplingParams(max_tokens=2), None))
+    out.wait("a", "b")
+    engine.stop()
+    s = engine.stats()
+    assert s["prefilled_rows"] == 2 and s["first_outputs"] == 2
+    assert 0.1 < s["queue_seconds"] < 1.0  # b waited out (most of) the 0.2 s step; a not at all
+    assert s["queue_seconds"] <= s["first_output_seconds"] < 1.0

@@ -28,14 +28,13 @@ def run_pair(model, input_ids, device, host_outputs):
                     TalkerPrompt(out.talker, 2302, list(out.text_rows.unbind(0)), True), slot)
             for name, n, slot in (("short", 3, 0), ("long", 7, 2))]  # fmt: skip
     frames = {s.request_id: [] for s in seqs}
-    results = talker.prefill(seqs)
-    live = list(seqs)
-    while live:
-        results = talker.decode(live)
+    results = talker.prefill(seqs)  # with frame 0 of each
+    while results:
         for r in results:
             if r.output is not None:
                 frames[r.seq.request_id].append(r.output.codes)
         live = [r.seq for r in results if r.finish_reason is None]
+        results = talker.decode(live) if live else []
     return out, {k: torch.cat(v) for k, v in frames.items()}
 
 

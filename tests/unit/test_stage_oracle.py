@@ -30,11 +30,13 @@ def run_thinker(runner, seq):
 
 
 def run_talker(runner, seq):
-    results, frames = runner.prefill([seq]), []
-    while results[0].finish_reason is None:
-        results = runner.decode([seq])
+    results, frames = runner.prefill([seq]), []  # the prefill completes frame 0
+    while True:
         if results[0].output is not None:
             frames.append(results[0].output.codes)
+        if results[0].finish_reason is not None:
+            break
+        results = runner.decode([seq])
     return torch.cat(frames), results[0].finish_reason
 
 
@@ -72,8 +74,9 @@ def test_talker_waits_for_text_it_has_not_received(hf_model, processor):
     rows = list(out.text_rows.unbind(0))
     prompt = TalkerPrompt(out.talker, 2302, rows[:1])
     seq = running("a", SamplingParams(max_tokens=FRAMES, repetition_penalty=1.05), prompt, 0)
-    talker.prefill([seq])
-    frames, fed = [], 1
+    [first] = talker.prefill([seq])
+    frames, fed = [first.output.codes], 1  # frame 0 leaves with the prefill, on row 0 alone
+    assert frames[0].shape == (1, 16) and first.finish_reason is None
     while True:
         if not talker.is_ready(seq):
             assert fed <= len(rows)

@@ -94,11 +94,12 @@ def test_text_prompts_prefilled_together_match_generate(hf_model, processor):
         tp = TalkerPrompt(out.talker, 2302, list(out.text_rows.unbind(0)), True)
         talker_seqs.append(running(f"a{i}", SamplingParams(max_tokens=FRAMES, repetition_penalty=1.05), tp, 2 - i))
     # both talker prompts (different lengths) in one padded prefill, then decoded side by side
-    results, frames = talker.prefill(talker_seqs), {s.request_id: [] for s in talker_seqs}
-    while any(r.finish_reason is None for r in results):
-        results = talker.decode([s for s in talker_seqs if len(frames[s.request_id]) < FRAMES])
+    results, frames = talker.prefill(talker_seqs), {s.request_id: [] for s in talker_seqs}  # with frame 0
+    while results:
         for r in results:
             frames[r.seq.request_id].append(r.output.codes)
+        live = [r.seq for r in results if r.finish_reason is None]
+        results = talker.decode(live) if live else []
     for i, x in enumerate(inputs):
         assert torch.equal(torch.cat(frames[f"a{i}"]), oracle.generate(hf_model, x, REPLY, FRAMES)[1])
 
