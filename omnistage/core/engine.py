@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from .errors import EngineError, OmniError
-from .scheduler import Scheduler, Sequence
+from .scheduler import Scheduler, SeqStatus, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -147,41 +147,48 @@ class StageEngine:
 
     def _step(self, prefills: list[Sequence], decodes: list[Sequence]) -> None:
         t0 = time.perf_counter()
-        for phase, seqs in (("prefill", prefills), ("decode", decodes)):
-            if not seqs:
-                continue
-            t_phase = time.perf_counter()
-            if phase == "prefill":
-                self.prefilled_rows += len(seqs)
-                self.queue_seconds += sum(t_phase - s.added_at for s in seqs)
-            try:
-                results = getattr(self.runner, phase)(seqs)
-            except Exception as e:  # a failed step fails its sequences, not the engine
-                log.error("[%s] %s failed: %s", self.name, phase, traceback.format_exc())
-                for seq in seqs:
-                    self._end(seq, None, EngineError(f"[{self.name}] {phase} failed: {e}"))
-                continue
-            finally:
-                self.phase_seconds[phase] += time.perf_counter() - t_phase
-            if phase == "decode":
-                self.decoded_rows += len(seqs)
-            emitted = time.perf_counter()
-            for r in results:
-                if r.output is not None and not r.seq.answered:
-                    r.seq.answered = True
-                    self.first_outputs += 1
-                    self.first_output_seconds += emitted - r.seq.added_at
-                if r.finish_reason is None:
-                    if r.output is not None:
-                        self.emit(r.seq.request_id, r.output, None, None)
-                else:
-                    self._end(r.seq, r.output, None, r.finish_reason)
+        if prefills:
+            self._run_phase("prefill", prefills)
+            # What this step prefilled decodes in it too, when ready: a decode step runs every occupied row of
+            # the static cache anyway (StaticDecoder), and the second output then leaves with the first,
+            # a step earlier (the talker's second frame waits for the thinker's second token).
+            decodes = decodes + [s for s in prefills if s.status is SeqStatus.RUNNING and self.runner.is_ready(s)]
+        if decodes:
+            self._run_phase("decode", decodes)
         self.steps += 1
-        self.last_batch_size = len(prefills) + len(decodes)
+        self.last_batch_size = len({id(s) for s in prefills + decodes})
         self.last_step_seconds = time.perf_counter() - t0
         if self.steps <= 3 or self.last_step_seconds > SLOW_STEP_SECONDS:
             log.info("[%s] step %d: %d prefill + %d decode in %.1f ms", self.name, self.steps, len(prefills),
                      len(decodes), self.last_step_seconds * 1e3)  # fmt: skip
+
+    def _run_phase(self, phase: str, seqs: list[Sequence]) -> None:
+        t_phase = time.perf_counter()
+        if phase == "prefill":
+            self.prefilled_rows += len(seqs)
+            self.queue_seconds += sum(t_phase - s.added_at for s in seqs)
+        try:
+            results = getattr(self.runner, phase)(seqs)
+        except Exception as e:  # a failed step fails its sequences, not the engine
+            log.error("[%s] %s failed: %s", self.name, phase, traceback.format_exc())
+            for seq in seqs:
+                self._end(seq, None, EngineError(f"[{self.name}] {phase} failed: {e}"))
+            return
+        finally:
+            self.phase_seconds[phase] += time.perf_counter() - t_phase
+        if phase == "decode":
+            self.decoded_rows += len(seqs)
+        emitted = time.perf_counter()
+        for r in results:
+            if r.output is not None and not r.seq.answered:
+                r.seq.answered = True
+                self.first_outputs += 1
+                self.first_output_seconds += emitted - r.seq.added_at
+            if r.finish_reason is None:
+                if r.output is not None:
+                    self.emit(r.seq.request_id, r.output, None, None)
+            else:
+                self._end(r.seq, r.output, None, r.finish_reason)
 
     def _end(self, seq: Sequence, output: Any, error: OmniError | None, finish_reason: str | None = None) -> None:
         self.scheduler.finish(seq)

@@ -189,3 +189,19 @@ def test_counts_each_sequences_wait_for_its_prefill_and_first_output():
     assert s["prefilled_rows"] == 2 and s["first_outputs"] == 2
     assert 0.1 < s["queue_seconds"] < 1.0  # b waited out (most of) the 0.2 s step; a not at all
     assert s["queue_seconds"] <= s["first_output_seconds"] < 1.0
+
+
+def test_a_sequence_prefilled_in_a_step_decodes_in_it_when_ready():
+    """Its second output leaves in the step of its first; one not ready waits for a later step."""
+    held = {"b"}
+    runner = CountingRunner(gate=lambda s: s.request_id not in held)
+    engine, out = make(runner)
+    engine.add(Sequence("a", SamplingParams(max_tokens=3), None))
+    engine.add(Sequence("b", SamplingParams(max_tokens=3), None))
+    out.wait("a")
+    assert runner.batches[0] == ["a"]  # a: prefill (output 1) and decode (output 2) in step 1; b held back
+    assert out.outputs("a") == [1, 2, 3] and len(runner.batches) == 2
+    held.clear()
+    out.wait("b")
+    engine.stop()
+    assert out.outputs("b") == [1, 2, 3]
