@@ -23,7 +23,8 @@
 # the rest, eager; the default before the 2026-12-04 session), ens_switch (omni_ensemble with a 0.5 ms GIL
 # switch interval instead of 5 ms), ens1 / ens2 / ens3 (one, two (the cuda default since the 2026-12-04
 # session) or three omni_ensemble instances), prefill8 (thinker and talker take at most 8 new prompts per
-# step instead of 16: shorter prefill steps for a cohort of arrivals).
+# step instead of 16: shorter prefill steps for a cohort of arrivals), no_hold (thinker and talker send a
+# request's prefill output as soon as the prefill phase ends instead of with the same step's decode output).
 set -u
 OUT="${1:?usage: bash perf/gpu_variants.sh OUT_DIR [variant ...]}"
 shift
@@ -119,6 +120,7 @@ for n in (16, 64): print('smoke burst', n, {k: v for k, v in r.get(f'burst_{n}',
     ens1) run_variant ens1 --instances omni_ensemble=1 ;;
     ens2) run_variant ens2 --instances omni_ensemble=2 ;;
     ens3) run_variant ens3 --instances omni_ensemble=3 ;;
+    no_hold) run_variant no_hold --set thinker.hold_prefill_outputs=false --set talker.hold_prefill_outputs=false ;;
     prefill8) run_variant prefill8 --set thinker.max_prefills_per_step=8 --set talker.max_prefills_per_step=8 ;;
     bls_views)
       for flag in "--keep-views" ""; do

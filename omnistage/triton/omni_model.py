@@ -89,6 +89,9 @@ class OmniModel:
             .counter("omni_ensemble_response_send_seconds_total", "seconds the response thread spent in Triton's send()")
             .counter("omni_ensemble_response_poll_seconds_total", "seconds the response thread spent asking whether "
                      "clients left (is_cancelled())")
+            .counter("omni_ensemble_responses_total", "responses sent")
+            .counter("omni_ensemble_response_delay_seconds_total", "summed seconds from an output's hand-over to the "
+                     "response thread to its response sent (/ responses_total: the mean wait there)")
             .gauge("omni_replica_sessions", "sessions pinned to each thinker / talker replica",
                    [{"stage": s, "replica": r} for s, router in self.stages.routers.items() for r in router.replicas])
             .histogram("omni_handoff_latency_seconds", "round trip of one stage handoff: a talker append "
@@ -211,7 +214,9 @@ class OmniModel:
                     for stage, router in self.stages.routers.items() for replica, n in router.load().items()]  # fmt: skip
         admission = [("omni_requests_queued", {}, self.admission.waiting), ("omni_requests_refused_total", {}, self.admission.rejected)]
         responder = [("omni_ensemble_response_send_seconds_total", {}, self.responder.send_seconds),
-                     ("omni_ensemble_response_poll_seconds_total", {}, self.responder.poll_seconds)]  # fmt: skip
+                     ("omni_ensemble_response_poll_seconds_total", {}, self.responder.poll_seconds),
+                     ("omni_ensemble_responses_total", {}, self.responder.responses_sent),
+                     ("omni_ensemble_response_delay_seconds_total", {}, self.responder.delay_seconds)]  # fmt: skip
         return [("omni_requests_in_flight", {}, len(self.clocks))] + admission + sessions + responder
 
     def finalize(self) -> None:

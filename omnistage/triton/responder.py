@@ -76,6 +76,8 @@ class Responder:
         self._registered_at: dict[str, float] = {}
         self.first_responses = 0
         self.first_response_seconds = 0.0
+        # summed seconds from an output's emit() to its response sent (the oldest of those merged into it)
+        self.delay_seconds = 0.0
 
     def start(self) -> None:
         self._thread.start()
@@ -100,7 +102,7 @@ class Responder:
 
     def emit(self, request_id: str, output, finish_reason: str | None, error: OmniError | None) -> None:
         """Engine callback: must not block."""
-        self._queue.put((request_id, output, finish_reason, error))
+        self._queue.put((request_id, output, finish_reason, error, time.perf_counter()))
 
     @property
     def active(self) -> int:
@@ -118,8 +120,8 @@ class Responder:
                     items.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            for request_id, (output, finish_reason, error) in self._coalesce(items).items():
-                self._send(request_id, output, finish_reason, error)
+            for request_id, (output, finish_reason, error, emitted) in self._coalesce(items).items():
+                self._send(request_id, output, finish_reason, error, emitted)
             if time.monotonic() - last_poll >= CANCEL_POLL_SECONDS:
                 last_poll = time.monotonic()
                 t0 = time.perf_counter()
@@ -132,10 +134,10 @@ class Responder:
         for item in items:
             if item is None:
                 continue
-            request_id, output, finish_reason, error = item
+            request_id, output, finish_reason, error, emitted = item
             entry = merged.get(request_id)
             if entry is None:
-                merged[request_id] = [output, finish_reason, error]
+                merged[request_id] = [output, finish_reason, error, emitted]  # the oldest emit's time is kept
                 continue
             if output is not None:
                 entry[0] = output if entry[0] is None else entry[0].merge(output)
@@ -143,7 +145,8 @@ class Responder:
             entry[2] = entry[2] or error
         return merged
 
-    def _send(self, request_id: str, output, finish_reason: str | None, error: OmniError | None) -> None:
+    def _send(self, request_id: str, output, finish_reason: str | None, error: OmniError | None,
+              emitted: float | None = None) -> None:  # fmt: skip
         final = finish_reason is not None or error is not None
         with self._lock:
             entry = self._senders.pop(request_id, None) if final else self._senders.get(request_id)
@@ -185,6 +188,8 @@ class Responder:
             if last is not None:
                 sender.send(last, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             self.responses_sent += 1
+            if emitted is not None:
+                self.delay_seconds += time.perf_counter() - emitted
             if registered_at is not None and output is not None:
                 self.first_responses += 1
                 self.first_response_seconds += time.perf_counter() - registered_at

@@ -102,7 +102,10 @@ class StageModel:
         self.responder = Responder(self.STAGE, self.encode, self._cancel)
         scheduler = Scheduler(self.max_slots, self.max_prefills,
                               int(self.params.get("max_queue", 1024)))  # fmt: skip
-        self.engine = StageEngine(self.STAGE, runner, scheduler, self.responder.emit)
+        # a request's first and second outputs in one response when one step makes both (engine.py); on unless
+        # the parameter says "false"
+        hold = self.params.get("hold_prefill_outputs", "true").lower() not in ("0", "false", "off")
+        self.engine = StageEngine(self.STAGE, runner, scheduler, self.responder.emit, hold_prefill_outputs=hold)
         self.responder.start()
         self.engine.start()
         instance = args.get("model_instance_name", self.STAGE)

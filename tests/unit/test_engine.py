@@ -205,3 +205,30 @@ def test_a_sequence_prefilled_in_a_step_decodes_in_it_when_ready():
     out.wait("b")
     engine.stop()
     assert out.outputs("b") == [1, 2, 3]
+
+
+def test_held_prefill_outputs_leave_with_the_same_steps_decode_output_in_order():
+    """With hold_prefill_outputs the prefill's output is handed on only once the step's decode phase has
+    run, right before that phase's output: the two reach the emitter back to back, in order. A sequence
+    that ends at its prefill still ends at once."""
+    runner = CountingRunner()
+    emitted_before_decode = []
+    out = Collector()
+    engine = StageEngine("test", runner, Scheduler(4), out, hold_prefill_outputs=True)
+    real_decode = runner.decode
+
+    def decode(seqs):
+        emitted_before_decode.append(list(out.events))
+        return real_decode(seqs)
+
+    runner.decode = decode
+    engine.start()
+    engine.add(Sequence("one", SamplingParams(max_tokens=1), None))  # ends at its prefill
+    out.wait("one")
+    engine.add(Sequence("a", SamplingParams(max_tokens=3), None))
+    out.wait("a")
+    engine.stop()
+    assert [e for e in emitted_before_decode[0] if e[0] == "a"] == [], "a's prefill output waits for the decode"
+    assert out.outputs("a") == [1, 2, 3] and out.done == {"one": "length", "a": "length"}
+    firsts = [o for r, o, _, _ in out.events if r == "a"][:2]
+    assert firsts == [1, 2]
