@@ -20,8 +20,7 @@
 # this machine? perf/README.md, 2026-12-03 third session), no_prefix (the thinker without its prefix cache:
 # every prompt prefilled in full), omp1 (every process with OMP_NUM_THREADS=1: a stage's small host-tensor
 # ops on torch's 16-thread pool?), no_first_lane (Code2Wav without its first lane: first chunks queue with
-# the rest, eager; the default before the 2026-12-04 session), ens_switch (omni_ensemble with a 0.5 ms GIL
-# switch interval instead of 5 ms), ens1 / ens2 / ens3 (one, two (the cuda default since the 2026-12-04
+# the rest, eager; the default before the 2026-12-04 session), ens1 / ens2 / ens3 (one, two (the cuda default since the 2026-12-04
 # session) or three omni_ensemble instances), prefill8 (thinker and talker take at most 8 new prompts per
 # step instead of 16: shorter prefill steps for a cohort of arrivals), no_hold (thinker and talker send a
 # request's prefill output as soon as the prefill phase ends instead of with the same step's decode output).
@@ -116,7 +115,6 @@ for n in (16, 64): print('smoke burst', n, {k: v for k, v in r.get(f'burst_{n}',
     no_prefix) run_variant no_prefix "${NO_PREFIX[@]}" ;;
     omp1) OMP_NUM_THREADS=1 run_variant omp1 ;;
     no_first_lane) run_variant no_first_lane --set code2wav.first_chunk_frames=0 ;;
-    ens_switch) run_variant ens_switch --set omni_ensemble.switch_interval_ms=0.5 ;;
     ens1) run_variant ens1 --instances omni_ensemble=1 ;;
     ens2) run_variant ens2 --instances omni_ensemble=2 ;;
     ens3) run_variant ens3 --instances omni_ensemble=3 ;;

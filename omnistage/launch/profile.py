@@ -25,7 +25,8 @@ STAGES = (*ENGINE_STAGES, "code2wav", "omni_ensemble")
 _PLACED = {"devices", "replicas", "cuda_graphs", "memory_fraction", "step_stream"}
 _KEYS = {
     "thinker": _PLACED | {"max_batch_size", "max_seq_len", "max_queue", "max_prefills_per_step", "sampling",
-                          "experts_implementation", "fused_kernels", "kv_cache_bytes", "kv_cache_memory_fraction"},  # fmt: skip
+                          "experts_implementation", "fused_kernels", "kv_cache_bytes", "kv_cache_memory_fraction",
+                          "hold_prefill_outputs"},  # fmt: skip
     "code2wav": _PLACED | {"max_batch_size", "fused_kernels"},
     "omni_ensemble": {"replicas", "max_inflight", "max_queue", "max_audio_seconds", "max_image_pixels", "max_media_items"},
 }
@@ -195,7 +196,7 @@ def _stage(name: str, raw: dict, platform: str, gpu_count: int | None) -> StageP
         if settings.get("max_prefills_per_step", 1) > settings["max_batch_size"]:
             raise ProfileError(f"{where}.max_prefills_per_step exceeds max_batch_size ({settings['max_batch_size']})")
         settings["sampling"] = _sampling(where, settings.get("sampling") or {}, settings["max_seq_len"])
-    for key in ("cuda_graphs", "fused_kernels", "step_stream"):
+    for key in ("cuda_graphs", "fused_kernels", "step_stream", "hold_prefill_outputs"):
         if key in settings and not isinstance(settings[key], bool):
             raise ProfileError(f"{where}.{key} must be true or false, got {settings[key]!r}")
     for key in ("memory_fraction", "kv_cache_memory_fraction"):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import threading
 import time
 import uuid
@@ -50,11 +49,6 @@ class OmniModel:
     def initialize(self, args) -> None:
         setup_logging()
         params = model_parameters(args)
-        if params.get("switch_interval_ms"):
-            # This process is ~3 threads per request waking on stage responses, each for a little Python. A
-            # thread that wants the GIL back waits until the holder lets go, at the latest after the switch
-            # interval (5 ms by default), once per wake-up on a request's path to its first audio.
-            sys.setswitchinterval(float(params["switch_interval_ms"]) / 1e3)
         configure_handoff(params.get("handoff"))
         source = params["model_path"]
         self.config = load_config(source)

@@ -102,10 +102,9 @@ class StageModel:
         self.responder = Responder(self.STAGE, self.encode, self._cancel)
         scheduler = Scheduler(self.max_slots, self.max_prefills,
                               int(self.params.get("max_queue", 1024)))  # fmt: skip
-        # a request's first and second outputs in one response when one step makes both (engine.py); on unless
-        # the parameter says "false"
-        hold = self.params.get("hold_prefill_outputs", "true").lower() not in ("0", "false", "off")
-        self.engine = StageEngine(self.STAGE, runner, scheduler, self.responder.emit, hold_prefill_outputs=hold)
+        # a request's first and second outputs in one response when one step makes both (engine.py)
+        self.engine = StageEngine(self.STAGE, runner, scheduler, self.responder.emit,
+                                  hold_prefill_outputs=flag(self.params, "hold_prefill_outputs"))  # fmt: skip
         self.responder.start()
         self.engine.start()
         instance = args.get("model_instance_name", self.STAGE)

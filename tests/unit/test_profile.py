@@ -130,6 +130,7 @@ def test_gpu_inputs_keeps_cuda_stage_inputs_on_the_device(tmp_path):
         ("stages: {thinker: {cuda_graphs: 'yes'}}", "cuda_graphs must be true or false"),
         ("stages: {talker: {fused_kernels: 1}}", "talker.fused_kernels must be true or false"),
         ("stages: {code2wav: {step_stream: yes please}}", "code2wav.step_stream must be true or false"),
+        ("stages: {thinker: {hold_prefill_outputs: 0}}", "thinker.hold_prefill_outputs must be true or false"),
         ("stages: {talker: {sampling: {temprature: 0.5}}}", "stages.talker.sampling: got an unexpected keyword argument 'temprature'"),
         ("stages: {talker: {sampling: {top_p: 0}}}", "stages.talker.sampling: top_p must be in (0, 1]"),
         ("chunks: {chunk_frames: 0}", "chunks.chunk_frames must be an integer >= 1, got 0"),
