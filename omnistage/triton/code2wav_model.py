@@ -188,7 +188,8 @@ class Code2WavModel:
         return [p for p, error in zip(batch, errors) if error is None]
 
     def _sample(self):
-        return [("omni_code2wav_queue_depth", {}, self._queue.qsize()), ("omni_code2wav_batch_size", {}, self.last_batch),
+        queued = self._queue.qsize() + self._first_queue.qsize()
+        return [("omni_code2wav_queue_depth", {}, queued), ("omni_code2wav_batch_size", {}, self.last_batch),
                 ("omni_code2wav_chunks_total", {}, self.chunks), ("omni_code2wav_batches_total", {}, self.batches),
                 ("omni_code2wav_forwards_total", {}, self.runner.forwards),
                 ("omni_code2wav_busy_seconds_total", {}, self.busy_seconds),

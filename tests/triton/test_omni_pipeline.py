@@ -64,6 +64,21 @@ def test_served_text_and_audio_equal_generate(kind, triton_server, hf_model, pro
     assert r.usage["completion_tokens"] == REPLY and r.usage["audio_frames"] == want_codes.shape[0]
 
 
+def test_first_chunks_take_code2wav_first_lane(triton_server, hf_model, processor):
+    """A stream's first chunk goes through Code2Wav's first lane (its own worker; CUDA graphs on cuda), the
+    later ones through the main worker, and the audio still equals generate()'s."""
+    msgs = oracle.messages("text", "Say something short")
+    _, _, want_wav = oracle.generate(hf_model, prepare_inputs(processor, msgs), REPLY, FRAMES)
+    firsts = lambda: gauge(triton_server.metrics(), "omni_code2wav_first_chunks_total")  # noqa: E731
+    chunks = lambda: gauge(triton_server.metrics(), "omni_code2wav_chunks_total")  # noqa: E731
+    first_before, chunks_before = firsts(), chunks()
+    r = omni(triton_server.grpc_url, msgs, dict(GREEDY, max_tokens=REPLY, talker_max_tokens=FRAMES))
+    assert r.error is None, r.error
+    assert oracle.rel_error(torch.from_numpy(r.waveform), want_wav) < 1e-4
+    wait_for(lambda: chunks() >= chunks_before + 3, what="code2wav chunk counts")  # 4 + 25 + 11 frames
+    assert firsts() == first_before + 1
+
+
 def _stage(url, model, inputs: dict, parameters: dict) -> list[dict]:
     client = grpcclient.InferenceServerClient(url)
     responses: queue.Queue = queue.Queue()
