@@ -185,19 +185,20 @@ class StageEngine:
         if phase == "prefill":
             self.prefilled_rows += len(seqs)
             self.queue_seconds += sum(t_phase - s.added_at for s in seqs)
+        failure = None
         try:
             results = getattr(self.runner, phase)(seqs)
         except Exception as e:  # a failed step fails its sequences, not the engine
             log.error("[%s] %s failed: %s", self.name, phase, traceback.format_exc())
-            if held:
-                self._flush(held)
-            for seq in seqs:
-                self._end(seq, None, EngineError(f"[{self.name}] {phase} failed: {e}"))
-            return
+            failure = e
         finally:
             self.phase_seconds[phase] += time.perf_counter() - t_phase
         if held:
             self._flush(held)
+        if failure is not None:
+            for seq in seqs:
+                self._end(seq, None, EngineError(f"[{self.name}] {phase} failed: {failure}"))
+            return
         if phase == "decode":
             self.decoded_rows += len(seqs)
         emitted = time.perf_counter()
