@@ -243,7 +243,10 @@ class Bench:
                 # per part of the stack over the level: near one core's worth (wall_s) = bound by that part's GIL
                 entry["cpu_seconds"] = {k: round(v - cpu_before.get(k, 0.0), 2) for k, v in self.cpu_seconds().items()}
                 entry["requests"] = [r.to_json() for r in level.records]
-                entry["stage_metrics_after"] = omni_metrics(self.server.triton.metrics_url)
+                # the frontend's own histograms (omni_frontend_*: arrival at the frontend -> first token / audio
+                # received from Triton) split the time between omni_ensemble and the client
+                entry["stage_metrics_after"] = {**omni_metrics(self.server.triton.metrics_url),
+                                                **omni_metrics(self.server.api_url.rstrip("/") + "/metrics")}
                 # stalled requests (cut by the deadline, or failed: the frontend ends a hung server's requests
                 # with a 503): what every stub's threads are doing now
                 if entry.get("cut_by_deadline") or entry.get("failed"):

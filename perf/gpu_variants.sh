@@ -22,7 +22,9 @@
 # ops on torch's 16-thread pool?), no_first_lane (Code2Wav without its first lane: first chunks queue with
 # the rest, eager; the default before the 2026-12-04 session), ens1 / ens2 / ens3 (one, two (the cuda default since the 2026-12-04
 # session) or three omni_ensemble instances), prefill8 (thinker and talker take at most 8 new prompts per
-# step instead of 16: shorter prefill steps for a cohort of arrivals), no_hold (thinker and talker send a
+# step instead of 16: shorter prefill steps for a cohort of arrivals), prefill32 (32: a cohort in fewer steps), grouped_mm (transformers'
+# grouped_mm experts in thinker and talker: the cuda default before lean_grouped_mm), fifo (every response
+# thread sends in emit order: first responses do not jump the round), no_hold (thinker and talker send a
 # request's prefill output as soon as the prefill phase ends instead of with the same step's decode output).
 set -u
 OUT="${1:?usage: bash perf/gpu_variants.sh OUT_DIR [variant ...]}"
@@ -73,6 +75,10 @@ for lv in b.get("ours", {}).get("w1", {}).get("levels", []):
     means = {re.search(r'milestone="([^"]+)"', k).group(1): round(1e3 * delta("omni_milestone_seconds_sum" + k) / n)
              for k in keys if (n := delta("omni_milestone_seconds_count" + k))}
     print(f"{name} c={lv['concurrency']} milestones_ms {dict(sorted(means.items(), key=lambda kv: kv[1]))}")
+    # the frontend's view (arrival at the frontend -> received from Triton), against the client's TTFT / TTFP
+    front = {h: round(1e3 * delta(f"omni_frontend_{h}_sum") / n) for h in ("queue_seconds", "time_to_first_token_seconds",
+             "audio_ttfp_seconds") if (n := delta(f"omni_frontend_{h}_count"))}
+    print(f"{name} c={lv['concurrency']} frontend_ms {front}")
     # where the stages' and response threads' time went over the level (seconds, or counts)
     counters = {k.removeprefix("omni_"): round(delta(k), 2) for k in sorted(m) if not k.startswith("omni_milestone")
                 and re.search(r"(seconds_total|_steps_total|responses_total|tokens_total|chunks_total|rows_total|outputs_total)$", k)}
@@ -120,6 +126,10 @@ for n in (16, 64): print('smoke burst', n, {k: v for k, v in r.get(f'burst_{n}',
     ens3) run_variant ens3 --instances omni_ensemble=3 ;;
     no_hold) run_variant no_hold --set thinker.hold_prefill_outputs=false --set talker.hold_prefill_outputs=false ;;
     prefill8) run_variant prefill8 --set thinker.max_prefills_per_step=8 --set talker.max_prefills_per_step=8 ;;
+    grouped_mm) run_variant grouped_mm --set thinker.experts_implementation=grouped_mm --set talker.experts_implementation=grouped_mm ;;
+    fifo) run_variant fifo --set thinker.first_responses_first=false --set talker.first_responses_first=false \
+            --set code2wav.first_responses_first=false --set omni_ensemble.first_responses_first=false ;;
+    prefill32) run_variant prefill32 --set thinker.max_prefills_per_step=32 --set talker.max_prefills_per_step=32 ;;
     bls_views)
       for flag in "--keep-views" ""; do
         echo "bls_views [$flag]" | tee -a "$OUT/variants.log"

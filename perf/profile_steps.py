@@ -24,7 +24,7 @@ from omnistage.models import fused
 from omnistage.models.checkpoint import load_config, load_stage
 from omnistage.stages.code2wav import Code2WavRunner
 from omnistage.stages.talker import TalkerRunner
-from omnistage.stages.thinker import ThinkerRunner
+from omnistage.stages.thinker import ThinkerPrompt, ThinkerRunner
 from perf.stage_timing import decode_times, free, release, running, talker_prompts, thinker_prompts, timed
 
 BATCHES = (1, 64)
@@ -105,6 +105,28 @@ def profile_stage(runner_cls, model, config, kw, seqs, stage: str, step: str, tr
     return out
 
 
+def profile_prefix_prefill(model, config, kw, params, sizes=(1, 16, 32)) -> dict:
+    """The thinker's prefills as W1 makes them at 64 streams: 150-token prompts that share their first 112
+    tokens (W1's TTS system prompt), so each prefills only its ~38-token suffix over the kept prefix
+    (stages/chunk_prefill.py, graphs captured), for 1 / 16 / 32 prompts at once."""
+    runner = ThinkerRunner(model, config, **dict(kw, cuda_graphs=True, max_prefills=max(sizes),
+                                                 prefix_cache_bytes=2 << 30))  # fmt: skip
+    runner.capture_graphs()
+    base = thinker_prompts(config, 150, 1, True)[0]
+    prompts = []
+    for i in range(max(BATCHES)):
+        ids = base.input_ids.clone()
+        ids[112] = (int(ids[112]) + 1 + i) % 150000  # the suffix differs, the first 7 blocks are shared
+        prompts.append(ThinkerPrompt(ids, export_talker=True))
+    seqs = [running(i, params, p) for i, p in enumerate(prompts)]
+    runner.prefill(seqs[:2])  # the shared blocks are kept from their second sighting on (core/prefix_index.py)
+    release(runner, seqs)
+    out = {f"thinker_prefix_prefill_graphs_n{b}": v for b, v in prefill_profile(runner, seqs, sizes=sizes).items()}
+    out["thinker_prefix_hit_tokens"] = runner.prefix.hit_tokens
+    del runner
+    return out
+
+
 def profile_code2wav(module, dev, dtype, fused: bool) -> dict:
     """Code2Wav forwards as the W1 chunk schedule makes them: first chunks (4 frames, no state) and
     25-frame chunks after 29 frames (full conv context), for 1/16/64 streams at once; then the same with
@@ -165,6 +187,10 @@ def main() -> None:
         report.update(profile_stage(ThinkerRunner, load("thinker"), config, kw, seqs, "thinker", "decode",
                                     args.trace_dir))  # fmt: skip
         free()  # the thinker's weights, released with the call
+        save()
+    if "thinker_prefix" in args.stages:
+        report.update(profile_prefix_prefill(load("thinker"), config, kw, params))
+        free()
         save()
     if "talker" in args.stages:
         seqs = [running(i, params, p) for i, p in enumerate(talker_prompts(config, 150, max(BATCHES)))]
