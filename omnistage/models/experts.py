@@ -1,21 +1,34 @@
-# An experts implementation for decode steps of any size, registered with transformers' ExpertsInterface
-# as "gather_or_grouped". transformers' grouped_mm (torch._grouped_mm) takes the whole [experts, ...] weight
-# tensors and their offsets; a step of one or two tokens needs only their top-k experts' weights. For few
-# (token, expert) pairs the weights of exactly those pairs are gathered and multiplied in one bmm
-# (transformers' batched_mm); beyond GATHER_MAX_PAIRS the gather would copy more than grouped_mm reads, so
-# grouped_mm runs. Which is faster at 1-2 tokens is for perf/stage_timing.py --experts to show on the GPU.
-# The choice depends on shapes only, so each CUDA-graph bucket captures one path.
+# Experts implementations registered with transformers' ExpertsInterface (profile key experts_implementation).
+#
+# "lean_grouped_mm": transformers' grouped_mm computation (torch._grouped_mm over all experts' weights with
+# per-expert offsets) without its expert-parallel sentinel handling, which costs three full passes of
+# masked_fill, a clamp and an inverse permutation per layer. Where the stage's fused_kernels are on (CUDA),
+# silu(gate) * up is one kernel, and so is the way back to the tokens (unsort, weighting, sum over k).
+# The same ops on the same values in the same order: the same output bit for bit with transformers' two ops
+# for the gate, within a bf16 rounding of silu's exp with the fused kernel (tests/unit/test_experts.py).
+# On the H200 a thinker chunk prefill of 16 W1 suffixes spent ~13 of its 43 ms of kernels in those
+# elementwise passes (perf/README.md, 2026-12-04 second session).
+#
+# "gather_or_grouped": for decode steps of any size. A step of one or two tokens needs only their top-k
+# experts' weights. For few (token, expert) pairs the weights of exactly those pairs are gathered and
+# multiplied in one bmm (transformers' batched_mm); beyond GATHER_MAX_PAIRS the gather would copy more than
+# grouped_mm reads, so grouped_mm runs. Which is faster at 1-2 tokens is for perf/stage_timing.py --experts
+# to show on the GPU. The choice depends on shapes only, so each CUDA-graph bucket captures one path.
 from __future__ import annotations
 
 import torch
 from transformers.integrations.moe import (
     ALL_EXPERTS_FUNCTIONS,
     ExpertsInterface,
+    _grouped_linear,
     batched_mm_experts_forward,
     grouped_mm_experts_forward,
 )
 
+from . import fused_projections
+
 NAME = "gather_or_grouped"
+LEAN_NAME = "lean_grouped_mm"
 # gather traffic ~ 3 x pairs x one expert's weights vs grouped_mm's fixed ~1.2 GB per layer (thinker):
 # even at 16 pairs (2 tokens) the gather moves ~0.45 GB
 GATHER_MAX_PAIRS = 16
@@ -29,7 +42,40 @@ def gather_or_grouped_experts_forward(
     return forward(self, hidden_states, top_k_index, top_k_weights)
 
 
+def lean_grouped_mm_experts_forward(
+    self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    if self.has_bias or not self.has_gate:  # not Qwen3-Omni's experts: transformers' own path
+        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    tokens, top_k = top_k_index.shape
+    # (token, expert) pairs sorted by expert; every expert id is a real one (no expert-parallel sentinels)
+    expert_ids, perm = torch.sort(top_k_index.reshape(-1))
+    # histc, not bincount: a fixed output size, so CUDA graphs can capture it (as in transformers)
+    histc_input = expert_ids.int() if hidden_states.is_cuda else expert_ids.float()
+    offsets = torch.cumsum(torch.histc(histc_input, bins=self.num_experts, min=0, max=self.num_experts - 1),
+                           dim=0, dtype=torch.int32)  # fmt: skip
+    gate_up = _grouped_linear(hidden_states[perm // top_k], self.gate_up_proj, offsets,
+                              is_transposed=self.is_transposed)  # fmt: skip
+    # the fused kernels where the stage's fused_kernels asked for them (fused_projections.install sets the flag)
+    fused = getattr(self, "fused_epilogues", False) and fused_projections._fused(gate_up)
+    fused = fused and self.config.hidden_act == "silu"
+    gated = fused_projections.silu_mul(gate_up) if fused else self._apply_gate(gate_up)
+    down = _grouped_linear(gated, self.down_proj, offsets, is_transposed=self.is_transposed)
+    if fused:  # one kernel for the unsort, the weighting and the sum
+        positions = torch.empty_like(perm)
+        positions[perm] = torch.arange(perm.numel(), device=perm.device)
+        return fused_projections.combine_experts(down, positions.view(tokens, top_k), top_k_weights,
+                                                 hidden_states.dtype)  # fmt: skip
+    # back to (token, k) order, then weighted and summed over k as transformers does (same promotion)
+    unsorted = torch.empty_like(down)
+    unsorted[perm] = down
+    weighted = unsorted.view(tokens, top_k, -1) * top_k_weights.unsqueeze(-1)
+    return weighted.sum(dim=1).to(hidden_states.dtype)
+
+
 def register() -> None:
-    """Makes `experts_implementation="gather_or_grouped"` valid for every model built afterwards."""
+    """Makes our experts implementation names valid for every model built afterwards."""
     if NAME not in ALL_EXPERTS_FUNCTIONS:
         ExpertsInterface.register(NAME, gather_or_grouped_experts_forward)
+    if LEAN_NAME not in ALL_EXPERTS_FUNCTIONS:
+        ExpertsInterface.register(LEAN_NAME, lean_grouped_mm_experts_forward)

@@ -74,6 +74,25 @@ if fused_ops.available():
         e = libdevice.exp(-g) if LIBDEVICE else tl.exp(-g)
         tl.store(out_ptr + row * width + j, _cast(_rounded(g / (1.0 + e), dt) * u, dt), mask=keep)
 
+    @triton.jit
+    def _combine_experts_kernel(down_ptr, pos_ptr, w_ptr, out_ptr, width, TOP_K: tl.constexpr,
+                                ROUND_PRODUCT: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+        # out[t] = sum over k of down[pos[t, k]] * w[t, k]: each product rounded to bf16 where transformers'
+        # mul gives bf16 (ROUND_PRODUCT), summed in float32 in k order as torch's sum over k, rounded once
+        t = tl.program_id(0).to(tl.int64)
+        j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        keep = j < width
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for k in tl.static_range(TOP_K):
+            row = tl.load(pos_ptr + t * TOP_K + k).to(tl.int64)
+            w = tl.load(w_ptr + t * TOP_K + k).to(tl.float32)
+            d = tl.load(down_ptr + row * width + j, mask=keep, other=0.0).to(tl.float32)
+            if ROUND_PRODUCT:
+                acc += _rounded(d * w, tl.bfloat16)
+            else:
+                acc += d * w
+        tl.store(out_ptr + t * width + j, _cast(acc, out_ptr.dtype.element_ty), mask=keep)
+
 
 def qk_norm_rope(qkv: torch.Tensor, heads_q: int, heads_k: int, q_norm, k_norm, cos, sin):
     """qkv [B, T, (Hq + 2 Hk) * D] -> q [B, Hq, T, D], k [B, Hk, T, D]: per-head RMSNorm, then rope."""
@@ -85,9 +104,12 @@ def qk_norm_rope(qkv: torch.Tensor, heads_q: int, heads_k: int, q_norm, k_norm, 
         cos, sin = cos.contiguous(), sin.contiguous()
     cs_b = cos.stride(0) if cos.shape[0] == batch else 0  # [1, T, D]: every row reads the same angles
     q_rows = batch * heads_q * seq
+    # one warp per 128-wide head row: with Triton's default four, a prefill's ~37k rows (1024 tokens x 36
+    # heads, thinker) kept three idle warps each and took ~53 us per layer on the H200
     _qk_norm_rope_kernel[(q_rows + batch * heads_k * seq,)](
         qkv, q_norm.weight, k_norm.weight, cos, sin, q, k, q_rows, heads_q, heads_k, seq, qkv.stride(0),
-        qkv.stride(1), cs_b, cos.stride(1), q_norm.variance_epsilon, k_norm.variance_epsilon, HALF=dim // 2)  # fmt: skip
+        qkv.stride(1), cs_b, cos.stride(1), q_norm.variance_epsilon, k_norm.variance_epsilon, HALF=dim // 2,
+        num_warps=1)  # fmt: skip
     return q, k
 
 
@@ -100,6 +122,21 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     _silu_mul_kernel[(rows.shape[0], triton.cdiv(width, block))](rows, out, width, BLOCK=block,
                                                                   LIBDEVICE=fused_ops.has_libdevice())  # fmt: skip
     return out.view(*gate_up.shape[:-1], width)
+
+
+def combine_experts(down: torch.Tensor, positions: torch.Tensor, weights: torch.Tensor, dtype) -> torch.Tensor:
+    """The experts' outputs back to their tokens: down [S, H] in expert-sorted order, positions [T, K] (the row
+    of pair (t, k) in it), weights [T, K] -> [T, H] in dtype. One kernel for transformers' unsort, weighting
+    and sum over k (three passes over S rows, the weighted ones in float32 when the weights are)."""
+    tokens, top_k = positions.shape
+    width = down.shape[-1]
+    out = torch.empty(tokens, width, dtype=dtype, device=down.device)
+    block = min(1024, triton.next_power_of_2(width))
+    round_product = torch.promote_types(down.dtype, weights.dtype) == torch.bfloat16
+    _combine_experts_kernel[(tokens, triton.cdiv(width, block))](
+        down.contiguous(), positions.contiguous(), weights.contiguous(), out, width, TOP_K=top_k,
+        ROUND_PRODUCT=round_product, BLOCK=block)  # fmt: skip
+    return out
 
 
 def _fused(t: torch.Tensor) -> bool:
@@ -142,8 +179,9 @@ def _merge(*linears: torch.nn.Linear) -> torch.Tensor:
 
 
 def install(model: torch.nn.Module) -> int:
-    """Merged q/k/v and gate/up projections with fused epilogues in the decoder stacks; returns how many
-    modules were swapped (0 without triton)."""
+    """Merged q/k/v and gate/up projections with fused epilogues in the decoder stacks, and the experts'
+    silu(gate) * up as one kernel (under lean_grouped_mm); returns how many modules were changed (0 without
+    triton)."""
     if not fused_ops.available():
         return 0
     swapped = 0
@@ -157,6 +195,10 @@ def install(model: torch.nn.Module) -> int:
         elif name in MLP_CLASSES:
             module.gate_up_weight = _merge(module.gate_proj, module.up_proj)
             module.forward = types.MethodType(_mlp_forward, module)
+        elif hasattr(module, "gate_up_proj") and hasattr(module, "num_experts"):
+            # the experts' gate/up is one weight already; lean_grouped_mm (experts.py) reads this flag for
+            # its fused silu(gate) * up and its fused way back to the tokens
+            module.fused_epilogues = True
         else:
             continue
         swapped += 1

@@ -1,9 +1,12 @@
-# The gather_or_grouped experts implementation: the same MoE output as transformers' own per-expert loop,
-# on both of its paths (few pairs: gathered bmm; many: grouped_mm), for thinker and talker experts.
+# Our experts implementations: gather_or_grouped gives the same MoE output as transformers' own per-expert
+# loop on both of its paths (few pairs: gathered bmm; many: grouped_mm), for thinker and talker experts;
+# lean_grouped_mm gives transformers' grouped_mm output.
 import pytest
 import torch
 
-from omnistage.models import experts
+from transformers.integrations.moe import grouped_mm_experts_forward
+
+from omnistage.models import experts, fused_ops, fused_projections
 from omnistage.models.checkpoint import load_stage
 
 
@@ -40,3 +43,67 @@ def test_the_path_follows_the_pair_count(monkeypatch):
     for tokens in (1, experts.GATHER_MAX_PAIRS // 8, experts.GATHER_MAX_PAIRS // 8 + 1):
         experts.gather_or_grouped_experts_forward(None, torch.zeros(tokens, 4), torch.zeros(tokens, 8), None)
     assert calls == ["gather", "gather", "grouped"]
+
+
+@pytest.mark.parametrize("stage", ["thinker", "talker"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 5, 32])
+def test_lean_grouped_mm_equals_transformers_grouped_mm(stage, dtype, tokens):
+    model = load_stage("dummy:tiny", stage, dtype=dtype, seed=2, experts_implementation=experts.LEAN_NAME)
+    module = _experts_modules(model)[0]
+    hidden, index, weights = _routed(module, tokens, dtype)
+    got = module(hidden, index, weights)
+    want = grouped_mm_experts_forward(module, hidden, index, weights)
+    assert got.dtype == want.dtype == dtype and got.abs().max() > 0
+    assert torch.equal(got, want)  # the same ops in the same order, without the sentinel passes
+
+
+@pytest.mark.skipif(not fused_ops.available(), reason="triton is not installed")
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_lean_grouped_mm_with_the_fused_epilogues(monkeypatch, device):
+    # silu(gate) * up and the way back to the tokens as Triton kernels (on the CPU through Triton's interpreter, see tests/conftest.py)
+    if device == "cpu":
+        monkeypatch.setattr(fused_projections, "_fused", lambda t: True)
+    calls = []
+    silu_mul = fused_projections.silu_mul
+    monkeypatch.setattr(fused_projections, "silu_mul", lambda x: calls.append(x.shape) or silu_mul(x))
+    model = load_stage("dummy:tiny", "thinker", dtype=torch.bfloat16, seed=3, experts_implementation=experts.LEAN_NAME)
+    module = _experts_modules(model)[0].to(device)
+    assert not getattr(module, "fused_epilogues", False)  # only where fused_kernels installed it
+    fused_projections.install(model)
+    assert module.fused_epilogues
+    hidden, index, weights = (t.to(device) for t in _routed(module, 16, torch.bfloat16))
+    got = module(hidden, index, weights)
+    want = grouped_mm_experts_forward(module, hidden, index, weights)
+    assert calls and got.dtype == torch.bfloat16
+    scale = float(want.abs().max())
+    torch.testing.assert_close(got, want, rtol=2**-6, atol=2**-6 * scale)
+
+
+def _routed(module, tokens: int, dtype):
+    """Hidden states and a router's top-k picks (with softmax weights, as the sparse MoE block gives them)."""
+    g = torch.Generator().manual_seed(tokens)
+    top_k = 4
+    hidden = torch.randn(tokens, module.gate_up_proj.shape[-1], generator=g).to(dtype)
+    index = torch.stack([torch.randperm(module.num_experts, generator=g)[:top_k] for _ in range(tokens)])
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=g), -1).to(dtype)
+    return hidden, index, weights
+
+
+@pytest.mark.skipif(not fused_ops.available(), reason="triton is not installed")
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("weights_dtype", [torch.bfloat16, torch.float32])
+def test_combine_experts_equals_unsort_weight_and_sum(device, weights_dtype):
+    # transformers' way back to the tokens (unsort, weight, sum over k) as one kernel, bit for bit
+    g = torch.Generator().manual_seed(5)
+    tokens, top_k, width = 7, 4, 96
+    down = torch.randn(tokens * top_k, width, generator=g).to(device, torch.bfloat16)
+    perm = torch.randperm(tokens * top_k, generator=g).to(device)
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=g), -1).to(device, weights_dtype)
+    unsorted = torch.empty_like(down)
+    unsorted[perm] = down
+    want = (unsorted.view(tokens, top_k, width) * weights.unsqueeze(-1)).sum(dim=1).to(torch.bfloat16)
+    positions = torch.empty_like(perm)
+    positions[perm] = torch.arange(perm.numel(), device=device)
+    got = fused_projections.combine_experts(down, positions.view(tokens, top_k), weights, torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)

@@ -63,7 +63,9 @@ def test_install_merges_weights_into_views_without_copies():
     before = {n: p.detach().clone() for n, p in layer.named_parameters()}
     attentions = [m for m in model.modules() if type(m).__name__ in fused_projections.ATTENTION_CLASSES]
     mlps = [m for m in model.modules() if type(m).__name__ in fused_projections.MLP_CLASSES]
-    assert fused_projections.install(model) == len(attentions) + len(mlps) and attentions and mlps
+    experts = [m for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "num_experts")]
+    assert fused_projections.install(model) == len(attentions) + len(mlps) + len(experts)
+    assert attentions and mlps and experts and all(m.fused_epilogues for m in experts)
     attn = layer.self_attn
     assert attn.q_proj.weight.data_ptr() == attn.qkv_weight.data_ptr()  # views of the merged weight
     assert attn.v_proj.weight.untyped_storage().data_ptr() == attn.qkv_weight.untyped_storage().data_ptr()

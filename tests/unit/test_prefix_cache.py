@@ -80,13 +80,13 @@ def test_a_zero_budget_keeps_nothing(hf_model):
 @pytest.mark.gpu
 @torch.inference_mode()
 def test_chunk_prefill_graphs_equal_the_full_prefill_on_cuda(tiny_checkpoint, processor):
-    """As served on CUDA (bf16, grouped_mm experts, graphs): a prompt whose system prompt comes from the pool
+    """As served on CUDA (bf16, lean_grouped_mm experts, graphs): a prompt whose system prompt comes from the pool
     leaves the K/V of a full prefill in its slot, within bf16 rounding."""
     from omnistage.models.checkpoint import load_config, load_stage
 
     config = load_config(str(tiny_checkpoint))
     model = load_stage(str(tiny_checkpoint), "thinker", dtype=torch.bfloat16, device="cuda",
-                       experts_implementation="grouped_mm")  # fmt: skip
+                       experts_implementation="lean_grouped_mm")  # fmt: skip
     kw = dict(max_slots=4, max_seq_len=512, device="cuda", dtype=torch.bfloat16, cuda_graphs=True)
     cached = ThinkerRunner(model, config, prefix_cache_bytes=8 << 20, **kw)
     plain = ThinkerRunner(model, config, **kw)
@@ -109,7 +109,8 @@ def test_chunk_prefill_buckets_keep_every_padded_position_below_its_kv_length(hf
     chunk = runner.chunk_prefill
     chunk.row_buckets = [1, 2, 4]
     assert chunk.shape_for(3, 20, 200) == (4, 32, 256)
-    assert chunk.shape_for(1, 40, 200) == (1, 64, 512)  # 200 + 64 padded tokens need the 512 bucket
+    assert chunk.shape_for(1, 40, 200) == (1, 48, 256)
+    assert chunk.shape_for(1, 50, 200) == (1, 64, 512)  # 200 + 64 padded tokens need the 512 bucket
     assert chunk.fits(4, 64, 448) and not chunk.fits(4, 64, 449)  # 449 + 64 > 512
     assert not chunk.fits(4, 65, 0) and not chunk.fits(5, 10, 0)  # too long a suffix, too many rows
 
