@@ -26,7 +26,7 @@ from .iterator_reaper import IteratorReaper
 from .logs import setup_logging, stop_fault_reports
 from .metrics import MetricsPublisher
 from .responder import Responder, error_response, send_final
-from .stage_model import model_parameters
+from .stage_model import flag, model_parameters
 from .tensors import configure_handoff, is_probe, read_string, request_parameters
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,8 @@ class OmniModel:
         self.requests: dict[str, OmniRequest] = {}
         self.left_while_queued: set[str] = set()  # cancelled before their OmniRequest existed
         self.clocks: dict[str, AudioClock] = {}
-        self.responder = Responder("omni_ensemble", self.encode, self._cancel, self.reaper)
+        self.responder = Responder("omni_ensemble", self.encode, self._cancel, self.reaper,
+                                   first_responses_first=flag(params, "first_responses_first", True))  # fmt: skip
         self.responder.start()
         self.metrics = (
             MetricsPublisher("omni_ensemble", args.get("model_instance_name", "omni_ensemble"), self._sample)

@@ -1,0 +1,78 @@
+# The response thread's send order (omnistage/triton/responder.py): within a round, a request's first
+# output goes out before the outputs of streams that already have theirs; otherwise emit order. Runs the
+# real thread against a stand-in for the stub's module and response senders (they exist only in a stub).
+import sys
+import threading
+import types
+
+import pytest
+
+
+class Sender:
+    def __init__(self, name, log, gate=None):
+        self.name, self.log, self.gate = name, log, gate
+
+    def send(self, response, flags=0):
+        if self.gate is not None:
+            self.gate.wait(5)  # holds the thread in its round while the next round piles up
+        self.log.append(self.name)
+
+    def is_cancelled(self):
+        return False
+
+
+@pytest.fixture
+def responder_module(monkeypatch):
+    pb = types.ModuleType("triton_python_backend_utils")
+    pb.InferenceResponse = lambda output_tensors=None, error=None: ("response", output_tensors, error)
+    pb.TritonError = lambda message, code=None: message
+    pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", pb)
+    monkeypatch.delitem(sys.modules, "omnistage.triton.responder", raising=False)
+    monkeypatch.delitem(sys.modules, "omnistage.triton.tensors", raising=False)
+    import omnistage.triton.responder as responder
+
+    monkeypatch.setattr(responder, "output_tensors", lambda tensors, bf16_bytes=False: [])
+    return responder
+
+
+class Output:
+    def merge(self, later):
+        return self
+
+
+@pytest.mark.parametrize("first_first", [True, False])
+def test_first_outputs_jump_the_round(responder_module, first_first):
+    log, gate = [], threading.Event()
+    r = responder_module.Responder("stage", lambda output, reason: {}, lambda request_id: None,
+                                   first_responses_first=first_first)  # fmt: skip
+    r.register("blocker", Sender("blocker", log, gate))
+    for name in ("old1", "old2", "new1", "new2"):
+        r.register(name, Sender(name, log))
+    r.start()
+    try:
+        # old1 and old2 have had their first response already (sent before the blocker's round)
+        r.emit("old1", Output(), None, None)
+        r.emit("old2", Output(), None, None)
+        _wait(lambda: log == ["old1", "old2"] or log == ["old2", "old1"])
+        log.clear()
+        r.emit("blocker", Output(), None, None)  # the thread is now stuck in this round's send
+        _wait(lambda: r._queue.qsize() == 0)
+        for name in ("old1", "new1", "old2", "new2"):  # the next round, in emit order
+            r.emit(name, Output(), None, None)
+        gate.set()
+        _wait(lambda: len(log) == 5)
+        want = ["new1", "new2", "old1", "old2"] if first_first else ["old1", "new1", "old2", "new2"]
+        assert log == ["blocker", *want]
+    finally:
+        gate.set()
+        r.stop()
+
+
+def _wait(condition, timeout=5.0):
+    deadline = threading.Event()
+    for _ in range(int(timeout / 0.01)):
+        if condition():
+            return
+        deadline.wait(0.01)
+    raise AssertionError("timed out")
