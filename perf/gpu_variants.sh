@@ -23,8 +23,9 @@
 # the rest, eager; the default before the 2026-12-04 session), ens1 / ens2 / ens3 (one, two (the cuda default since the 2026-12-04
 # session) or three omni_ensemble instances), prefill8 (thinker and talker take at most 8 new prompts per
 # step instead of 16: shorter prefill steps for a cohort of arrivals), prefill32 (32: a cohort in fewer steps), grouped_mm (transformers'
-# grouped_mm experts in thinker and talker: the cuda default before lean_grouped_mm), fifo (every response
-# thread sends in emit order: first responses do not jump the round), no_hold (thinker and talker send a
+# grouped_mm experts in thinker and talker: the cuda default before lean_grouped_mm), first_first (every
+# response thread sends a request's first output at the head of its round: model parameter
+# first_responses_first, off by default), no_hold (thinker and talker send a
 # request's prefill output as soon as the prefill phase ends instead of with the same step's decode output).
 set -u
 OUT="${1:?usage: bash perf/gpu_variants.sh OUT_DIR [variant ...]}"
@@ -127,8 +128,8 @@ for n in (16, 64): print('smoke burst', n, {k: v for k, v in r.get(f'burst_{n}',
     no_hold) run_variant no_hold --set thinker.hold_prefill_outputs=false --set talker.hold_prefill_outputs=false ;;
     prefill8) run_variant prefill8 --set thinker.max_prefills_per_step=8 --set talker.max_prefills_per_step=8 ;;
     grouped_mm) run_variant grouped_mm --set thinker.experts_implementation=grouped_mm --set talker.experts_implementation=grouped_mm ;;
-    fifo) run_variant fifo --set thinker.first_responses_first=false --set talker.first_responses_first=false \
-            --set code2wav.first_responses_first=false --set omni_ensemble.first_responses_first=false ;;
+    first_first) run_variant first_first --set thinker.first_responses_first=true --set talker.first_responses_first=true \
+            --set code2wav.first_responses_first=true --set omni_ensemble.first_responses_first=true ;;
     prefill32) run_variant prefill32 --set thinker.max_prefills_per_step=32 --set talker.max_prefills_per_step=32 ;;
     bls_views)
       for flag in "--keep-views" ""; do

@@ -74,7 +74,7 @@ class OmniModel:
         self.left_while_queued: set[str] = set()  # cancelled before their OmniRequest existed
         self.clocks: dict[str, AudioClock] = {}
         self.responder = Responder("omni_ensemble", self.encode, self._cancel, self.reaper,
-                                   first_responses_first=flag(params, "first_responses_first", True))  # fmt: skip
+                                   first_responses_first=flag(params, "first_responses_first"))  # fmt: skip
         self.responder.start()
         self.metrics = (
             MetricsPublisher("omni_ensemble", args.get("model_instance_name", "omni_ensemble"), self._sample)

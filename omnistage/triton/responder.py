@@ -49,11 +49,12 @@ def send_final(sender, response=None) -> None:
 
 class Responder:
     def __init__(self, name: str, encode: Callable[[Any, "str | None"], dict], on_cancel: Callable[[str], None],
-                 reaper: IteratorReaper | None = None, first_responses_first: bool = True):  # fmt: skip
+                 reaper: IteratorReaper | None = None, first_responses_first: bool = False):  # fmt: skip
         self.name = name
         # A round sends what piled up while the last one was sending, ~50 responses at 64 W1 streams on the
-        # H200 (~20 ms): a request's first output (the next stage's start, a client's first token) goes out
-        # at the head of its round instead of behind the streams already under way.
+        # H200 (~20 ms). first_responses_first puts a request's first output (the next stage's start, a
+        # client's first token) at the head of its round instead of behind the streams already under way.
+        # Off by default: on the H200 it did not bring the first audio sooner (perf/README.md, 2026-12-04).
         self.first_responses_first = first_responses_first
         self.encode = encode  # (output or None, finish_reason or None) -> {name: torch.Tensor or str}
         self.on_cancel = on_cancel

@@ -30,8 +30,8 @@ from .tensors import (
 log = logging.getLogger(__name__)
 
 
-def flag(params: dict[str, str], key: str, default: bool = False) -> bool:
-    return params.get(key, "true" if default else "false").lower() in ("1", "true", "on")
+def flag(params: dict[str, str], key: str) -> bool:
+    return params.get(key, "false").lower() in ("1", "true", "on")
 
 
 def model_parameters(args) -> dict[str, str]:
@@ -100,7 +100,7 @@ class StageModel:
         if hasattr(runner, "capture_graphs"):  # before serving: capture needs the device to itself
             runner.capture_graphs()
         self.responder = Responder(self.STAGE, self.encode, self._cancel,
-                                   first_responses_first=flag(self.params, "first_responses_first", True))  # fmt: skip
+                                   first_responses_first=flag(self.params, "first_responses_first"))  # fmt: skip
         scheduler = Scheduler(self.max_slots, self.max_prefills,
                               int(self.params.get("max_queue", 1024)))  # fmt: skip
         # a request's first and second outputs in one response when one step makes both (engine.py)
