@@ -6,9 +6,10 @@
 # kernels by CUDA time per case as JSON to argv[1], and with --trace-dir a Chrome trace of the graphed
 # batch-1 steps (thinker token, talker frame). Code2Wav: a stream's first chunk (4 frames) and a 25-frame
 # chunk with its carried state, at 1, 16 and 64 streams, with transformers' ops and then with the fused
-# kernels, on the same weights.
+# kernels, on the same weights. thinker_prefix: the thinker's chunk prefill as W1 makes it at 64 streams
+# (1 / 16 / 32 prompts of 150 tokens whose first 112 come from the prefix cache), graphs captured.
 #
-#   python -m perf.profile_steps out.json [--experts grouped_mm] [--trace-dir DIR] [--stages code2wav ...]
+#   python -m perf.profile_steps out.json [--experts lean_grouped_mm] [--trace-dir DIR] [--stages thinker_prefix ...]
 from __future__ import annotations
 
 import argparse
@@ -158,7 +159,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--config", default="perf/qwen3_omni_30b_a3b_instruct.config.json")
-    ap.add_argument("--experts", default="grouped_mm")
+    ap.add_argument("--experts", default="lean_grouped_mm")  # the cuda profile's
     ap.add_argument("--trace-dir", default=None)
     ap.add_argument("--no-fused", action="store_true", help="keep transformers' ops and projections")
     ap.add_argument("--stages", nargs="+", default=["thinker", "talker", "code2wav"])

@@ -179,9 +179,9 @@ def _merge(*linears: torch.nn.Linear) -> torch.Tensor:
 
 
 def install(model: torch.nn.Module) -> int:
-    """Merged q/k/v and gate/up projections with fused epilogues in the decoder stacks, and the experts'
-    silu(gate) * up as one kernel (under lean_grouped_mm); returns how many modules were changed (0 without
-    triton)."""
+    """Merged q/k/v and gate/up projections with fused epilogues in the decoder stacks, and, for experts run
+    by lean_grouped_mm, silu(gate) * up and the way back to the tokens as one kernel each; returns how many
+    modules were changed (0 without triton)."""
     if not fused_ops.available():
         return 0
     swapped = 0
