@@ -22,7 +22,9 @@
 # ops on torch's 16-thread pool?), no_first_lane (Code2Wav without its first lane: first chunks queue with
 # the rest, eager; the default before the 2026-12-04 session), ens1 / ens2 / ens3 (one, two (the cuda default since the 2026-12-04
 # session) or three omni_ensemble instances), prefill8 (thinker and talker take at most 8 new prompts per
-# step instead of 16: shorter prefill steps for a cohort of arrivals), prefill32 (32: a cohort in fewer steps), grouped_mm (transformers'
+# step instead of 16: shorter prefill steps for a cohort of arrivals), prefill32 (32: a cohort in fewer steps), thinker_prefill32 (32 in the thinker only), first1 (first audio
+# after 1 frame, the one the talker completes in its prefill step, sent without waiting for the step's
+# decode: talker hold_prefill_outputs false), grouped_mm (transformers'
 # grouped_mm experts in thinker and talker: the cuda default before lean_grouped_mm), first_first (every
 # response thread sends a request's first output at the head of its round: model parameter
 # first_responses_first, off by default), no_hold (thinker and talker send a
@@ -130,6 +132,9 @@ for n in (16, 64): print('smoke burst', n, {k: v for k, v in r.get(f'burst_{n}',
     grouped_mm) run_variant grouped_mm --set thinker.experts_implementation=grouped_mm --set talker.experts_implementation=grouped_mm ;;
     first_first) run_variant first_first --set thinker.first_responses_first=true --set talker.first_responses_first=true \
             --set code2wav.first_responses_first=true --set omni_ensemble.first_responses_first=true ;;
+    first1) run_variant first1 --set omni_ensemble.first_chunk_frames=1 --set code2wav.first_chunk_frames=1 \
+            --set talker.hold_prefill_outputs=false ;;
+    thinker_prefill32) run_variant thinker_prefill32 --set thinker.max_prefills_per_step=32 ;;
     prefill32) run_variant prefill32 --set thinker.max_prefills_per_step=32 --set talker.max_prefills_per_step=32 ;;
     bls_views)
       for flag in "--keep-views" ""; do

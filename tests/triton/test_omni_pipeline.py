@@ -79,6 +79,27 @@ def test_first_chunks_take_code2wav_first_lane(triton_server, hf_model, processo
     assert firsts() == first_before + 1
 
 
+def test_one_frame_first_chunk_sent_with_the_talker_prefill(triton_launcher, tiny_checkpoint, hf_model, processor):
+    """The cuda profile's first-chunk settings (1 frame, the one the talker completes in its prefill step; the
+    talker does not hold its prefill outputs): the first audio is one frame and the whole still equals
+    generate()'s."""
+    spec = default_spec(str(tiny_checkpoint), "cpu")
+    spec["talker"].parameters["hold_prefill_outputs"] = "false"
+    spec["omni_ensemble"].parameters["first_chunk_frames"] = spec["code2wav"].parameters["first_chunk_frames"] = "1"
+    server = triton_launcher(RepoSpec(models=spec, src=REPO_ROOT / "model_repository"))
+    msgs = oracle.messages("text", "Say something short")
+    want_text, want_codes, want_wav = oracle.generate(hf_model, prepare_inputs(processor, msgs), REPLY, FRAMES)
+    r = omni(server.grpc_url, msgs, dict(GREEDY, max_tokens=REPLY, talker_max_tokens=FRAMES))
+    assert r.error is None, r.error
+    assert r.token_ids == want_text
+    assert r.waveform.shape[0] == want_wav.shape[0]
+    assert oracle.rel_error(torch.from_numpy(r.waveform), want_wav) < 1e-4
+    chunks = lambda: gauge(server.metrics(), "omni_code2wav_chunks_total")  # noqa: E731
+    wait_for(lambda: chunks() >= 3, what="code2wav chunk counts")  # 1 + 25 + 14 frames
+    assert gauge(server.metrics(), "omni_code2wav_first_chunks_total") == 1
+    assert len(r.audio[0]) == 1920 - 555  # the first audio: one frame, less the vocoder's look-ahead
+
+
 def _stage(url, model, inputs: dict, parameters: dict) -> list[dict]:
     client = grpcclient.InferenceServerClient(url)
     responses: queue.Queue = queue.Queue()
