@@ -90,8 +90,13 @@ def test_decoder_layers_match_transformers(on_cpu_too, device):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_thinker_and_talker_with_merged_projections_match_generate(on_cpu_too, hf_model, processor):
+@pytest.mark.parametrize("lean_experts", [False, True])
+def test_thinker_and_talker_with_merged_projections_match_generate(on_cpu_too, hf_model, processor, lean_experts,
+                                                                   monkeypatch):  # fmt: skip
+    """With lean_experts, the experts run as on cuda: lean_grouped_mm with its fused silu(gate) * up and its
+    fused way back to the tokens."""
     from omnistage.core.sampling import SamplingParams
+    from omnistage.models import experts
     from omnistage.models.processor import prepare_inputs
     from omnistage.stages.talker import TalkerPrompt, TalkerRunner
     from omnistage.stages.thinker import ThinkerPrompt, ThinkerRunner
@@ -102,7 +107,15 @@ def test_thinker_and_talker_with_merged_projections_match_generate(on_cpu_too, h
     inputs = prepare_inputs(processor, oracle.messages("text"))
     want_text, want_codes, _ = oracle.generate(hf_model, inputs, REPLY, FRAMES)  # before the swap
     model = copy.deepcopy(hf_model)
-    assert fused_projections.install(model) > 0
+    moe = [m for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "num_experts")]
+    combined = []
+    if lean_experts:
+        experts.register()
+        for m in moe:
+            m.config._experts_implementation = experts.LEAN_NAME
+        combine = fused_projections.combine_experts
+        monkeypatch.setattr(fused_projections, "combine_experts", lambda *a: combined.append(1) or combine(*a))
+    assert fused_projections.install(model) > 0 and moe and all(m.fused_epilogues for m in moe)
     kw = {"max_slots": 4, "max_seq_len": 512, "device": "cpu", "dtype": torch.float32}
     thinker = ThinkerRunner(model.thinker, model.config, **kw)
     out, _ = run_thinker(thinker, running("t", SamplingParams(max_tokens=REPLY),
@@ -112,6 +125,7 @@ def test_thinker_and_talker_with_merged_projections_match_generate(on_cpu_too, h
     prompt = TalkerPrompt(out.talker, 2302, list(out.text_rows.unbind(0)), True)
     codes, _ = run_talker(talker, running("a", SamplingParams(max_tokens=FRAMES, repetition_penalty=1.05), prompt, 2))
     assert torch.equal(codes, want_codes)
+    assert bool(combined) == lean_experts  # the lean path ran, with its fused kernels
 
 
 @pytest.mark.parametrize("stage", ["talker", "code2wav"])
