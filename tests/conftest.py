@@ -5,7 +5,8 @@ import os
 import pytest
 
 # Triton kernels (omnistage/models/fused_ops.py) run in Triton's CPU interpreter here; set before any import
-# of them, since @triton.jit reads it when a kernel is defined
+# of them, since @triton.jit reads it when a kernel is defined. The gpu-marked tests want compiled kernels:
+# run them apart with TRITON_INTERPRET=0 (README.md, Tests)
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
