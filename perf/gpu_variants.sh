@@ -22,13 +22,14 @@
 # ops on torch's 16-thread pool?), no_first_lane (Code2Wav without its first lane: first chunks queue with
 # the rest, eager; the default before the 2026-12-04 session), ens1 / ens2 / ens3 (one, two (the cuda default since the 2026-12-04
 # session) or three omni_ensemble instances), prefill8 (thinker and talker take at most 8 new prompts per
-# step instead of 16: shorter prefill steps for a cohort of arrivals), prefill32 (32: a cohort in fewer steps), thinker_prefill32 (32 in the thinker only), first1 (first audio
-# after 1 frame, the one the talker completes in its prefill step, sent without waiting for the step's
-# decode: talker hold_prefill_outputs false), grouped_mm (transformers'
-# grouped_mm experts in thinker and talker: the cuda default before lean_grouped_mm), first_first (every
-# response thread sends a request's first output at the head of its round: model parameter
-# first_responses_first, off by default), no_hold (thinker and talker send a
-# request's prefill output as soon as the prefill phase ends instead of with the same step's decode output).
+# step instead of 16: shorter prefill steps for a cohort of arrivals), prefill32 (32: a cohort in fewer
+# steps), thinker_prefill32 (32 in the thinker only), first1 (first audio after 1 frame, the one the talker
+# completes in its prefill step, sent without waiting for the step's decode: talker hold_prefill_outputs
+# false; the cuda default since the second session of 2026-12-04), grouped_mm (transformers' grouped_mm
+# experts in thinker and talker: the cuda default before lean_grouped_mm), first_first (every response
+# thread sends a request's first output at the head of its round: model parameter first_responses_first,
+# off by default), no_hold (thinker and talker send a request's prefill output as soon as the prefill phase
+# ends instead of with the same step's decode output).
 set -u
 OUT="${1:?usage: bash perf/gpu_variants.sh OUT_DIR [variant ...]}"
 shift

@@ -115,7 +115,7 @@ def profile_prefix_prefill(model, config, kw, params, sizes=(1, 16, 32)) -> dict
     runner.capture_graphs()
     base = thinker_prompts(config, 150, 1, True)[0]
     prompts = []
-    for i in range(max(BATCHES)):
+    for i in range(max(sizes)):
         ids = base.input_ids.clone()
         ids[112] = (int(ids[112]) + 1 + i) % 150000  # the suffix differs, the first 7 blocks are shared
         prompts.append(ThinkerPrompt(ids, export_talker=True))

@@ -42,6 +42,11 @@ def gather_or_grouped_experts_forward(
     return forward(self, hidden_states, top_k_index, top_k_weights)
 
 
+def is_experts_module(module: torch.nn.Module) -> bool:
+    """A MoE block's experts (thinker, talker): all experts' weights in one gate_up_proj / down_proj each."""
+    return hasattr(module, "gate_up_proj") and hasattr(module, "num_experts")
+
+
 def lean_grouped_mm_experts_forward(
     self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:

@@ -184,6 +184,8 @@ def install(model: torch.nn.Module) -> int:
     modules were changed (0 without triton)."""
     if not fused_ops.available():
         return 0
+    from .experts import is_experts_module  # experts.py calls this module's kernels: imported here, not at the top
+
     swapped = 0
     for module in model.modules():
         name = type(module).__name__
@@ -195,7 +197,7 @@ def install(model: torch.nn.Module) -> int:
         elif name in MLP_CLASSES:
             module.gate_up_weight = _merge(module.gate_proj, module.up_proj)
             module.forward = types.MethodType(_mlp_forward, module)
-        elif hasattr(module, "gate_up_proj") and hasattr(module, "num_experts"):
+        elif is_experts_module(module):
             # the experts' gate/up is one weight already; lean_grouped_mm (experts.py) reads this flag for
             # its fused silu(gate) * up and its fused way back to the tokens
             module.fused_epilogues = True

@@ -11,7 +11,7 @@ from omnistage.models.checkpoint import load_stage
 
 
 def _experts_modules(model):
-    return [m for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "num_experts")]
+    return [m for m in model.modules() if experts.is_experts_module(m)]
 
 
 @pytest.mark.parametrize("stage", ["thinker", "talker"])

@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from omnistage.models import fused_ops, fused_projections
+from omnistage.models import experts, fused_ops, fused_projections
 from omnistage.models.checkpoint import load_stage
 
 pytestmark = pytest.mark.skipif(not fused_ops.available(), reason="triton is not installed")
@@ -63,9 +63,9 @@ def test_install_merges_weights_into_views_without_copies():
     before = {n: p.detach().clone() for n, p in layer.named_parameters()}
     attentions = [m for m in model.modules() if type(m).__name__ in fused_projections.ATTENTION_CLASSES]
     mlps = [m for m in model.modules() if type(m).__name__ in fused_projections.MLP_CLASSES]
-    experts = [m for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "num_experts")]
-    assert fused_projections.install(model) == len(attentions) + len(mlps) + len(experts)
-    assert attentions and mlps and experts and all(m.fused_epilogues for m in experts)
+    moe = [m for m in model.modules() if experts.is_experts_module(m)]
+    assert fused_projections.install(model) == len(attentions) + len(mlps) + len(moe)
+    assert attentions and mlps and moe and all(m.fused_epilogues for m in moe)
     attn = layer.self_attn
     assert attn.q_proj.weight.data_ptr() == attn.qkv_weight.data_ptr()  # views of the merged weight
     assert attn.v_proj.weight.untyped_storage().data_ptr() == attn.qkv_weight.untyped_storage().data_ptr()
@@ -96,7 +96,6 @@ def test_thinker_and_talker_with_merged_projections_match_generate(on_cpu_too, h
     """With lean_experts, the experts run as on cuda: lean_grouped_mm with its fused silu(gate) * up and its
     fused way back to the tokens."""
     from omnistage.core.sampling import SamplingParams
-    from omnistage.models import experts
     from omnistage.models.processor import prepare_inputs
     from omnistage.stages.talker import TalkerPrompt, TalkerRunner
     from omnistage.stages.thinker import ThinkerPrompt, ThinkerRunner
@@ -107,7 +106,7 @@ def test_thinker_and_talker_with_merged_projections_match_generate(on_cpu_too, h
     inputs = prepare_inputs(processor, oracle.messages("text"))
     want_text, want_codes, _ = oracle.generate(hf_model, inputs, REPLY, FRAMES)  # before the swap
     model = copy.deepcopy(hf_model)
-    moe = [m for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "num_experts")]
+    moe = [m for m in model.modules() if experts.is_experts_module(m)]
     combined = []
     if lean_experts:
         experts.register()

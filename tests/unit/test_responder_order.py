@@ -3,6 +3,7 @@
 # real thread against a stand-in for the stub's module and response senders (they exist only in a stub).
 import sys
 import threading
+import time
 import types
 
 import pytest
@@ -70,9 +71,8 @@ def test_first_outputs_jump_the_round(responder_module, first_first):
 
 
 def _wait(condition, timeout=5.0):
-    deadline = threading.Event()
-    for _ in range(int(timeout / 0.01)):
-        if condition():
-            return
-        deadline.wait(0.01)
-    raise AssertionError("timed out")
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out")
+        time.sleep(0.01)
