@@ -64,7 +64,7 @@ def hardware() -> dict:
         info["gpus"] = f"nvidia-smi failed: {exc}"
     from importlib.metadata import PackageNotFoundError, version
 
-    for dist in ("torch", "transformers", "tritonclient", "nvidia-pytriton", "httpx"):
+    for dist in ("torch", "transformers", "tritonclient", "nvidia-pytriton", "aiohttp"):
         try:
             info[dist] = version(dist)
         except PackageNotFoundError:
@@ -234,6 +234,7 @@ class Bench:
                     continue
                 say(f"{name} c={c}: {n} prompts, {limit:.0f}s limit")
                 cpu_before, gpu = self.cpu_seconds(), GpuSampler().start()
+                metrics_before = self.stage_metrics()  # the level's own share: after - before (warm-ups excluded)
                 level = asyncio.run(
                     loadgen.run_level(self.server.api_url, workload, c, n, offset=offset, timeout_s=limit)
                 )
@@ -245,8 +246,8 @@ class Bench:
                 entry["requests"] = [r.to_json() for r in level.records]
                 # the frontend's own histograms (omni_frontend_*: arrival at the frontend -> first token / audio
                 # received from Triton) split the time between omni_ensemble and the client
-                entry["stage_metrics_after"] = {**omni_metrics(self.server.triton.metrics_url),
-                                                **omni_metrics(self.server.api_url.rstrip("/") + "/metrics")}
+                entry["stage_metrics_before"] = metrics_before
+                entry["stage_metrics_after"] = self.stage_metrics()
                 # stalled requests (cut by the deadline, or failed: the frontend ends a hung server's requests
                 # with a 503): what every stub's threads are doing now
                 if entry.get("cut_by_deadline") or entry.get("failed"):
@@ -258,6 +259,9 @@ class Bench:
             self.phase(name, "ok", t0)
         except Exception as exc:  # noqa: BLE001
             self.phase(name, "failed", t0, note=f"{type(exc).__name__}: {exc}"[:1000])
+
+    def stage_metrics(self) -> dict:
+        return {**omni_metrics(self.server.triton.metrics_url), **omni_metrics(self.server.api_url.rstrip("/") + "/metrics")}
 
     def dump_stub_stacks(self) -> int:
         process = self.server.triton.process if self.server else None

@@ -64,12 +64,11 @@ run_variant() {  # name, then perf.gpu_bench args
 import json, re, sys
 path, name = sys.argv[1:]
 b = json.load(open(path))
-before = {}
 for lv in b.get("ours", {}).get("w1", {}).get("levels", []):
     if "throughput_rps" not in lv:
         print(name, lv)
         continue
-    m = lv["stage_metrics_after"]
+    m, before = lv["stage_metrics_after"], lv.get("stage_metrics_before", {})
     print(f"{name} c={lv['concurrency']}: {lv['completed']}/{lv['num_prompts']} {lv['throughput_rps']:.2f} req/s "
           f"TTFT {lv['ttft_ms']['mean']:.0f} TTFP {lv['ttfp_ms']['mean']:.0f} RTF {lv['rtf']['mean']:.3f} "
           f"wall {lv['wall_s']:.1f}s cpu {lv.get('cpu_seconds')} gpu {lv.get('gpu_utilization')}")
@@ -87,7 +86,6 @@ for lv in b.get("ours", {}).get("w1", {}).get("levels", []):
     counters = {k.removeprefix("omni_"): round(delta(k), 2) for k in sorted(m) if not k.startswith("omni_milestone")
                 and re.search(r"(seconds_total|_steps_total|responses_total|tokens_total|chunks_total|rows_total|outputs_total)$", k)}
     print(f"{name} c={lv['concurrency']} counters {counters}")
-    before = m
 PYEOF
 }
 

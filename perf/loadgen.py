@@ -28,12 +28,15 @@ def level_sizes(concurrency: list[int], factor: float, min_prompts: int = 1, fix
     return [max(min_prompts, fixed if fixed else round(factor * c)) for c in concurrency]
 
 
-def _client(concurrency: int, request_timeout: float, transport=None):
-    import httpx
+def _session(concurrency: int, request_timeout: float):
+    """One aiohttp session per level, as vLLM's benchmark client keeps one: its pool keeps a connection per
+    stream alive between requests. (httpx's pool, tried first, stalled requests for up to ~0.4 s in a burst
+    of 64: requests handed the same idle connection in one round retry each other in turn.)"""
+    import aiohttp
 
-    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
-    timeout = httpx.Timeout(request_timeout, connect=30.0)
-    return httpx.AsyncClient(limits=limits, timeout=timeout, transport=transport)
+    connector = aiohttp.TCPConnector(limit=concurrency + 8)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30.0, sock_read=request_timeout)
+    return aiohttp.ClientSession(connector=connector, timeout=timeout)
 
 
 async def run_level(
@@ -46,7 +49,6 @@ async def run_level(
     timeout_s: float | None = None,
     request_timeout: float = 900.0,
     label: str | None = None,
-    transport=None,
 ) -> LevelResult:
     """num_prompts requests (prompts offset..), at most `concurrency` in flight. At timeout_s no new request
     starts and those in flight are cancelled (status `cut`), so a slow server still gives partial numbers."""
@@ -57,7 +59,7 @@ async def run_level(
     progress = Progress(num_prompts, label or f"{workload.name} c={concurrency}")
     endpoint = url.rstrip("/") + CHAT_PATH
 
-    async with _client(concurrency, request_timeout, transport) as client:
+    async with _session(concurrency, request_timeout) as session:
 
         async def worker() -> None:
             while True:
@@ -65,7 +67,7 @@ async def run_level(
                     record = queue.get_nowait()
                 except asyncio.QueueEmpty:
                     return
-                await stream_chat(client, endpoint, workload.body(record.index), record)
+                await stream_chat(session, endpoint, workload.body(record.index), record)
                 progress.update(record.status == "ok")
 
         t0 = time.perf_counter()
@@ -182,7 +184,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--min-prompts", type=int, default=1, help="at least this many prompts per level")
     ap.add_argument("--warmup", type=int, default=5, help="warm-up requests before the sweep (sent together)")
     ap.add_argument("--level-timeout", type=float, help="seconds per level; then in-flight requests are cut")
-    ap.add_argument("--request-timeout", type=float, default=900.0, help="httpx read timeout per request")
+    ap.add_argument("--request-timeout", type=float, default=900.0, help="seconds a request may wait for its next bytes")
     ap.add_argument("--reply-tokens", type=int, help="override the workload's reply tokens (thinker max_tokens)")
     ap.add_argument("--frames", type=int, help="override the workload's codec frames (talker max_tokens)")
     ap.add_argument("--w2-prompt-tokens", type=int, default=2500, help="W2 prompt length")

@@ -1,10 +1,10 @@
-# perf/loadgen.py over the real FastAPI frontend (ASGI, in process) with a scripted backend: SSE parsing,
-# the per-request times, errors counted rather than raised, and the level deadline.
+# perf/loadgen.py over the real FastAPI frontend (uvicorn on a loopback port) with a scripted backend: SSE
+# parsing, the per-request times, errors counted rather than raised, the level deadline, and connections
+# kept alive between a stream's requests.
 import asyncio
 import base64
 import json
 
-import httpx
 import pytest
 
 from omnistage.core.errors import EngineError
@@ -12,8 +12,9 @@ from openai_frontend.app import create_app
 from perf import workloads
 from perf.loadgen import run_level
 from perf.metrics import RequestRecord
-from perf.sse_client import apply_event
+from perf.sse_client import LineSplitter, apply_event
 from tests.api.fake_omni import FakeOmniClient, Script, Step, tone
+from tests.api.servers import ThreadedUvicorn
 
 
 def small_workload():
@@ -28,11 +29,30 @@ def small_workload():
     )
 
 
-def level(fake, concurrency, n, timeout_s=None):
-    transport = httpx.ASGITransport(app=create_app(fake, default_voice="ethan", model_name="qwen3-omni"))
-    return asyncio.run(
-        run_level("http://frontend", small_workload(), concurrency, n, timeout_s=timeout_s, transport=transport)
-    )
+class ClientPorts:
+    """ASGI wrapper that notes the client port of every HTTP request (one port per TCP connection) and sends
+    the end of each response body a little after the rest, as a server may ([DONE] is not the body's end)."""
+
+    def __init__(self, app) -> None:
+        self.app, self.ports = app, []
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        self.ports.append(scope["client"][1])
+
+        async def late_end(message):
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                await asyncio.sleep(0.05)
+            await send(message)
+
+        await self.app(scope, receive, late_end)
+
+
+def level(fake, concurrency, n, timeout_s=None, app_wrapper=None):
+    app = create_app(fake, default_voice="ethan", model_name="qwen3-omni")
+    with ThreadedUvicorn(app_wrapper(app) if app_wrapper else app) as server:
+        return asyncio.run(run_level(server.url, small_workload(), concurrency, n, timeout_s=timeout_s))
 
 
 def test_apply_event_reads_text_audio_usage_and_done():
@@ -99,3 +119,22 @@ def test_deadline_cuts_what_is_in_flight():
     assert s["completed"] == 0 and s["cut_by_deadline"] == 5 and s["sent"] == 2
     assert result.note and "deadline" in result.note
     assert s["ttfp_ms_incl_cut"] is None or s["ttfp_ms_incl_cut"]["n"] <= 2
+
+
+def test_a_stream_keeps_its_connection_between_requests():
+    fake = FakeOmniClient()
+    fake.script = Script(steps=[Step("Hi", delay_s=0.01), Step("", audio=tone(1920), delay_s=0.01)])
+    wrapped = []
+    s = level(fake, 2, 8, app_wrapper=lambda app: wrapped.append(ClientPorts(app)) or wrapped[0]).summary()
+    assert s["completed"] == 8
+    assert len(wrapped[0].ports) == 8 and len(set(wrapped[0].ports)) <= 2
+
+
+def test_line_splitter_joins_pieces_and_strips_crlf():
+    lines = LineSplitter()
+    long = "data: " + "A" * 300_000
+    assert lines.feed(b"data: 1\r\n\r\ndata") == ["data: 1", ""]
+    assert lines.feed(b": 2\n") == ["data: 2"]
+    assert lines.feed(long[:1000].encode()) == []
+    assert lines.feed(long[1000:].encode()) == []
+    assert lines.feed(b"\n\n") == [long, ""]
