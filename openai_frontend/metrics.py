@@ -18,6 +18,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from omnistage.core.request_trace import request_trace
+
 _LATENCY = (0.025, 0.05, 0.1, 0.15, 0.25, 0.5, 0.75, 1, 1.5, 2.5, 5, 10, 30, 60)
 _RTF = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 5)
 
@@ -37,13 +39,17 @@ class FrontendMetrics:
         self.prompt_tokens = Counter(p + "prompt_tokens", "prompt tokens", registry=r)
         self.completion_tokens = Counter(p + "completion_tokens", "text tokens generated", registry=r)
         self.audio_frames = Counter(p + "audio_frames", "codec frames generated", registry=r)
+        # per-request timestamps for perf/trace_join.py, when OMNI_TRACE_DIR is set (core/request_trace.py)
+        self.trace = request_trace("frontend")
 
 
 class RequestMeter:
     """Timestamps of one chat request; every observation is made at most once."""
 
-    def __init__(self, metrics: FrontendMetrics | None, arrival: float | None = None, sample_rate: int = 24000):
+    def __init__(self, metrics: FrontendMetrics | None, arrival: float | None = None, sample_rate: int = 24000,
+                 request_id: str | None = None):  # fmt: skip
         self.metrics = metrics
+        self.request_id = request_id  # the id the backend request carries (the trace's join key)
         self.arrival = time.perf_counter() if arrival is None else arrival
         self.sample_rate = sample_rate
         self.samples = 0
@@ -93,6 +99,10 @@ class RequestMeter:
         if self._open:
             self._open = False
             self.metrics.in_flight.dec()
+            if self.metrics.trace is not None and self.request_id:
+                self.metrics.trace.write({"id": self.request_id, "arrival": self.arrival, "first_token": self.first_token,
+                                          "first_audio": self.first_audio, "last_audio": self.last_audio,
+                                          "end": time.perf_counter()})  # fmt: skip
 
     def _observe(self, name: str, at: float) -> None:
         if self.metrics is not None:

@@ -19,8 +19,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+from omnistage.core.request_trace import TRACE_DIR_ENV
 from omnistage.launch.proc_stats import dump_stub_stacks, process_state, server_cpu_seconds, stub_pids
-from perf import loadgen, workloads
+from perf import loadgen, trace_join, workloads
 from perf.bench_server import BenchServer, by_model, stage_setting
 from perf.compare import comparison, plot_bench, reference, summary_text
 from perf.gpu_sampler import GpuSampler
@@ -167,6 +168,9 @@ class Bench:
         # requests cut by its deadline, i.e. stalled, and packed into stacks.tar.gz at the end
         os.environ.setdefault("OMNI_STACKS_DIR", str(self.tmp / "stacks"))
         self.stacks_dir = Path(os.environ["OMNI_STACKS_DIR"])
+        # the frontend and omni_ensemble write a line per request there: each level's hops between processes
+        os.environ.setdefault(TRACE_DIR_ENV, str(self.tmp / "trace"))
+        self.trace_dir = Path(os.environ[TRACE_DIR_ENV])
         try:
             self.server = BenchServer(
                 a.model,
@@ -244,6 +248,8 @@ class Bench:
                 # per part of the stack over the level: near one core's worth (wall_s) = bound by that part's GIL
                 entry["cpu_seconds"] = {k: round(v - cpu_before.get(k, 0.0), 2) for k, v in self.cpu_seconds().items()}
                 entry["requests"] = [r.to_json() for r in level.records]
+                # mean ms per hop of the first token's and first audio's way: client, frontend, omni_ensemble
+                entry["trace_hops"] = trace_join.hop_means(entry["requests"], trace_join.load_traces(self.trace_dir))
                 # the frontend's own histograms (omni_frontend_*: arrival at the frontend -> first token / audio
                 # received from Triton) split the time between omni_ensemble and the client
                 entry["stage_metrics_before"] = metrics_before

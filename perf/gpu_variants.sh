@@ -20,8 +20,8 @@
 # this machine? perf/README.md, 2026-12-03 third session), no_prefix (the thinker without its prefix cache:
 # every prompt prefilled in full), omp1 (every process with OMP_NUM_THREADS=1: a stage's small host-tensor
 # ops on torch's 16-thread pool?), no_first_lane (Code2Wav without its first lane: first chunks queue with
-# the rest, eager; the default before the 2026-12-04 session), ens1 / ens2 / ens3 (one, two (the cuda default since the 2026-12-04
-# session) or three omni_ensemble instances), prefill8 (thinker and talker take at most 8 new prompts per
+# the rest, eager; the default before the 2026-12-04 session), ens1 / ens2 / ens3 / ens4 (one, two (the cuda
+# default since the 2026-12-04 session), three or four omni_ensemble instances), prefill8 (thinker and talker take at most 8 new prompts per
 # step instead of 16: shorter prefill steps for a cohort of arrivals), prefill32 (32: a cohort in fewer
 # steps), thinker_prefill32 (32 in the thinker only), first1 (first audio after 1 frame, the one the talker
 # completes in its prefill step, sent without waiting for the step's decode: talker hold_prefill_outputs
@@ -29,7 +29,9 @@
 # experts in thinker and talker: the cuda default before lean_grouped_mm), first_first (every response
 # thread sends a request's first output at the head of its round: model parameter first_responses_first,
 # off by default), no_hold (thinker and talker send a request's prefill output as soon as the prefill phase
-# ends instead of with the same step's decode output).
+# ends instead of with the same step's decode output: the cuda default since the third session of
+# 2026-12-04), thinker_hold (the thinker holds its prefill output for the step's decode output again: the
+# cuda default before).
 set -u
 OUT="${1:?usage: bash perf/gpu_variants.sh OUT_DIR [variant ...]}"
 shift
@@ -82,6 +84,8 @@ for lv in b.get("ours", {}).get("w1", {}).get("levels", []):
     front = {h: round(1e3 * delta(f"omni_frontend_{h}_sum") / n) for h in ("queue_seconds", "time_to_first_token_seconds",
              "audio_ttfp_seconds") if (n := delta(f"omni_frontend_{h}_count"))}
     print(f"{name} c={lv['concurrency']} frontend_ms {front}")
+    # the same request's stamps in the client, the frontend and omni_ensemble (perf/trace_join.py): mean ms per hop
+    print(f"{name} c={lv['concurrency']} trace_ms {lv.get('trace_hops')}")
     # where the stages' and response threads' time went over the level (seconds, or counts)
     counters = {k.removeprefix("omni_"): round(delta(k), 2) for k in sorted(m) if not k.startswith("omni_milestone")
                 and re.search(r"(seconds_total|_steps_total|responses_total|tokens_total|chunks_total|rows_total|outputs_total)$", k)}
@@ -126,6 +130,8 @@ for n in (16, 64): print('smoke burst', n, {k: v for k, v in r.get(f'burst_{n}',
     ens1) run_variant ens1 --instances omni_ensemble=1 ;;
     ens2) run_variant ens2 --instances omni_ensemble=2 ;;
     ens3) run_variant ens3 --instances omni_ensemble=3 ;;
+    ens4) run_variant ens4 --instances omni_ensemble=4 ;;
+    thinker_hold) run_variant thinker_hold --set thinker.hold_prefill_outputs=true ;;
     no_hold) run_variant no_hold --set thinker.hold_prefill_outputs=false --set talker.hold_prefill_outputs=false ;;
     prefill8) run_variant prefill8 --set thinker.max_prefills_per_step=8 --set talker.max_prefills_per_step=8 ;;
     grouped_mm) run_variant grouped_mm --set thinker.experts_implementation=grouped_mm --set talker.experts_implementation=grouped_mm ;;

@@ -19,7 +19,9 @@ STATS = ("mean", "median", "p99")
 @dataclass
 class RequestRecord:
     index: int  # prompt index within the level
-    start: float = 0.0  # perf_counter just before the POST
+    # perf_counter just before the POST (CLOCK_MONOTONIC on Linux: comparable with the server's trace stamps)
+    start: float = 0.0
+    id: str | None = None  # the completion's id (the frontend's request id: the trace's join key)
     ttft: float | None = None  # seconds since start
     ttfp: float | None = None
     last_audio: float | None = None
@@ -45,7 +47,7 @@ class RequestRecord:
         return self.last_audio / self.audio_s
 
     def to_json(self) -> dict:
-        out = {k: v for k, v in asdict(self).items() if k != "start"}
+        out = asdict(self)
         out["audio_s"] = self.audio_s
         out["rtf"] = self.rtf
         return out

@@ -27,6 +27,8 @@ def apply_event(record: RequestRecord, data: str, t: float) -> bool:
             f"stream error: {err.get('message', err) if isinstance(err, dict) else err}",
         )
         return True
+    if record.id is None and event.get("id"):
+        record.id = event["id"]
     if event.get("usage"):
         usage = event["usage"]
         record.prompt_tokens = usage.get("prompt_tokens")

@@ -15,6 +15,7 @@ import torch
 from ..core.admission import Admission
 from ..core.chunking import ChunkPolicy, ChunkSchedule
 from ..core.errors import BadRequestError, OmniError
+from ..core.request_trace import request_trace
 from ..core.protocol import SAMPLE_RATE
 from ..models.checkpoint import load_config
 from ..models import media
@@ -42,6 +43,7 @@ RTF_BUCKETS = [0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0]
 @dataclass
 class AudioClock:  # one request's audio timing, for the TTFP and RTF histograms
     start: float
+    request_id: str = ""  # the client's (the frontend's) id of the Triton request: the trace's join key
     audio_samples: int = 0
     last_audio: float = 0.0
 
@@ -73,6 +75,8 @@ class OmniModel:
         self.requests: dict[str, OmniRequest] = {}
         self.left_while_queued: set[str] = set()  # cancelled before their OmniRequest existed
         self.clocks: dict[str, AudioClock] = {}
+        # per-request timeline for perf/trace_join.py, when OMNI_TRACE_DIR is set (core/request_trace.py)
+        self.trace = request_trace("omni_ensemble")
         self.responder = Responder("omni_ensemble", self.encode, self._cancel, self.reaper,
                                    first_responses_first=flag(params, "first_responses_first"))  # fmt: skip
         self.responder.start()
@@ -115,7 +119,7 @@ class OmniModel:
                 send_final(sender, error_response(e if isinstance(e, OmniError) else BadRequestError(str(e))))
                 continue
             session = uuid.uuid4().hex
-            self.clocks[session] = AudioClock(time.perf_counter())
+            self.clocks[session] = AudioClock(time.perf_counter(), request.request_id())
             self.responder.register(session, sender)
             threading.Thread(target=self._serve, args=(session, messages, options), daemon=True,
                              name=f"omni-{session[:8]}").start()  # fmt: skip
@@ -165,6 +169,9 @@ class OmniModel:
             self.clocks.pop(session, None)
             if clock is not None and clock.audio_samples and error is None and reason != "abort":
                 self.metrics.observe("omni_audio_rtf", (clock.last_audio - clock.start) / (clock.audio_samples / SAMPLE_RATE))
+            if self.trace is not None and clock is not None:
+                usage = output.usage if output is not None and output.usage else {}
+                self.trace.write({"id": clock.request_id, "arrival": clock.start, "timeline_ms": usage.get("timeline_ms")})
         self.responder.emit(session, output, reason, error)
 
     @staticmethod

@@ -34,7 +34,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     plan = replace(plan, messages=await prepare_messages(plan.messages, settings))
     ids = ResponseIds(model=settings.model_name)
     arrival = getattr(request.state, "arrival", None) or time.perf_counter()
-    meter = RequestMeter(request.app.state.metrics, arrival, SAMPLE_RATE)
+    meter = RequestMeter(request.app.state.metrics, arrival, SAMPLE_RATE, request_id=ids.id)
     if plan.stream:
         return SSEResponse(chat_service.stream_events(client, plan, ids, meter), on_error=error_response)
     try:

@@ -25,8 +25,9 @@ async def create_speech(body: speech.SpeechRequest, request: Request) -> Respons
         raise FrontendError(404, f"model {body.model!r} not found; this server serves {settings.model_name!r}",
                             param="model", code="model_not_found")  # fmt: skip
     plan = plan_chat(speech.chat_request(body), settings)
+    request_id = f"speech-{uuid.uuid4().hex}"
     meter = RequestMeter(request.app.state.metrics, getattr(request.state, "arrival", None) or time.perf_counter(),
-                         SAMPLE_RATE)  # fmt: skip
-    chunks = speech.audio_bytes(request.app.state.client, plan, f"speech-{uuid.uuid4().hex}", meter)
+                         SAMPLE_RATE, request_id=request_id)  # fmt: skip
+    chunks = speech.audio_bytes(request.app.state.client, plan, request_id, meter)
     # the disconnect guard of the SSE responses: a client that leaves cancels the Triton request
     return SSEResponse(chunks, on_error=error_response, media_type=speech.media_type(plan.audio_format))

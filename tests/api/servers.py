@@ -51,7 +51,8 @@ class ThreadedUvicorn:
 class FrontendProcess:
     """`python -m openai_frontend ARGS` on a free port; its log is kept in `output` for failure reports."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        self.extra_env = env or {}  # on top of this process's environment
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = ["--host", "127.0.0.1", "--port", str(self.port), *args]
@@ -61,7 +62,7 @@ class FrontendProcess:
         self.log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a full pipe would block the server
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "openai_frontend", *self.args],
-            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=self.log, stderr=subprocess.STDOUT,
+            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **self.extra_env}, stdout=self.log, stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + 30
         while True:

@@ -80,11 +80,11 @@ def test_first_chunks_take_code2wav_first_lane(triton_server, hf_model, processo
 
 
 def test_one_frame_first_chunk_sent_with_the_talker_prefill(triton_launcher, tiny_checkpoint, hf_model, processor):
-    """The cuda profile's first-chunk settings (1 frame, the one the talker completes in its prefill step; the
-    talker does not hold its prefill outputs): the first audio is one frame and the whole still equals
-    generate()'s."""
+    """The cuda profile's first-chunk settings (1 frame, the one the talker completes in its prefill step;
+    neither thinker nor talker holds its prefill outputs, so the talker starts on one reply row): the first
+    audio is one frame and the whole still equals generate()'s."""
     spec = default_spec(str(tiny_checkpoint), "cpu")
-    spec["talker"].parameters["hold_prefill_outputs"] = "false"
+    spec["thinker"].parameters["hold_prefill_outputs"] = spec["talker"].parameters["hold_prefill_outputs"] = "false"
     spec["omni_ensemble"].parameters["first_chunk_frames"] = spec["code2wav"].parameters["first_chunk_frames"] = "1"
     server = triton_launcher(RepoSpec(models=spec, src=REPO_ROOT / "model_repository"))
     msgs = oracle.messages("text", "Say something short")

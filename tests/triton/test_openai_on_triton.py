@@ -1,15 +1,21 @@
 # The OpenAI frontend over the real pipeline (tiny checkpoint, real tritonserver), with the openai SDK:
 # streamed and non-streamed text+audio agree with each other and with omni_ensemble called directly,
-# the WAV is valid 24 kHz mono pcm16 of the decoded length, and /health reports ready.
+# the WAV is valid 24 kHz mono pcm16 of the decoded length, and /health reports ready. Both processes
+# write request traces (OMNI_TRACE_DIR), which perf/trace_join.py lines up with the load generator's requests.
+import asyncio
 import base64
+import os
 
 import httpx
 import numpy as np
 import openai
 import pytest
 
+from omnistage.core.request_trace import TRACE_DIR_ENV
 from omnistage.launch.render import default_spec
 from omnistage.launch.triton_env import REPO_ROOT
+from perf import trace_join, workloads
+from perf.loadgen import run_level
 
 from .. import oracle
 from ..api.servers import FrontendProcess
@@ -22,13 +28,19 @@ STAGES = [{"temperature": 0}, {"temperature": 0, "max_tokens": FRAMES, "repetiti
 
 
 @pytest.fixture(scope="module")
-def repo_spec(tiny_checkpoint):
-    return RepoSpec(models=default_spec(str(tiny_checkpoint), "cpu"), src=REPO_ROOT / "model_repository")
+def trace_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("trace")
 
 
 @pytest.fixture(scope="module")
-def frontend(triton_server):
-    with FrontendProcess("--triton-url", triton_server.grpc_url) as f:
+def repo_spec(tiny_checkpoint, trace_dir):
+    return RepoSpec(models=default_spec(str(tiny_checkpoint), "cpu"), src=REPO_ROOT / "model_repository",
+                    env={**os.environ, TRACE_DIR_ENV: str(trace_dir)})  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def frontend(triton_server, trace_dir):
+    with FrontendProcess("--triton-url", triton_server.grpc_url, env={TRACE_DIR_ENV: str(trace_dir)}) as f:
         yield f
 
 
@@ -150,3 +162,18 @@ def test_speech_endpoint(frontend):
     assert r.status_code == 200 and r.headers["content-type"] == "audio/wav"
     samples = parse_wav(r.content)
     assert len(samples) == frames * 1920 - 555 and np.abs(samples).max() > 1000
+
+
+def test_request_traces_join_the_load_generators_requests(frontend, trace_dir):
+    workload = workloads.Workload(name="t", description="test", reply_tokens=3, frames=6, concurrency=(2,),
+                                  prompts=[oracle.messages("text")] * 3, prompt_tokens=[20] * 3)  # fmt: skip
+    level = asyncio.run(run_level(frontend.url, workload, 2, 3))
+    assert level.summary()["completed"] == 3
+    requests = [r.to_json() for r in level.records]
+    joined = trace_join.hop_means(requests, trace_join.load_traces(trace_dir))
+    # every request is found in both traces by the id the client saw, and the stamps of the three processes
+    # (one host clock) fall in the order of the request's way: no hop is negative
+    assert joined["requests_joined"] == 3, joined
+    hops = joined["mean_ms"]
+    assert set(hops) == set(trace_join.TEXT_HOPS) | set(trace_join.AUDIO_HOPS), hops
+    assert all(ms >= 0 for ms in hops.values()), hops

@@ -42,9 +42,9 @@ def test_base_profile_is_the_default_layout(platform):
     assert all(spec[name].parameters["step_stream"] == "false" for name in ("thinker", "talker", "code2wav"))
     omni = spec["omni_ensemble"].parameters
     # first audio after 1 frame on cuda (CPU tests count the 4-frame first chunk); no light-load schedule.
-    # That frame leaves the talker with its prefill: on cuda the talker does not hold prefill outputs
+    # That frame leaves the talker with its prefill, on the thinker's first token: on cuda neither holds
     first = "1" if cuda else "4"
-    assert spec["thinker"].parameters["hold_prefill_outputs"] == "true"
+    assert spec["thinker"].parameters["hold_prefill_outputs"] == ("false" if cuda else "true")
     assert spec["talker"].parameters["hold_prefill_outputs"] == ("false" if cuda else "true")
     assert spec["code2wav"].parameters.get("first_chunk_frames") == ("1" if cuda else "4")
     assert (omni["first_chunk_frames"], omni["chunk_frames"], omni["max_inflight"]) == (first, "25", "128")
