@@ -20,8 +20,8 @@
 # this machine? perf/README.md, 2026-12-03 third session), no_prefix (the thinker without its prefix cache:
 # every prompt prefilled in full), omp1 (every process with OMP_NUM_THREADS=1: a stage's small host-tensor
 # ops on torch's 16-thread pool?), no_first_lane (Code2Wav without its first lane: first chunks queue with
-# the rest, eager; the default before the 2026-12-04 session), ens1 / ens2 / ens3 / ens4 (one, two (the cuda
-# default since the 2026-12-04 session), three or four omni_ensemble instances), prefill8 (thinker and talker take at most 8 new prompts per
+# the rest, eager; the default before the 2026-12-04 session), ensN (N omni_ensemble instances, e.g.
+# ens2: the cuda default of the first two sessions of 2026-12-04, ens4 since), prefill8 (thinker and talker take at most 8 new prompts per
 # step instead of 16: shorter prefill steps for a cohort of arrivals), prefill32 (32: a cohort in fewer
 # steps), thinker_prefill32 (32 in the thinker only), first1 (first audio after 1 frame, the one the talker
 # completes in its prefill step, sent without waiting for the step's decode: talker hold_prefill_outputs
@@ -127,10 +127,7 @@ for n in (16, 64): print('smoke burst', n, {k: v for k, v in r.get(f'burst_{n}',
     no_prefix) run_variant no_prefix "${NO_PREFIX[@]}" ;;
     omp1) OMP_NUM_THREADS=1 run_variant omp1 ;;
     no_first_lane) run_variant no_first_lane --set code2wav.first_chunk_frames=0 ;;
-    ens1) run_variant ens1 --instances omni_ensemble=1 ;;
-    ens2) run_variant ens2 --instances omni_ensemble=2 ;;
-    ens3) run_variant ens3 --instances omni_ensemble=3 ;;
-    ens4) run_variant ens4 --instances omni_ensemble=4 ;;
+    ens[1-9]|ens[1-9][0-9]) run_variant "$v" --instances omni_ensemble="${v#ens}" ;;
     thinker_hold) run_variant thinker_hold --set thinker.hold_prefill_outputs=true ;;
     no_hold) run_variant no_hold --set thinker.hold_prefill_outputs=false --set talker.hold_prefill_outputs=false ;;
     prefill8) run_variant prefill8 --set thinker.max_prefills_per_step=8 --set talker.max_prefills_per_step=8 ;;

@@ -128,6 +128,8 @@ _STAGE_COUNTERS = {
     "response_poll_seconds_total": "seconds the response thread spent asking whether clients left (is_cancelled())",
     "response_delay_seconds_total": "summed seconds from an output's hand-over to the response thread to its "
                                     "response sent (/ responses_total: the mean wait there)",
+    "response_pickup_seconds_total": "the part of response_delay_seconds_total until the response thread took the "
+                                     "output off its queue (the rest: its round's sends)",
     "first_responses_total": "requests answered with data (their first output sent)",
     "first_response_seconds_total": "their seconds from arrival to that first response sent: the stage's part of "
                                     "a request's first output (queue, first step, response thread)",
@@ -172,6 +174,7 @@ class StageMetrics(MetricsPublisher):
             "response_send_seconds_total": self.responder.send_seconds,
             "response_poll_seconds_total": self.responder.poll_seconds,
             "response_delay_seconds_total": self.responder.delay_seconds,
+            "response_pickup_seconds_total": self.responder.pickup_seconds,
             "first_responses_total": self.responder.first_responses,
             "first_response_seconds_total": self.responder.first_response_seconds,
             "kv_cache_slots": self.kv.slots,

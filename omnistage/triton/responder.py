@@ -81,8 +81,11 @@ class Responder:
         self._registered_at: dict[str, float] = {}
         self.first_responses = 0
         self.first_response_seconds = 0.0
-        # summed seconds from an output's emit() to its response sent (the oldest of those merged into it)
+        # summed seconds from an output's emit() to its response sent (the oldest of those merged into it), and
+        # the first part of that: until this thread took it off its queue (the rest is its round: the sends
+        # before its own, and its own)
         self.delay_seconds = 0.0
+        self.pickup_seconds = 0.0
 
     def start(self) -> None:
         self._thread.start()
@@ -125,8 +128,9 @@ class Responder:
                     items.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
+            picked = time.perf_counter()
             for request_id, (output, finish_reason, error, emitted) in self._in_send_order(self._coalesce(items)):
-                self._send(request_id, output, finish_reason, error, emitted)
+                self._send(request_id, output, finish_reason, error, emitted, picked)
             if time.monotonic() - last_poll >= CANCEL_POLL_SECONDS:
                 last_poll = time.monotonic()
                 t0 = time.perf_counter()
@@ -160,7 +164,7 @@ class Responder:
         return sorted(items, key=lambda item: item[0] not in waiting)  # stable
 
     def _send(self, request_id: str, output, finish_reason: str | None, error: OmniError | None,
-              emitted: float | None = None) -> None:  # fmt: skip
+              emitted: float | None = None, picked: float | None = None) -> None:  # fmt: skip
         final = finish_reason is not None or error is not None
         with self._lock:
             entry = self._senders.pop(request_id, None) if final else self._senders.get(request_id)
@@ -204,6 +208,7 @@ class Responder:
             self.responses_sent += 1
             if emitted is not None:
                 self.delay_seconds += time.perf_counter() - emitted
+                self.pickup_seconds += (picked or emitted) - emitted
             if registered_at is not None and output is not None:
                 self.first_responses += 1
                 self.first_response_seconds += time.perf_counter() - registered_at

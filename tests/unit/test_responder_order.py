@@ -76,3 +76,24 @@ def _wait(condition, timeout=5.0):
         if time.monotonic() > deadline:
             raise AssertionError("timed out")
         time.sleep(0.01)
+
+
+def test_the_wait_for_pickup_is_counted_apart_from_the_round(responder_module):
+    log, gate = [], threading.Event()
+    r = responder_module.Responder("stage", lambda output, reason: {}, lambda request_id: None)
+    r.register("blocker", Sender("blocker", log, gate))
+    r.register("late", Sender("late", log))
+    r.start()
+    try:
+        r.emit("blocker", Output(), None, None)  # taken at once; its send then holds the thread
+        _wait(lambda: r._queue.qsize() == 0)
+        r.emit("late", Output(), None, None)  # waits on the queue until the blocker's send returns
+        time.sleep(0.2)
+        gate.set()
+        _wait(lambda: len(log) == 2)
+        # the blocker was picked up at once but waited in its own send; late waited ~0.2 s for the pickup
+        assert 0.2 <= r.pickup_seconds < r.delay_seconds
+        assert r.delay_seconds >= 0.4
+    finally:
+        gate.set()
+        r.stop()
