@@ -61,6 +61,35 @@ def test_thinker_and_talker_match_generate(kind, hf_model, processor):
     assert torch.equal(codes, want_codes)
 
 
+def test_talker_prefills_prompts_of_different_kinds_and_lengths_together(hf_model, processor):
+    """One talker prefill of two text-only prompts of different lengths (built in one pass) and an image prompt,
+    then their decode steps together: each gets the codec codes generate() gives it alone."""
+    kw = dict(max_slots=4, max_seq_len=512, device="cpu", dtype=torch.float32)
+    thinker, talker = ThinkerRunner(hf_model.thinker, hf_model.config, **kw), TalkerRunner(hf_model.talker, hf_model.config, **kw)
+    seqs, want = [], {}
+    for i, (kind, text) in enumerate([("text", "Say hello!"), ("image", "Say hello!"),
+                                      ("text", "Please read this much longer sentence out loud, slowly.")]):  # fmt: skip
+        inputs = prepare_inputs(processor, oracle.messages(kind, text))
+        prompt = ThinkerPrompt(inputs["input_ids"][0], inputs.get("pixel_values"), inputs.get("image_grid_thw"),
+                               export_talker=True)  # fmt: skip
+        out, _ = run_thinker(thinker, running(f"t{i}", SamplingParams(max_tokens=REPLY), prompt, slot=i))
+        tp = TalkerPrompt(out.talker, 2302, list(out.text_rows.unbind(0)), True, inputs.get("image_grid_thw"))
+        seqs.append(running(f"a{i}", SamplingParams(max_tokens=FRAMES, repetition_penalty=1.05), tp, slot=i))
+        want[f"a{i}"] = oracle.generate(hf_model, inputs, REPLY, FRAMES)[1]
+    frames = {s.request_id: [] for s in seqs}
+    results = talker.prefill(seqs)
+    while True:
+        for r in results:
+            if r.output is not None:
+                frames[r.seq.request_id].append(r.output.codes)
+        going = [r.seq for r in results if r.finish_reason is None]
+        if not going:
+            break
+        results = talker.decode(going)
+    for request_id, codes in frames.items():
+        assert torch.equal(torch.cat(codes), want[request_id]), request_id
+
+
 def test_talker_waits_for_text_it_has_not_received(hf_model, processor):
     """Streaming text into the talker row by row gives the same frames as handing it all at once, and frame k
     goes out once rows 0..k-1 are in: one row ahead of the text it reads back with row k."""
