@@ -154,7 +154,7 @@ def run_soak(api_url: str, metrics_url: str, triton_pid: int, frontend_pid: int,
     before = snapshot(metrics_url, triton_pid, frontend_pid)
     result = asyncio.run(load(api_url, duration_s, concurrency, cancel_fraction, seed))
     result.idle_after_s = _wait(lambda: _idle(metrics_url), 30)
-    time.sleep(1.0)  # let finished threads exit before counting
+    time.sleep(2.0)  # let finished threads exit, idle pool threads too (omnistage/core/daemon_pool.py: 1 s)
     result.before, result.after = before, snapshot(metrics_url, triton_pid, frontend_pid)
     p = result.problems
     if result.hung:

@@ -1,5 +1,5 @@
 # One omni request flowing through the stages (Triton-agnostic: the stages are reached through a
-# StageClient). Three threads, because reading a stage stream blocks:
+# StageClient). Three threads (the caller's and two from a DaemonPool), because reading a stage stream blocks:
 #   caller thread : thinker stream -> text deltas out; reply-token rows -> talker (start, then appends)
 #   talker thread : codec frames -> chunk windows -> code2wav queue
 #   code2wav thread: windows decoded in order -> audio chunks out
@@ -13,12 +13,14 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol
 
 import torch
 
 from ..core.chunking import ChunkCutter, ChunkSchedule
+from ..core.daemon_pool import DaemonPool
 from ..core.errors import EngineError, OmniError
 from .detokenizer import IncrementalDetokenizer
 from .options import OmniOptions
@@ -26,6 +28,7 @@ from .options import OmniOptions
 log = logging.getLogger(__name__)
 
 FRAME_SECONDS = 0.08  # 12.5 Hz codec frames
+THREADS = DaemonPool("omni-request")  # the talker and code2wav threads of requests given no pool of their own
 
 
 _THINKER_INPUTS = {  # processor output -> thinker input, with the wire dtype
@@ -99,7 +102,7 @@ Emit = Callable[[OmniOutput | None, "str | None", "OmniError | None"], None]
 class OmniRequest:
     def __init__(self, session: str, inputs: dict, options: OmniOptions, stages: StageClient, tokenizer,
                  schedule: ChunkSchedule, emit: Emit, on_hop: Callable[[str, float], None] | None = None,
-                 arrival: float | None = None):  # fmt: skip
+                 arrival: float | None = None, threads: DaemonPool = THREADS):  # fmt: skip
         self.session, self.inputs, self.options, self.stages = session, inputs, options, stages
         self.schedule, self.emit = schedule, emit
         self.detok = IncrementalDetokenizer(tokenizer)
@@ -111,8 +114,9 @@ class OmniRequest:
         self.audio_frames = 0
         self._cond: dict | None = None  # the thinker's talker conditioning (first response)
         self._pending_rows: list[torch.Tensor] = []
-        self._talker_thread: threading.Thread | None = None
-        self._code2wav_thread: threading.Thread | None = None
+        self.threads = threads
+        self._talker_job: Future | None = None  # _run_talker on a thread of `threads`, once the talker started
+        self._code2wav_job: Future | None = None
         self._windows: queue.SimpleQueue = queue.SimpleQueue()
         self._frames: list[torch.Tensor] = []  # [16] long each, frames not yet sent to code2wav
         self._frames_sent = 0  # frames before self._frames[0]
@@ -130,9 +134,9 @@ class OmniRequest:
     def run(self) -> None:
         try:
             self._run_thinker()
-            for t in (self._talker_thread, self._code2wav_thread):
-                if t is not None:
-                    t.join()
+            for job in (self._talker_job, self._code2wav_job):
+                if job is not None:
+                    job.result()
         except OmniError as e:
             self._fail(e)
         except Exception as e:  # unexpected: still end the stream
@@ -189,7 +193,7 @@ class OmniRequest:
                                               "talker_special_rows")}  # fmt: skip
         rows = out.get("text_rows")
         end = "finish_reason" in out
-        if self._talker_thread is None:
+        if self._talker_job is None:
             if rows is not None and rows.shape[0]:
                 self._pending_rows.append(rows)
             if self._pending_rows:
@@ -208,12 +212,8 @@ class OmniRequest:
         parameters = dict(self.options.talker_parameters, speaker=self.options.speaker, text_end=end)
         stream = self.stages.talker(self.session, inputs, parameters)
         self._mark("talker_started")
-        self._talker_thread = threading.Thread(target=self._run_talker, args=(stream,), daemon=True,
-                                               name=f"talker-{self.session[:8]}")  # fmt: skip
-        self._code2wav_thread = threading.Thread(target=self._run_code2wav, daemon=True,
-                                                 name=f"code2wav-{self.session[:8]}")  # fmt: skip
-        self._talker_thread.start()
-        self._code2wav_thread.start()
+        self._talker_job = self.threads.submit(self._run_talker, stream)
+        self._code2wav_job = self.threads.submit(self._run_code2wav)
 
     # ---- talker thread ----------------------------------------------------------------------------------
     def _run_talker(self, stream: Iterator[dict]) -> None:
@@ -282,7 +282,7 @@ class OmniRequest:
             self._abort_stages()
 
     def _abort_stages(self) -> None:
-        for stage, started in (("thinker", True), ("talker", self._talker_thread is not None)):
+        for stage, started in (("thinker", True), ("talker", self._talker_job is not None)):
             if started:
                 try:
                     self.stages.abort(stage, self.session)

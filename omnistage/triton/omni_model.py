@@ -1,11 +1,10 @@
-# omni_ensemble: the BLS orchestrator users call. execute() only validates parameters and starts a thread
-# per request (preprocessing and stage streams block); responses go out through a Responder, which also
-# notices cancelled requests and aborts their stages.
+# omni_ensemble: the BLS orchestrator users call. execute() only validates parameters and hands each request
+# to a thread of its pool (preprocessing and stage streams block); responses go out through a Responder,
+# which also notices cancelled requests and aborts their stages.
 from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -14,7 +13,8 @@ import torch
 
 from ..core.admission import Admission
 from ..core.chunking import ChunkPolicy, ChunkSchedule
-from ..core.errors import BadRequestError, OmniError
+from ..core.daemon_pool import DaemonPool
+from ..core.errors import BadRequestError, EngineError, OmniError
 from ..core.request_trace import request_trace
 from ..core.protocol import SAMPLE_RATE
 from ..models.checkpoint import load_config
@@ -73,6 +73,9 @@ class OmniModel:
         self.admission = Admission("omni_ensemble", int(params.get("max_inflight", 128)),
                                    int(params.get("max_queue", 256)))  # fmt: skip
         self.requests: dict[str, OmniRequest] = {}
+        # every request's threads (its own, its talker's and its Code2Wav's), reused: execute() never waits for
+        # a thread to start, which under this process's busy GIL held up the requests queued behind it
+        self.threads = DaemonPool("omni")
         self.left_while_queued: set[str] = set()  # cancelled before their OmniRequest existed
         self.clocks: dict[str, AudioClock] = {}
         # per-request timeline for perf/trace_join.py, when OMNI_TRACE_DIR is set (core/request_trace.py)
@@ -106,6 +109,7 @@ class OmniModel:
         self.metrics.start()
 
     def execute(self, requests):
+        arrival = time.perf_counter()  # the batch's, not after the requests handled before each one
         for request in requests:
             sender = request.get_response_sender()
             if is_probe(request):
@@ -119,13 +123,19 @@ class OmniModel:
                 send_final(sender, error_response(e if isinstance(e, OmniError) else BadRequestError(str(e))))
                 continue
             session = uuid.uuid4().hex
-            self.clocks[session] = AudioClock(time.perf_counter(), request.request_id())
+            self.clocks[session] = AudioClock(arrival, request.request_id())
             self.responder.register(session, sender)
-            threading.Thread(target=self._serve, args=(session, messages, options), daemon=True,
-                             name=f"omni-{session[:8]}").start()  # fmt: skip
+            self.threads.submit(self._serve, session, messages, options)
         return None
 
     def _serve(self, session: str, messages: list, options: OmniOptions) -> None:
+        try:
+            self._serve_request(session, messages, options)
+        except Exception as e:  # a bug here must still end the request's stream (nobody reads the pool's Future)
+            log.exception("[omni_ensemble] request %s failed", session)
+            self._emit(session, None, None, EngineError(f"omni_ensemble failed: {e}"))
+
+    def _serve_request(self, session: str, messages: list, options: OmniOptions) -> None:
         emit = lambda output, reason, error: self._emit(session, output, reason, error)  # noqa: E731
         # preprocessing (audio features, image patches) runs inside the turn too: that bounds its memory
         with self.admission.turn():
@@ -141,7 +151,7 @@ class OmniModel:
             # the requests in flight (queued ones too), this one counted, choose its chunk schedule
             schedule = self.chunk_policy.for_load(len(self.clocks))
             request = OmniRequest(session, inputs, options, self.stages, self.processor.tokenizer, schedule, emit,
-                                  on_hop, arrival=self.clocks[session].start)  # fmt: skip
+                                  on_hop, arrival=self.clocks[session].start, threads=self.threads)  # fmt: skip
             self.requests[session] = request  # from here on _cancel() reaches it
             if session in self.left_while_queued:  # the client left while it was queued
                 emit(None, "abort", None)
