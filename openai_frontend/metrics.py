@@ -50,6 +50,7 @@ class RequestMeter:
                  request_id: str | None = None):  # fmt: skip
         self.metrics = metrics
         self.request_id = request_id  # the id the backend request carries (the trace's join key)
+        self.handled = time.perf_counter()  # made once the request is parsed and planned, before the backend
         self.arrival = time.perf_counter() if arrival is None else arrival
         self.sample_rate = sample_rate
         self.samples = 0
@@ -100,7 +101,8 @@ class RequestMeter:
             self._open = False
             self.metrics.in_flight.dec()
             if self.metrics.trace is not None and self.request_id:
-                self.metrics.trace.write({"id": self.request_id, "arrival": self.arrival, "first_token": self.first_token,
+                self.metrics.trace.write({"id": self.request_id, "arrival": self.arrival, "handled": self.handled,
+                                          "first_token": self.first_token,
                                           "first_audio": self.first_audio, "last_audio": self.last_audio,
                                           "end": time.perf_counter()})  # fmt: skip
 

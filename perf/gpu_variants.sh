@@ -7,7 +7,8 @@
 #   source .carry/device/env.sh && bash perf/gpu_variants.sh $OUT [variant ...]
 # The device returns few files, so the variants' directories end up in OUT/variants.tar.gz.
 # Variants: smoke (perf.gpu_smoke: per-request timelines of single requests and bursts), base (the cuda
-# profile as it is), prefill16 (thinker/talker max_prefills_per_step 16, the cuda default since 83dea47),
+# profile as it is), prefill16 (thinker/talker max_prefills_per_step 16, the cuda default from 83dea47 to the
+# third session of 2026-12-04),
 # scaled (prefill16 + 2 code2wav and 2 omni_ensemble instances), scaled_mps (scaled under the CUDA MPS
 # daemon, when the machine has it), mps (base under CUDA MPS), gpu_inputs (prefill16 with the profile's
 # gpu_inputs: true), step_stream (every GPU stage with step_stream: true), thinker_host (the thinker's
@@ -23,7 +24,7 @@
 # the rest, eager; the default before the 2026-12-04 session), ensN (N omni_ensemble instances, e.g.
 # ens2: the cuda default of the first two sessions of 2026-12-04, ens4 since), prefill8 (thinker and talker take at most 8 new prompts per
 # step instead of 16: shorter prefill steps for a cohort of arrivals), prefill32 (32: a cohort in fewer
-# steps), thinker_prefill32 (32 in the thinker only), first1 (first audio after 1 frame, the one the talker
+# steps; the cuda default since the third session of 2026-12-04), thinker_prefill32 (32 in the thinker only), first1 (first audio after 1 frame, the one the talker
 # completes in its prefill step, sent without waiting for the step's decode: talker hold_prefill_outputs
 # false; the cuda default since the second session of 2026-12-04), grouped_mm (transformers' grouped_mm
 # experts in thinker and talker: the cuda default before lean_grouped_mm), first_first (every response

@@ -18,7 +18,7 @@ from pathlib import Path
 from perf import workloads
 from perf.metrics import LevelResult, RequestRecord
 from perf.progress import Progress
-from perf.sse_client import stream_chat
+from perf.sse_client import stream_chat, trace_config
 
 CHAT_PATH = "/v1/chat/completions"
 
@@ -36,7 +36,7 @@ def _session(concurrency: int, request_timeout: float):
 
     connector = aiohttp.TCPConnector(limit=concurrency + 8)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30.0, sock_read=request_timeout)
-    return aiohttp.ClientSession(connector=connector, timeout=timeout)
+    return aiohttp.ClientSession(connector=connector, timeout=timeout, trace_configs=[trace_config()])
 
 
 async def run_level(

@@ -22,6 +22,7 @@ class RequestRecord:
     # perf_counter just before the POST (CLOCK_MONOTONIC on Linux: comparable with the server's trace stamps)
     start: float = 0.0
     id: str | None = None  # the completion's id (the frontend's request id: the trace's join key)
+    sent: float | None = None  # seconds since start when the request's last byte was written
     ttft: float | None = None  # seconds since start
     ttfp: float | None = None
     last_audio: float | None = None

@@ -77,6 +77,20 @@ class LineSplitter:
         return [line.rstrip(b"\r").decode("utf-8") for line in lines]
 
 
+def trace_config():
+    """aiohttp tracing that stamps when a request was written (record.sent), for perf/trace_join.py: the
+    session's requests pass their RequestRecord as trace_request_ctx."""
+    import aiohttp
+
+    async def sent(session, ctx, params) -> None:
+        record = ctx.trace_request_ctx
+        record.sent = time.perf_counter() - record.start
+
+    config = aiohttp.TraceConfig()
+    config.on_request_chunk_sent.append(sent)
+    return config
+
+
 async def stream_chat(
     session, url: str, body: dict, record: RequestRecord, audio_expected: bool = True
 ) -> RequestRecord:
@@ -87,7 +101,7 @@ async def stream_chat(
     record.start = time.perf_counter()
     ended = False
     try:
-        async with session.post(url, json=body) as response:
+        async with session.post(url, json=body, trace_request_ctx=record) as response:
             if response.status != 200:
                 text = (await response.read()).decode(errors="replace")
                 record.status, record.error = "error", f"HTTP {response.status}: {text[:300]}"

@@ -13,8 +13,10 @@ from pathlib import Path
 
 # hop name -> (from, to): points of one request's way, in seconds on the host's clock (see _points)
 TEXT_HOPS = {
-    "client -> frontend arrival": ("client_start", "frontend_arrival"),
-    "frontend -> omni_ensemble arrival": ("frontend_arrival", "ensemble_arrival"),
+    "client: start -> request written": ("client_start", "client_sent"),
+    "client -> frontend arrival": ("client_sent", "frontend_arrival"),
+    "frontend: arrival -> handled (body parsed, planned)": ("frontend_arrival", "frontend_handled"),
+    "frontend -> omni_ensemble arrival": ("frontend_handled", "ensemble_arrival"),
     "omni_ensemble: arrival -> first thinker output": ("ensemble_arrival", "ensemble_first_token"),
     "omni_ensemble -> frontend (first token)": ("ensemble_first_token", "frontend_first_token"),
     "frontend -> client (first token)": ("frontend_first_token", "client_first_token"),
@@ -47,7 +49,9 @@ def _points(request: dict, front: dict, ensemble: dict) -> dict[str, float | Non
 
     return {
         "client_start": start,
+        "client_sent": None if request.get("sent") is None else start + request["sent"],
         "frontend_arrival": front["arrival"],
+        "frontend_handled": front.get("handled"),
         "ensemble_arrival": ensemble["arrival"],
         # omni_ensemble emits a token's text as it reads the thinker's response
         "ensemble_first_token": at(ensemble["arrival"], timeline.get("thinker_first_output")),
