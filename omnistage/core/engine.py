@@ -31,6 +31,8 @@ class StageRunner(Protocol):
     def validate(self, seq: Sequence) -> None: ...  # raises BadRequestError; runs on the caller's thread
     def is_ready(self, seq: Sequence) -> bool: ...  # can this running sequence take a decode step now?
     def prefill(self, seqs: list[Sequence]) -> list[StepResult]: ...
+    # optional: def prompt_tokens(self, seq: Sequence) -> int, its prompt's length for the scheduler's
+    # max_prefill_tokens
     def decode(self, seqs: list[Sequence]) -> list[StepResult]: ...
     def release(self, seq: Sequence) -> None: ...  # drop per-sequence device state
 
@@ -128,7 +130,7 @@ class StageEngine:
                 inbox, self._inbox = self._inbox, []
             for kind, item in inbox:
                 self._apply(kind, item)
-            batch = self.scheduler.schedule(self.runner.is_ready)
+            batch = self.scheduler.schedule(self.runner.is_ready, getattr(self.runner, "prompt_tokens", None))
             idle = not batch
             if batch:
                 self._step(batch.prefills, batch.decodes)

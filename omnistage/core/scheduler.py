@@ -44,12 +44,18 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, max_slots: int, max_prefills_per_step: int = 8, max_waiting: int = 1024):
+    """max_prefill_tokens: a step's prefills stop before their prompts pass this many tokens (the first is
+    always taken, however long): the prompt count alone lets 32 long prompts into one forward, whose
+    activations (80k tokens of W2 on the H200) ran the device out of memory and failed them all."""
+
+    def __init__(self, max_slots: int, max_prefills_per_step: int = 8, max_waiting: int = 1024,
+                 max_prefill_tokens: int | None = None):  # fmt: skip
         if max_slots < 1:
             raise ValueError("max_slots must be >= 1")
         self.max_slots = max_slots
         self.max_prefills_per_step = max_prefills_per_step
         self.max_waiting = max_waiting
+        self.max_prefill_tokens = max_prefill_tokens
         self._free = list(range(max_slots))  # min-heap
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}
@@ -69,10 +75,18 @@ class Scheduler:
             raise OverloadedError(f"queue full ({self.max_waiting} waiting)")
         self.waiting.append(seq)
 
-    def schedule(self, is_ready: Callable[[Sequence], bool] = lambda s: True) -> Batch:
+    def schedule(self, is_ready: Callable[[Sequence], bool] = lambda s: True,
+                 prompt_tokens: Callable[[Sequence], int] | None = None) -> Batch:  # fmt: skip
+        """prompt_tokens(seq): its prompt's length, for max_prefill_tokens (no budget without it)."""
         decodes = [s for s in self.running.values() if is_ready(s)]
         prefills = []
+        budget = self.max_prefill_tokens if prompt_tokens is not None else None
         while self.waiting and self._free and len(prefills) < self.max_prefills_per_step:
+            if budget is not None:
+                tokens = prompt_tokens(self.waiting[0])
+                if prefills and tokens > budget:
+                    break
+                budget -= tokens
             seq = self.waiting.popleft()
             seq.slot = heapq.heappop(self._free)
             seq.status = SeqStatus.RUNNING

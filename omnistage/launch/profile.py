@@ -24,9 +24,9 @@ ENGINE_STAGES = ("thinker", "talker")  # KV-cache engines; sessions are pinned t
 STAGES = (*ENGINE_STAGES, "code2wav", "omni_ensemble")
 _PLACED = {"devices", "replicas", "cuda_graphs", "memory_fraction", "step_stream"}
 _KEYS = {
-    "thinker": _PLACED | {"max_batch_size", "max_seq_len", "max_queue", "max_prefills_per_step", "sampling",
-                          "experts_implementation", "fused_kernels", "kv_cache_bytes", "kv_cache_memory_fraction",
-                          "hold_prefill_outputs"},  # fmt: skip
+    "thinker": _PLACED | {"max_batch_size", "max_seq_len", "max_queue", "max_prefills_per_step", "max_prefill_tokens",
+                          "sampling", "experts_implementation", "fused_kernels", "kv_cache_bytes",
+                          "kv_cache_memory_fraction", "hold_prefill_outputs"},  # fmt: skip
     "code2wav": _PLACED | {"max_batch_size", "fused_kernels"},
     "omni_ensemble": {"replicas", "max_inflight", "max_queue", "max_audio_seconds", "max_image_pixels", "max_media_items"},
 }
@@ -186,7 +186,8 @@ def _stage(name: str, raw: dict, platform: str, gpu_count: int | None) -> StageP
                                + (f" (0-{gpu_count - 1})" if gpu_count else ""))  # fmt: skip
         if replicas % len(devices):
             raise ProfileError(f"{where}: {replicas} replicas cannot be spread evenly over GPUs {list(devices)}")
-    for key in ("max_batch_size", "max_seq_len", "max_queue", "max_prefills_per_step", "max_inflight"):
+    for key in ("max_batch_size", "max_seq_len", "max_queue", "max_prefills_per_step", "max_prefill_tokens",
+                "max_inflight"):  # fmt: skip
         if key in settings:
             _int(f"{where}.{key}", settings[key])
     if name in ENGINE_STAGES:

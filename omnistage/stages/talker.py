@@ -113,9 +113,12 @@ class TalkerRunner:
         self.positions = torch.arange(max_seq_len, device=self.device)  # a text-only prompt's are a prefix
 
     # ---- engine hooks -------------------------------------------------------------------------------------
+    def prompt_tokens(self, seq: Sequence) -> int:
+        return int(seq.payload.cond.user_ids.numel()) + 9  # user turn + assistant header and codec prefix
+
     def validate(self, seq: Sequence) -> None:
         p: TalkerPrompt = seq.payload
-        length = p.cond.user_ids.numel() + 9
+        length = self.prompt_tokens(seq)
         if length + seq.params.max_tokens + 1 > self.max_seq_len:
             raise BadRequestError(
                 f"talker prompt ({length} rows) + frame limit ({seq.params.max_tokens}) exceeds {self.max_seq_len}"

@@ -102,6 +102,9 @@ class ThinkerRunner:
         )
 
     # ---- engine hooks -------------------------------------------------------------------------------------
+    def prompt_tokens(self, seq: Sequence) -> int:
+        return int(seq.payload.input_ids.numel())
+
     def validate(self, seq: Sequence) -> None:
         length = int(seq.payload.input_ids.numel())
         if length == 0:

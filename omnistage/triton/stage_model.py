@@ -101,8 +101,10 @@ class StageModel:
             runner.capture_graphs()
         self.responder = Responder(self.STAGE, self.encode, self._cancel,
                                    first_responses_first=flag(self.params, "first_responses_first"))  # fmt: skip
-        scheduler = Scheduler(self.max_slots, self.max_prefills,
-                              int(self.params.get("max_queue", 1024)))  # fmt: skip
+        # tokens of the prompts prefilled in one step (a long prompt still goes alone); 0 / absent: no budget
+        max_prefill_tokens = int(self.params.get("max_prefill_tokens") or 0) or None
+        scheduler = Scheduler(self.max_slots, self.max_prefills, int(self.params.get("max_queue", 1024)),
+                              max_prefill_tokens)  # fmt: skip
         # a request's first and second outputs in one response when one step makes both (engine.py)
         self.engine = StageEngine(self.STAGE, runner, scheduler, self.responder.emit,
                                   hold_prefill_outputs=flag(self.params, "hold_prefill_outputs"))  # fmt: skip

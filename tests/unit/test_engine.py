@@ -232,3 +232,26 @@ def test_held_prefill_outputs_leave_with_the_same_steps_decode_output_in_order()
     assert out.outputs("a") == [1, 2, 3] and out.done == {"one": "length", "a": "length"}
     firsts = [o for r, o, _, _ in out.events if r == "a"][:2]
     assert firsts == [1, 2]
+
+
+def test_the_runners_prompt_lengths_bound_a_steps_prefills():
+    class SizedRunner(CountingRunner):
+        def __init__(self):
+            super().__init__()
+            self.prefilled = []
+
+        def prompt_tokens(self, seq):
+            return seq.payload
+
+        def prefill(self, seqs):
+            self.prefilled.append([s.request_id for s in seqs])
+            return super().prefill(seqs)
+
+    runner, out = SizedRunner(), Collector()
+    engine = StageEngine("test", runner, Scheduler(8, max_prefills_per_step=8, max_prefill_tokens=100), out)
+    for name, tokens in (("a", 60), ("b", 60), ("c", 30)):  # queued before the loop starts: one schedule sees all
+        engine.add(Sequence(name, SamplingParams(max_tokens=1), tokens))
+    engine.start()
+    out.wait("a", "b", "c")
+    engine.stop()
+    assert runner.prefilled == [["a"], ["b", "c"]]

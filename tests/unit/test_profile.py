@@ -45,6 +45,7 @@ def test_base_profile_is_the_default_layout(platform):
     # That frame leaves the talker with its prefill, on the thinker's first token: on cuda neither holds
     first = "1" if cuda else "4"
     assert spec["thinker"].parameters["hold_prefill_outputs"] == ("false" if cuda else "true")
+    assert spec["thinker"].parameters["max_prefill_tokens"] == spec["talker"].parameters["max_prefill_tokens"] == "16384"
     assert spec["talker"].parameters["hold_prefill_outputs"] == ("false" if cuda else "true")
     assert spec["code2wav"].parameters.get("first_chunk_frames") == ("1" if cuda else "4")
     assert (omni["first_chunk_frames"], omni["chunk_frames"], omni["max_inflight"]) == (first, "25", "128")
@@ -135,6 +136,7 @@ def test_gpu_inputs_keeps_cuda_stage_inputs_on_the_device(tmp_path):
         ("stages: {talker: {fused_kernels: 1}}", "talker.fused_kernels must be true or false"),
         ("stages: {code2wav: {step_stream: yes please}}", "code2wav.step_stream must be true or false"),
         ("stages: {thinker: {hold_prefill_outputs: 0}}", "thinker.hold_prefill_outputs must be true or false"),
+        ("stages: {talker: {max_prefill_tokens: 0}}", "talker.max_prefill_tokens must be an integer >= 1"),
         ("stages: {talker: {sampling: {temprature: 0.5}}}", "stages.talker.sampling: got an unexpected keyword argument 'temprature'"),
         ("stages: {talker: {sampling: {top_p: 0}}}", "stages.talker.sampling: top_p must be in (0, 1]"),
         ("chunks: {chunk_frames: 0}", "chunks.chunk_frames must be an integer >= 1, got 0"),

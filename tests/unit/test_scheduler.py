@@ -56,6 +56,22 @@ def test_prefill_budget_per_step():
     assert len(s.schedule().prefills) == 2
 
 
+def test_prefill_token_budget_per_step():
+    s = Scheduler(max_slots=8, max_prefills_per_step=8, max_prefill_tokens=100)
+    lengths = {"a": 40, "b": 50, "c": 20, "d": 300, "e": 10}
+    for name in lengths:
+        s.add(seq(name))
+    tokens = lambda q: lengths[q.request_id]  # noqa: E731
+    assert [q.request_id for q in s.schedule(prompt_tokens=tokens).prefills] == ["a", "b"]  # c would pass 100
+    assert [q.request_id for q in s.schedule(prompt_tokens=tokens).prefills] == ["c"]  # d does not fit beside it
+    assert [q.request_id for q in s.schedule(prompt_tokens=tokens).prefills] == ["d"]  # too long: alone
+    assert [q.request_id for q in s.schedule(prompt_tokens=tokens).prefills] == ["e"]
+    unbounded = Scheduler(max_slots=8, max_prefills_per_step=8, max_prefill_tokens=100)
+    for name in lengths:
+        unbounded.add(seq(name))
+    assert len(unbounded.schedule().prefills) == 5  # no lengths given: only the prompt count bounds it
+
+
 def test_readiness_filters_decodes():
     s = Scheduler(max_slots=4)
     a, b = seq("a"), seq("b")
