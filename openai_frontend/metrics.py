@@ -102,9 +102,8 @@ class RequestMeter:
             self.metrics.in_flight.dec()
             if self.metrics.trace is not None and self.request_id:
                 self.metrics.trace.write({"id": self.request_id, "arrival": self.arrival, "handled": self.handled,
-                                          "first_token": self.first_token,
-                                          "first_audio": self.first_audio, "last_audio": self.last_audio,
-                                          "end": time.perf_counter()})  # fmt: skip
+                                          "first_token": self.first_token, "first_audio": self.first_audio,
+                                          "last_audio": self.last_audio, "end": time.perf_counter()})  # fmt: skip
 
     def _observe(self, name: str, at: float) -> None:
         if self.metrics is not None:

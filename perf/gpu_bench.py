@@ -267,7 +267,9 @@ class Bench:
             self.phase(name, "failed", t0, note=f"{type(exc).__name__}: {exc}"[:1000])
 
     def stage_metrics(self) -> dict:
-        return {**omni_metrics(self.server.triton.metrics_url), **omni_metrics(self.server.api_url.rstrip("/") + "/metrics")}
+        """Triton's metrics (the stages' omni_* counters) and the frontend's, as they are now."""
+        frontend = self.server.api_url.rstrip("/") + "/metrics"
+        return {**omni_metrics(self.server.triton.metrics_url), **omni_metrics(frontend)}
 
     def dump_stub_stacks(self) -> int:
         process = self.server.triton.process if self.server else None

@@ -184,7 +184,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--min-prompts", type=int, default=1, help="at least this many prompts per level")
     ap.add_argument("--warmup", type=int, default=5, help="warm-up requests before the sweep (sent together)")
     ap.add_argument("--level-timeout", type=float, help="seconds per level; then in-flight requests are cut")
-    ap.add_argument("--request-timeout", type=float, default=900.0, help="seconds a request may wait for its next bytes")
+    ap.add_argument("--request-timeout", type=float, default=900.0,
+                    help="seconds a request may wait for its next bytes")
     ap.add_argument("--reply-tokens", type=int, help="override the workload's reply tokens (thinker max_tokens)")
     ap.add_argument("--frames", type=int, help="override the workload's codec frames (talker max_tokens)")
     ap.add_argument("--w2-prompt-tokens", type=int, default=2500, help="W2 prompt length")

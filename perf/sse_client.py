@@ -68,10 +68,9 @@ class LineSplitter:
         self._pieces: list[bytes] = []
 
     def feed(self, data: bytes) -> list[str]:
-        if b"\n" not in data:
-            self._pieces.append(data)
-            return []
         self._pieces.append(data)
+        if b"\n" not in data:
+            return []
         lines = b"".join(self._pieces).split(b"\n")
         self._pieces = [lines.pop()]
         return [line.rstrip(b"\r").decode("utf-8") for line in lines]

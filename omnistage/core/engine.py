@@ -31,10 +31,9 @@ class StageRunner(Protocol):
     def validate(self, seq: Sequence) -> None: ...  # raises BadRequestError; runs on the caller's thread
     def is_ready(self, seq: Sequence) -> bool: ...  # can this running sequence take a decode step now?
     def prefill(self, seqs: list[Sequence]) -> list[StepResult]: ...
-    # optional: def prompt_tokens(self, seq: Sequence) -> int, its prompt's length for the scheduler's
-    # max_prefill_tokens
     def decode(self, seqs: list[Sequence]) -> list[StepResult]: ...
     def release(self, seq: Sequence) -> None: ...  # drop per-sequence device state
+    # optional: prompt_tokens(seq) -> int, its prompt's length, for the scheduler's max_prefill_tokens
 
 
 # emit(request_id, output, finish_reason, error): finish_reason or error set means the stream ends

@@ -1,5 +1,5 @@
 # One omni request flowing through the stages (Triton-agnostic: the stages are reached through a
-# StageClient). Three threads (the caller's and two from a DaemonPool), because reading a stage stream blocks:
+# StageClient). Three threads (the caller's, and two of a DaemonPool), because reading a stage stream blocks:
 #   caller thread : thinker stream -> text deltas out; reply-token rows -> talker (start, then appends)
 #   talker thread : codec frames -> chunk windows -> code2wav queue
 #   code2wav thread: windows decoded in order -> audio chunks out

@@ -238,7 +238,8 @@ class TalkerRunner:
         t, n = self.model, len(seqs)
         conds = [s.payload.cond for s in seqs]
         lengths = [c.user_rows.shape[0] for c in conds]
-        pieces = [c.user_rows for c in conds] + [c.special_rows for c in conds] + [s.payload.text[0][None] for s in seqs]
+        firsts = [s.payload.text[0][None] for s in seqs]
+        pieces = [c.user_rows for c in conds] + [c.special_rows for c in conds] + firsts
         if all(p.device.type == "cpu" for p in pieces):
             rows = to_device(torch.cat(pieces), self.device)  # one copy
         else:
@@ -248,7 +249,8 @@ class TalkerRunner:
         special = projected[sum(lengths) : sum(lengths) + 6 * n].view(n, 6, -1)  # header x3, tts bos/eos/pad
         first_text = projected[sum(lengths) + 6 * n :].view(n, 1, -1)
         header, tts_bos, tts_eos, tts_pad = special[:, :3], special[:, 3:4], special[:, 4], special[:, 5]
-        codec_ids = to_device([self.codec_prefix + [s.payload.speaker_id] + self.codec_suffix for s in seqs], self.device)
+        codec_ids = [self.codec_prefix + [s.payload.speaker_id] + self.codec_suffix for s in seqs]
+        codec_ids = to_device(codec_ids, self.device)
         text_side = torch.cat([header, tts_pad[:, None].expand(-1, 4, -1), tts_bos, first_text], dim=1)  # [n, 9, D]
         codec_side = torch.cat([torch.zeros_like(header), t.get_input_embeddings()(codec_ids)], dim=1)
         assistant = text_side + codec_side

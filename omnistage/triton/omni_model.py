@@ -15,8 +15,8 @@ from ..core.admission import Admission
 from ..core.chunking import ChunkPolicy, ChunkSchedule
 from ..core.daemon_pool import DaemonPool
 from ..core.errors import BadRequestError, EngineError, OmniError
-from ..core.request_trace import request_trace
 from ..core.protocol import SAMPLE_RATE
+from ..core.request_trace import request_trace
 from ..models.checkpoint import load_config
 from ..models import media
 from ..models.processor import load_processor, prepare_inputs
@@ -181,7 +181,8 @@ class OmniModel:
                 self.metrics.observe("omni_audio_rtf", (clock.last_audio - clock.start) / (clock.audio_samples / SAMPLE_RATE))
             if self.trace is not None and clock is not None:
                 usage = output.usage if output is not None and output.usage else {}
-                self.trace.write({"id": clock.request_id, "arrival": clock.start, "timeline_ms": usage.get("timeline_ms")})
+                self.trace.write({"id": clock.request_id, "arrival": clock.start,
+                                  "timeline_ms": usage.get("timeline_ms")})  # fmt: skip
         self.responder.emit(session, output, reason, error)
 
     @staticmethod

@@ -65,7 +65,8 @@ def test_talker_prefills_prompts_of_different_kinds_and_lengths_together(hf_mode
     """One talker prefill of two text-only prompts of different lengths (built in one pass) and an image prompt,
     then their decode steps together: each gets the codec codes generate() gives it alone."""
     kw = dict(max_slots=4, max_seq_len=512, device="cpu", dtype=torch.float32)
-    thinker, talker = ThinkerRunner(hf_model.thinker, hf_model.config, **kw), TalkerRunner(hf_model.talker, hf_model.config, **kw)
+    thinker = ThinkerRunner(hf_model.thinker, hf_model.config, **kw)
+    talker = TalkerRunner(hf_model.talker, hf_model.config, **kw)
     seqs, want = [], {}
     for i, (kind, text) in enumerate([("text", "Say hello!"), ("image", "Say hello!"),
                                       ("text", "Please read this much longer sentence out loud, slowly.")]):  # fmt: skip
