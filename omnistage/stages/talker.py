@@ -209,12 +209,9 @@ class TalkerRunner:
             user_part[is_mm] = t.hidden_projection(user[is_mm])
         user_part[~is_mm] = t.text_projection(user[~is_mm])
         special = t.text_projection(to_device(cond.special_rows, self.device).to(self.dtype))  # [6, D]
-        header, (tts_bos, tts_eos, tts_pad) = special[:3], special[3:6]
         first_text = t.text_projection(to_device(p.text[0], self.device).to(self.dtype)[None])
-        text_side = torch.cat([header, tts_pad.expand(4, -1), tts_bos[None], first_text])
-        codec_ids = to_device(self.codec_prefix + [p.speaker_id] + self.codec_suffix, self.device)
-        codec_side = torch.cat([torch.zeros_like(header), t.get_input_embeddings()(codec_ids)])
-        embeds = torch.cat([user_part, text_side + codec_side])  # [L, D]
+        embeds = torch.cat([user_part, self._assistant_rows(special[None], first_text[None], [seq])[0]])  # [L, D]
+        tts_eos, tts_pad = special[4], special[5]
         ids = torch.cat([cond.user_ids.to(self.device), torch.full((9,), self.tts_pad_id, device=self.device)])[None]
         positions, deltas = t.get_rope_index(
             ids, _opt(p.image_grid_thw, self.device), None, torch.ones_like(ids), False,
@@ -244,21 +241,26 @@ class TalkerRunner:
             rows = to_device(torch.cat(pieces), self.device)  # one copy
         else:
             rows = torch.cat([to_device(p, self.device) for p in pieces])
-        projected = t.text_projection(rows.to(self.dtype))
-        users = projected[: sum(lengths)].split(lengths)
-        special = projected[sum(lengths) : sum(lengths) + 6 * n].view(n, 6, -1)  # header x3, tts bos/eos/pad
-        first_text = projected[sum(lengths) + 6 * n :].view(n, 1, -1)
-        header, tts_bos, tts_eos, tts_pad = special[:, :3], special[:, 3:4], special[:, 4], special[:, 5]
-        codec_ids = [self.codec_prefix + [s.payload.speaker_id] + self.codec_suffix for s in seqs]
-        codec_ids = to_device(codec_ids, self.device)
-        text_side = torch.cat([header, tts_pad[:, None].expand(-1, 4, -1), tts_bos, first_text], dim=1)  # [n, 9, D]
-        codec_side = torch.cat([torch.zeros_like(header), t.get_input_embeddings()(codec_ids)], dim=1)
-        assistant = text_side + codec_side
+        users, special, first_text = t.text_projection(rows.to(self.dtype)).split([sum(lengths), 6 * n, n])
+        special, first_text = special.view(n, 6, -1), first_text.view(n, 1, -1)
+        assistant = self._assistant_rows(special, first_text, seqs)
         prompts = []
-        for i, (user, length) in enumerate(zip(users, lengths)):
+        for i, (user, length) in enumerate(zip(users.split(lengths), lengths)):
             positions = self.positions[: length + 9].expand(3, -1)  # no media: 0..L-1 in every section, delta 0
-            prompts.append(_Prompt(torch.cat([user, assistant[i]]), positions, 0, tts_eos[i], tts_pad[i], True))
+            embeds = torch.cat([user, assistant[i]])
+            prompts.append(_Prompt(embeds, positions, 0, special[i, 4], special[i, 5], True))
         return prompts
+
+    def _assistant_rows(self, special: torch.Tensor, first_text: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The 9 rows after each user turn, [n, 9, D]: on the text side the header, 4 tts_pad, tts_bos and the
+        first reply row; on the codec side nothing under the header, then the codec prefix with the speaker.
+        special [n, 6, D] (projected header x3, tts bos/eos/pad), first_text [n, 1, D]."""
+        header, tts_bos, tts_pad = special[:, :3], special[:, 3:4], special[:, 5:6]
+        codec_ids = to_device([self.codec_prefix + [s.payload.speaker_id] + self.codec_suffix for s in seqs],
+                              self.device)  # fmt: skip
+        text_side = torch.cat([header, tts_pad.expand(-1, 4, -1), tts_bos, first_text], dim=1)
+        codec_side = torch.cat([torch.zeros_like(header), self.model.get_input_embeddings()(codec_ids)], dim=1)
+        return text_side + codec_side
 
     def _prefill_batch(self, seqs: list[Sequence]) -> list[StepResult]:
         prompts = self._prompts(seqs)

@@ -106,7 +106,7 @@ class ThinkerRunner:
         return int(seq.payload.input_ids.numel())
 
     def validate(self, seq: Sequence) -> None:
-        length = int(seq.payload.input_ids.numel())
+        length = self.prompt_tokens(seq)
         if length == 0:
             raise BadRequestError("empty prompt")
         if length + seq.params.max_tokens > self.max_seq_len:
