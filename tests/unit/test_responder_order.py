@@ -1,6 +1,7 @@
-# The response thread's send order (omnistage/triton/responder.py): within a round, a request's first
-# output goes out before the outputs of streams that already have theirs; otherwise emit order. Runs the
-# real thread against a stand-in for the stub's module and response senders (they exist only in a stub).
+# The response thread (omnistage/triton/responder.py): its send order (with first_responses_first, within a
+# round a request's first output goes out before the outputs of streams that already have theirs; otherwise
+# emit order) and its wait counters. Runs the real thread against a stand-in for the stub's module and
+# response senders (they exist only in a stub).
 import sys
 import threading
 import time
