@@ -8,6 +8,9 @@
 # chunk with its carried state, at 1, 16 and 64 streams, with transformers' ops and then with the fused
 # kernels, on the same weights. thinker_prefix: the thinker's chunk prefill as W1 makes it at 64 streams
 # (1 / 16 / 32 prompts of 150 tokens whose first 112 come from the prefix cache), graphs captured.
+# thinker_b1 / talker_parts: a lone request's steps (graphs captured) with the stage's experts and with
+# lean_grouped_mm: the thinker's decode step, and the talker's frame beside its two parts (the LM step
+# and the code predictor's 15 sub-steps), with every kernel each runs.
 #
 #   python -m perf.profile_steps out.json [--experts lean_grouped_mm] [--trace-dir DIR] [--stages thinker_prefix ...]
 from __future__ import annotations
@@ -16,6 +19,8 @@ import argparse
 import json
 import os
 import subprocess
+import time
+import warnings
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -33,7 +38,7 @@ PREFILLS = (1, 16)  # 16: the cuda profile's max_prefills_per_step
 CODE2WAV_STREAMS = (1, 16, 64)
 
 
-def top_kernels(fn, n: int = 15) -> dict:
+def top_kernels(fn, n: int | None = 15) -> dict:
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -44,11 +49,33 @@ def top_kernels(fn, n: int = 15) -> dict:
     events.sort(key=lambda e: e.self_device_time_total, reverse=True)
     return {"cuda_ms": round(total / 1e3, 2), "kernels": sum(e.count for e in events),
             "top": [{"name": e.key[:90], "ms": round(e.self_device_time_total / 1e3, 3), "count": e.count}
-                    for e in events[:n]]}  # fmt: skip
+                    for e in (events if n is None else events[:n])]}  # fmt: skip
 
 
 def with_wall(fn, measure=top_kernels) -> dict:
     return dict(measure(fn), wall_ms=timed(fn, repeat=5))
+
+
+def host_side(fn, repeat: int = 5) -> dict:
+    """The host's time to queue one call (from an idle GPU, without waiting for it at the end) and the host
+    syncs inside it (torch's sync debug mode): a sync before the last launch leaves the GPU idle while the
+    host queues the rest."""
+    times = []
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    return {"host_ms": round(sum(times) / repeat * 1e3, 2), "syncs": len(syncs)}
 
 
 def traced(path: str | None, fn) -> None:
@@ -106,6 +133,49 @@ def profile_stage(runner_cls, model, config, kw, seqs, stage: str, step: str, tr
     return out
 
 
+def profile_frame_parts(model, config, kw, params, experts: str) -> dict:
+    """One W1 sequence alone (batch 1, graphs captured, as served at concurrency 1): its frame split into the
+    talker LM step that reads the last frame back and picks the next codebook 0 (`_advance`) and the code
+    predictor's 15 sub-steps that complete the frame (`_complete_frames`), each with every kernel it runs
+    and its wall time. A lone request's RTF is ~46 of these frames."""
+    runner = TalkerRunner(model, config, **dict(kw, cuda_graphs=True))
+    runner.capture_graphs()
+    seq = running(0, params, talker_prompts(config, 150, 1)[0])
+    runner.prefill([seq])
+    for _ in range(3):
+        runner.decode([seq])
+
+    @torch.inference_mode()  # as decode() runs its parts
+    def advance():
+        runner.slots[seq.slot].unfed = True  # _advance reads the last frame back; decode() would check this
+        runner._advance([seq])
+
+    @torch.inference_mode()
+    def complete():
+        runner._complete_frames([seq])
+
+    parts = {"frame": lambda: runner.decode([seq]), "lm_step": advance, "code_predictor": complete}
+    out = {f"talker_b1_{experts}_{name}": dict(with_wall(fn, lambda f: top_kernels(f, n=None)), **host_side(fn))
+           for name, fn in parts.items()}  # fmt: skip
+    release(runner, [seq])
+    del runner
+    return out
+
+
+def profile_thinker_b1(model, config, kw, params, experts: str) -> dict:
+    """A lone thinker decode step (graphs captured), as at concurrency 1: with the talker's frames it shares
+    the GPU for the reply's first tokens."""
+    runner = ThinkerRunner(model, config, **dict(kw, cuda_graphs=True))
+    runner.capture_graphs()
+    seq = running(0, params, thinker_prompts(config, 150, 1, True)[0])
+    runner.prefill([seq])
+    step = lambda: runner.decode([seq])  # noqa: E731
+    out = {f"thinker_b1_{experts}_decode": dict(with_wall(step), **host_side(step))}
+    release(runner, [seq])
+    del runner
+    return out
+
+
 def profile_prefix_prefill(model, config, kw, params, sizes=(1, 16, 32)) -> dict:
     """The thinker's prefills as W1 makes them at 64 streams: 150-token prompts that share their first 112
     tokens (W1's TTS system prompt), so each prefills only its ~38-token suffix over the kept prefix
@@ -159,7 +229,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--config", default="perf/qwen3_omni_30b_a3b_instruct.config.json")
-    ap.add_argument("--experts", default="lean_grouped_mm")  # the cuda profile's
+    ap.add_argument("--experts", default="gather_or_grouped")  # the cuda profile's
     ap.add_argument("--trace-dir", default=None)
     ap.add_argument("--no-fused", action="store_true", help="keep transformers' ops and projections")
     ap.add_argument("--stages", nargs="+", default=["thinker", "talker", "code2wav"])
@@ -175,8 +245,8 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
 
-    def load(stage):
-        model = load_stage(source, stage, dtype, dev, experts_implementation=args.experts)
+    def load(stage, experts=args.experts):
+        model = load_stage(source, stage, dtype, dev, experts_implementation=experts)
         counts = {} if args.no_fused else fused.install(model)
         report[f"{stage}_fused_norms"] = counts.get("fused_ops", 0)
         report[f"{stage}_merged_projections"] = counts.get("merged_projections", 0)
@@ -199,6 +269,16 @@ def main() -> None:
                                     args.trace_dir))  # fmt: skip
         free()
         save()
+    if "thinker_b1" in args.stages:
+        for experts in (args.experts, "lean_grouped_mm"):
+            report.update(profile_thinker_b1(load("thinker", experts), config, kw, params, experts))
+            free()
+            save()
+    if "talker_parts" in args.stages:
+        for experts in (args.experts, "lean_grouped_mm"):
+            report.update(profile_frame_parts(load("talker", experts), config, kw, params, experts))
+            free()
+            save()
     if "code2wav" in args.stages:
         module = load_stage(source, "code2wav", dtype, dev)
         report.update(profile_code2wav(module, dev, dtype, fused=not args.no_fused))

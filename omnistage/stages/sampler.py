@@ -48,8 +48,8 @@ class Sampler:
         if ban_rows:
             cols = [t for ban in banned for t in ban]
             logits[to_device(ban_rows, logits.device), to_device(cols, logits.device)] = float("-inf")
-        if suppress is not None:
-            logits[:, suppress] = float("-inf")
+        if suppress is not None:  # masked_fill, not logits[:, suppress]: a boolean index syncs with the device
+            logits.masked_fill_(suppress, float("-inf"))
         tokens = logits.argmax(dim=-1)
         for i, p in enumerate(params):
             if not p.greedy:
