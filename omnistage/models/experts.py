@@ -11,15 +11,18 @@
 #
 # "gather_or_grouped": for decode steps of any size. A step of one or two tokens needs only their top-k
 # experts' weights. For few (token, expert) pairs the weights of exactly those pairs are gathered and
-# multiplied in one bmm (transformers' batched_mm); beyond GATHER_MAX_PAIRS the gather would copy more than
-# grouped_mm reads, so grouped_mm runs. Which is faster at 1-2 tokens is for perf/stage_timing.py --experts
-# to show on the GPU. The choice depends on shapes only, so each CUDA-graph bucket captures one path.
+# multiplied in one bmm each (transformers' batched_mm, without its sentinel clamp, with the same fused
+# epilogues); beyond GATHER_MAX_PAIRS lean_grouped_mm runs. The choice depends on shapes only, so each
+# CUDA-graph bucket captures one path. On the H200 a lone talker frame (20 MoE layers, 6 of 128 experts of
+# 2.4 MB each) went from 4.0 to 3.2 ms for its LM step: ~200 fewer kernels than grouped_mm's sort,
+# histogram, scan and grouped-GEMM setup (perf/README.md, 2026-12-04 fourth session).
 from __future__ import annotations
 
 import torch
 from transformers.integrations.moe import (
     ALL_EXPERTS_FUNCTIONS,
     ExpertsInterface,
+    _batched_linear,
     _grouped_linear,
     batched_mm_experts_forward,
     grouped_mm_experts_forward,
@@ -38,8 +41,35 @@ def gather_or_grouped_experts_forward(
     self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
     pairs = hidden_states.shape[0] * top_k_index.shape[-1]
-    forward = batched_mm_experts_forward if pairs <= GATHER_MAX_PAIRS else grouped_mm_experts_forward
+    forward = gathered_experts_forward if pairs <= GATHER_MAX_PAIRS else lean_grouped_mm_experts_forward
     return forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+def gathered_experts_forward(
+    self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """transformers' batched_mm: each (token, expert) pair's weights gathered and multiplied in one bmm."""
+    if self.has_bias or not self.has_gate:  # not Qwen3-Omni's experts: transformers' own path
+        return batched_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    tokens, top_k = top_k_index.shape
+    expert_ids = top_k_index.reshape(-1)  # pair (t, k) at row t * top_k + k; every id is a real expert
+    pairs = hidden_states.repeat_interleave(top_k, dim=0)
+    gate_up = _batched_linear(pairs, self.gate_up_proj[expert_ids], is_transposed=self.is_transposed)
+    fused = _fused_epilogues(self, gate_up)
+    gated = fused_projections.silu_mul(gate_up) if fused else self._apply_gate(gate_up)
+    down = _batched_linear(gated, self.down_proj[expert_ids], is_transposed=self.is_transposed)
+    if fused:  # the pairs are in token order already: the weighting and the sum over k in one kernel
+        positions = torch.arange(tokens * top_k, device=down.device).view(tokens, top_k)
+        return fused_projections.combine_experts(down, positions, top_k_weights, hidden_states.dtype)
+    weighted = down * top_k_weights.reshape(-1).unsqueeze(-1)
+    return weighted.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+def _fused_epilogues(self: torch.nn.Module, gate_up: torch.Tensor) -> bool:
+    """Whether silu(gate) * up and the way back run as Triton kernels: where fused_kernels asked for them
+    (fused_projections.install sets the flag) and the activation is silu."""
+    return (getattr(self, "fused_epilogues", False) and fused_projections.fused_tensor(gate_up)
+            and self.config.hidden_act == "silu")  # fmt: skip
 
 
 def is_experts_module(module: torch.nn.Module) -> bool:
@@ -61,9 +91,7 @@ def lean_grouped_mm_experts_forward(
                            dim=0, dtype=torch.int32)  # fmt: skip
     gate_up = _grouped_linear(hidden_states[perm // top_k], self.gate_up_proj, offsets,
                               is_transposed=self.is_transposed)  # fmt: skip
-    # the fused kernels where the stage's fused_kernels asked for them (fused_projections.install sets the flag)
-    fused = getattr(self, "fused_epilogues", False) and fused_projections._fused(gate_up)
-    fused = fused and self.config.hidden_act == "silu"
+    fused = _fused_epilogues(self, gate_up)
     gated = fused_projections.silu_mul(gate_up) if fused else self._apply_gate(gate_up)
     down = _grouped_linear(gated, self.down_proj, offsets, is_transposed=self.is_transposed)
     if fused:  # one kernel for the unsort, the weighting and the sum

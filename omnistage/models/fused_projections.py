@@ -63,6 +63,39 @@ if fused_ops.available():
         tl.store(dst + HALF + i, _cast(hi, dt))
 
     @triton.jit
+    def _qkv_into_cache_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr, start,
+                               q_rows, kv_rows, heads_q, heads_k, seq, s_b, s_t, cs_b, cs_t, c_b, c_h, c_t, eps_q,
+                               eps_k, HALF: tl.constexpr, HAS_POS: tl.constexpr):  # fmt: skip
+        # _qk_norm_rope_kernel's q rows, then its k rows and plain copies of the v rows written straight
+        # into a KV cache [B', Hk, L, D] (strides c_b, c_h, c_t, shared by K and V) at position
+        # start + t (+ pos[b] per batch row with HAS_POS), instead of into tensors the cache then copies
+        row = tl.program_id(0).to(tl.int64)
+        is_q = row < q_rows
+        is_k = (row >= q_rows) & (row < q_rows + kv_rows)
+        r = tl.where(is_q, row, tl.where(is_k, row - q_rows, row - q_rows - kv_rows))
+        heads = tl.where(is_q, heads_q, heads_k)
+        b, h, t = r // (heads * seq), (r // seq) % heads, r % seq
+        column = tl.where(is_q, h, tl.where(is_k, heads_q + h, heads_q + heads_k + h)) * 2 * HALF
+        dt = q_ptr.dtype.element_ty
+        i = tl.arange(0, HALF)
+        src = qkv_ptr + b * s_b + t * s_t + column
+        x1, x2 = tl.load(src + i).to(tl.float32), tl.load(src + HALF + i).to(tl.float32)
+        position = start + t
+        if HAS_POS:
+            position += tl.load(pos_ptr + b)
+        cached = b * c_b + h * c_h + position * c_t
+        if is_q | is_k:
+            w_ptr = tl.where(is_q, qw_ptr, kw_ptr)
+            n1, n2 = _norm_half(x1, x2, w_ptr, tl.where(is_q, eps_q, eps_k), i, HALF, dt)
+            lo, hi = _rotated(n1, n2, cos_ptr + b * cs_b + t * cs_t, sin_ptr + b * cs_b + t * cs_t, i, HALF, dt)
+            dst = tl.where(is_q, q_ptr + r * 2 * HALF, kc_ptr + cached)
+            tl.store(dst + i, _cast(lo, dt))
+            tl.store(dst + HALF + i, _cast(hi, dt))
+        else:
+            tl.store(vc_ptr + cached + i, _cast(x1, dt))
+            tl.store(vc_ptr + cached + HALF + i, _cast(x2, dt))
+
+    @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, width, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
         # gu [rows, 2 * width] (gate, then up), out [rows, width]: silu(gate) rounded, times up, rounded
         row = tl.program_id(0).to(tl.int64)
@@ -113,6 +146,27 @@ def qk_norm_rope(qkv: torch.Tensor, heads_q: int, heads_k: int, q_norm, k_norm, 
     return q, k
 
 
+def qkv_into_cache(qkv: torch.Tensor, heads_q: int, heads_k: int, q_norm, k_norm, cos, sin, target) -> torch.Tensor:
+    """qk_norm_rope, with k (normed, rotated) and v written into the cache where `target` says
+    (KVTarget: its K and V buffers [B', Hk, L, D] and each batch row's write position); returns q."""
+    batch, seq, _ = qkv.shape
+    dim = q_norm.weight.shape[0]
+    q = torch.empty(batch, heads_q, seq, dim, dtype=qkv.dtype, device=qkv.device)
+    if cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    cs_b = cos.stride(0) if cos.shape[0] == batch else 0
+    k_cache, v_cache = target.k, target.v
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    q_rows, kv_rows = batch * heads_q * seq, batch * heads_k * seq
+    positions = target.positions
+    _qkv_into_cache_kernel[(q_rows + 2 * kv_rows,)](
+        qkv, q_norm.weight, k_norm.weight, cos, sin, q, k_cache, v_cache,
+        positions if positions is not None else q, target.start, q_rows, kv_rows, heads_q, heads_k, seq,
+        qkv.stride(0), qkv.stride(1), cs_b, cos.stride(1), *k_cache.stride()[:3], q_norm.variance_epsilon,
+        k_norm.variance_epsilon, HALF=dim // 2, HAS_POS=positions is not None, num_warps=1)  # fmt: skip
+    return q
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[..., 2 * I] (gate, up) -> [..., I]: silu(gate) * up, rounded as transformers' two ops."""
     width = gate_up.shape[-1] // 2
@@ -139,21 +193,27 @@ def combine_experts(down: torch.Tensor, positions: torch.Tensor, weights: torch.
     return out
 
 
-def _fused(t: torch.Tensor) -> bool:
+def fused_tensor(t: torch.Tensor) -> bool:
+    """Whether the fused kernels take this tensor: CUDA ones (experts.py asks too)."""
     return t.is_cuda  # tests point this at CPU tensors too (Triton's interpreter)
 
 
 def _attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
-    if not _fused(hidden_states) or hidden_states.dim() != 3:
+    if not fused_tensor(hidden_states) or hidden_states.dim() != 3:
         return type(self).forward(self, hidden_states, position_embeddings, attention_mask, past_key_values,
                                   **kwargs)  # fmt: skip
     batch, seq, _ = hidden_states.shape
     qkv = F.linear(hidden_states, self.qkv_weight, self.qkv_bias)
     heads_q, heads_k = self.config.num_attention_heads, self.config.num_key_value_heads
-    q, k = qk_norm_rope(qkv, heads_q, heads_k, self.q_norm, self.k_norm, *position_embeddings)
-    v = qkv[..., (heads_q + heads_k) * self.head_dim :].view(batch, seq, heads_k, self.head_dim).transpose(1, 2)
-    if past_key_values is not None:
-        k, v = past_key_values.update(k, v, self.layer_idx)
+    target = past_key_values.kv_target(self.layer_idx, seq) if hasattr(past_key_values, "kv_target") else None
+    if target is not None:  # the cache takes K and V in place: one kernel instead of three
+        q = qkv_into_cache(qkv, heads_q, heads_k, self.q_norm, self.k_norm, *position_embeddings, target)
+        k, v = past_key_values.attended(self.layer_idx, seq)
+    else:
+        q, k = qk_norm_rope(qkv, heads_q, heads_k, self.q_norm, self.k_norm, *position_embeddings)
+        v = qkv[..., (heads_q + heads_k) * self.head_dim :].view(batch, seq, heads_k, self.head_dim).transpose(1, 2)
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, self.layer_idx)
     attention = modeling.ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
                                                                modeling.eager_attention_forward)  # fmt: skip
     out, weights = attention(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling,
@@ -162,7 +222,7 @@ def _attention_forward(self, hidden_states, position_embeddings, attention_mask,
 
 
 def _mlp_forward(self, x):
-    if not _fused(x) or self.config.hidden_act != "silu":
+    if not fused_tensor(x) or self.config.hidden_act != "silu":
         return type(self).forward(self, x)
     return self.down_proj(silu_mul(F.linear(x, self.gate_up_weight)))
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..models.layer_stack import run_layers
 from .cuda_graphs import GraphBank, batch_buckets, bucket_for
 from .host_copy import to_device
 from .kv_cache import SlotKVCache
@@ -76,9 +77,8 @@ class ChunkPrefill:
         # [rows, 1, tokens, kv_len]: each token sees the slot's positions up to its own
         mask = (torch.arange(kv_len, device=embeds.device)[None, None, :] <= positions[:, :, None])[:, None]
         writer = _ChunkWriter(self.cache, slots, positions, kv_len)
-        hidden = embeds
-        for layer in self.text_model.layers:
-            hidden = layer(hidden, attention_mask=mask, position_embeddings=position_embeddings, past_key_values=writer)
+        hidden = run_layers(self.text_model.layers, embeds, attention_mask=mask, position_embeddings=position_embeddings,
+                            past_key_values=writer)  # fmt: skip
         last_hidden = hidden[torch.arange(rows, device=hidden.device), last]  # [rows, D]
         self.hidden_out[:rows].copy_(self.text_model.norm(last_hidden))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..models.layer_stack import run_layers
 from .cuda_graphs import GraphBank, batch_buckets, bucket_for
 from .host_copy import to_device
 from .kv_cache import LockstepCache
@@ -17,6 +18,11 @@ class CodePredictor:
         self.groups = cfg.num_code_groups
         self.layers, self.kv_heads, self.head_dim = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
         self.device, self.dtype = device, dtype
+        # the rotary angles of the loop's 17 positions, once: a sub-step slices them instead of running the
+        # rotary embedding's ~9 kernels (same function of the same positions, so the same values)
+        with torch.no_grad():  # (not inference_mode: callers outside it may use the table too)
+            positions = torch.arange(self.groups + 1, device=device)[None]
+            self.angles = self.cp.model.rotary_emb(torch.zeros(1, dtype=dtype, device=device), positions)  # [1, 17, D]
 
     def __call__(
         self, past_hidden: torch.Tensor, c0: torch.Tensor, pick, cache: LockstepCache | None = None
@@ -44,16 +50,14 @@ class CodePredictor:
         # one stacked sum, as generate() does, so the float rounding matches it
         return torch.stack(codes, dim=1), torch.stack(embeds, dim=1).sum(1)
 
-    @staticmethod
-    def _forward(model, hidden: torch.Tensor, cache: LockstepCache) -> torch.Tensor:
-        t = hidden.shape[1]
-        positions = torch.arange(cache.length, cache.length + t, device=hidden.device)[None].expand(hidden.shape[0], t)
-        position_embeddings = model.rotary_emb(hidden, positions)
-        for layer in model.layers:
-            # no mask: sdpa is causal for the 2-row prefill, and one row attends to everything cached
-            hidden = layer(hidden, attention_mask=None, position_embeddings=position_embeddings, past_key_values=cache)
-        cache.advance(t)
-        return model.norm(hidden)
+    def _forward(self, model, hidden: torch.Tensor, cache: LockstepCache) -> torch.Tensor:
+        span = slice(cache.length, cache.length + hidden.shape[1])  # [1, t, D] angles: every row shares them
+        position_embeddings = tuple(a[:, span] for a in self.angles)
+        # no mask: sdpa is causal for the 2-row prefill, and one row attends to everything cached
+        out = run_layers(model.layers, hidden, model.norm, attention_mask=None, position_embeddings=position_embeddings,
+                         past_key_values=cache)  # fmt: skip
+        cache.advance(hidden.shape[1])
+        return out
 
 
 class StaticCodePredictor:
@@ -104,9 +108,9 @@ class StaticCodePredictor:
         greedy = self.greedy[:rows]
 
         def pick(step: int, logits: torch.Tensor) -> torch.Tensor:
-            logits = logits.float()
-            if not sampled:
+            if not sampled:  # on the head's bf16 logits: the same maximum as in float32, one kernel less
                 return logits.argmax(-1)
+            logits = logits.float()
             return torch.where(greedy, logits.argmax(-1), _sample_top_k_top_p(logits, self.TOP_K, self.TOP_P))
 
         cache = self._cache(rows)

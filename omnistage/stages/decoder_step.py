@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..models.layer_stack import run_layers
 from .kv_cache import SlotKVCache
 
 
@@ -23,7 +24,6 @@ def decode_step(
     rope_positions = (positions + rope_deltas).view(1, rows, 1).expand(3, rows, 1)
     position_embeddings = text_model.rotary_emb(inputs_embeds, rope_positions)
     step_cache = cache.step_view(rows, positions, kv_len)
-    hidden = inputs_embeds
-    for layer in text_model.layers:
-        hidden = layer(hidden, attention_mask=mask, position_embeddings=position_embeddings, past_key_values=step_cache)
-    return text_model.norm(hidden)[:, 0]  # [rows, D]
+    hidden = run_layers(text_model.layers, inputs_embeds, text_model.norm, attention_mask=mask,
+                        position_embeddings=position_embeddings, past_key_values=step_cache)  # fmt: skip
+    return hidden[:, 0]  # [rows, D]

@@ -2,7 +2,20 @@
 # adapter that lets transformers' own decoder layers read and write it during a batched decode step.
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass
+class KVTarget:
+    """Where a step's new K/V go, for attention that writes them into the cache itself (fused_projections'
+    qkv_into_cache): batch row b, position t of the step -> k[b, :, start + t (+ positions[b])]."""
+
+    k: torch.Tensor  # [B', kv_heads, max_len, head_dim]; v alike, same strides
+    v: torch.Tensor
+    start: int
+    positions: torch.Tensor | None  # [B] long, or None: every row writes from `start`
 
 
 class SlotKVCache:
@@ -45,6 +58,15 @@ class DecodeStepCache:
         k, v = self.cache.k[layer_idx], self.cache.v[layer_idx]
         k[self.row_index, :, self.positions] = key_states[:, :, 0]  # [rows, kv_heads, head_dim]
         v[self.row_index, :, self.positions] = value_states[:, :, 0]
+        return self.attended(layer_idx, 1)
+
+    def kv_target(self, layer_idx: int, tokens: int) -> KVTarget:
+        assert tokens == 1
+        return KVTarget(self.cache.k[layer_idx], self.cache.v[layer_idx], 0, self.positions)
+
+    def attended(self, layer_idx: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K/V attention reads once this step's are in (update() or kv_target())."""
+        k, v = self.cache.k[layer_idx], self.cache.v[layer_idx]
         return k[: self.rows, :, : self.kv_len], v[: self.rows, :, : self.kv_len]
 
 
@@ -63,6 +85,13 @@ class LockstepCache:
         end = self.length + t
         self.k[layer_idx][:, :, self.length : end] = key_states
         self.v[layer_idx][:, :, self.length : end] = value_states
+        return self.attended(layer_idx, t)
+
+    def kv_target(self, layer_idx: int, tokens: int) -> KVTarget:
+        return KVTarget(self.k[layer_idx], self.v[layer_idx], self.length, None)
+
+    def attended(self, layer_idx: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.length + tokens
         return self.k[layer_idx][:, :, :end], self.v[layer_idx][:, :, :end]
 
     def advance(self, t: int) -> None:

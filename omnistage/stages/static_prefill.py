@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..models.layer_stack import run_layers
 from .cuda_graphs import GraphBank, batch_buckets, bucket_for
 from .host_copy import to_device
 from .kv_cache import SlotKVCache
@@ -82,10 +83,9 @@ class StaticPrefill:
         positions = torch.arange(tokens, device=embeds.device).view(1, 1, tokens).expand(3, rows, tokens)
         position_embeddings = self.text_model.rotary_emb(embeds, positions)
         writer = _SlotWriter(self.cache, self.slots[:rows], tokens)
-        hidden = embeds
-        for layer in self.text_model.layers:
-            # no mask: sdpa runs causal over the new tokens
-            hidden = layer(hidden, attention_mask=None, position_embeddings=position_embeddings, past_key_values=writer)
+        # no mask: sdpa runs causal over the new tokens
+        hidden = run_layers(self.text_model.layers, embeds, attention_mask=None, position_embeddings=position_embeddings,
+                            past_key_values=writer)  # fmt: skip
         last = hidden[torch.arange(rows, device=hidden.device), self.last[:rows]]  # [rows, D]
         self.hidden_out[:rows].copy_(self.text_model.norm(last))
 

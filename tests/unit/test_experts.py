@@ -1,10 +1,10 @@
 # Our experts implementations: gather_or_grouped gives the same MoE output as transformers' own per-expert
-# loop on both of its paths (few pairs: gathered bmm; many: grouped_mm), for thinker and talker experts;
-# lean_grouped_mm gives transformers' grouped_mm output.
+# loop on both of its paths (few pairs: gathered bmm; many: lean grouped_mm), for thinker and talker experts;
+# lean_grouped_mm gives transformers' grouped_mm output and the gathered path its batched_mm output.
 import pytest
 import torch
 
-from transformers.integrations.moe import grouped_mm_experts_forward
+from transformers.integrations.moe import batched_mm_experts_forward, grouped_mm_experts_forward
 
 from omnistage.models import experts, fused_ops, fused_projections
 from omnistage.models.checkpoint import load_stage
@@ -38,8 +38,8 @@ def test_gather_or_grouped_matches_the_eager_loop(stage, tokens):
 
 def test_the_path_follows_the_pair_count(monkeypatch):
     calls = []
-    monkeypatch.setattr(experts, "batched_mm_experts_forward", lambda *a: calls.append("gather"))
-    monkeypatch.setattr(experts, "grouped_mm_experts_forward", lambda *a: calls.append("grouped"))
+    monkeypatch.setattr(experts, "gathered_experts_forward", lambda *a: calls.append("gather"))
+    monkeypatch.setattr(experts, "lean_grouped_mm_experts_forward", lambda *a: calls.append("grouped"))
     for tokens in (1, experts.GATHER_MAX_PAIRS // 8, experts.GATHER_MAX_PAIRS // 8 + 1):
         experts.gather_or_grouped_experts_forward(None, torch.zeros(tokens, 4), torch.zeros(tokens, 8), None)
     assert calls == ["gather", "gather", "grouped"]
@@ -58,23 +58,43 @@ def test_lean_grouped_mm_equals_transformers_grouped_mm(stage, dtype, tokens):
     assert torch.equal(got, want)  # the same ops in the same order, without the sentinel passes
 
 
+@pytest.mark.parametrize("stage", ["thinker", "talker"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_gathered_experts_equal_transformers_batched_mm(stage, dtype, tokens):
+    model = load_stage("dummy:tiny", stage, dtype=dtype, seed=2, experts_implementation=experts.NAME)
+    module = _experts_modules(model)[0]
+    hidden, index, weights = _routed(module, tokens, dtype)
+    got = experts.gathered_experts_forward(module, hidden, index, weights)
+    want = batched_mm_experts_forward(module, hidden, index, weights)
+    assert got.dtype == want.dtype == dtype and got.abs().max() > 0
+    assert torch.equal(got, want)  # the same ops in the same order, without the sentinel clamp
+
+
 @pytest.mark.skipif(not fused_ops.available(), reason="triton is not installed")
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_lean_grouped_mm_with_the_fused_epilogues(monkeypatch, device):
+@pytest.mark.parametrize("path", ["grouped", "gathered"])
+def test_experts_with_the_fused_epilogues(monkeypatch, device, path):
     # silu(gate) * up and the way back to the tokens as Triton kernels (on the CPU through Triton's interpreter, see tests/conftest.py)
     if device == "cpu":
-        monkeypatch.setattr(fused_projections, "_fused", lambda t: True)
+        monkeypatch.setattr(fused_projections, "fused_tensor", lambda t: True)
     calls = []
     silu_mul = fused_projections.silu_mul
     monkeypatch.setattr(fused_projections, "silu_mul", lambda x: calls.append(x.shape) or silu_mul(x))
-    model = load_stage("dummy:tiny", "thinker", dtype=torch.bfloat16, seed=3, experts_implementation=experts.LEAN_NAME)
+    combined = []
+    combine = fused_projections.combine_experts
+    monkeypatch.setattr(fused_projections, "combine_experts", lambda *a: combined.append(1) or combine(*a))
+    model = load_stage("dummy:tiny", "thinker", dtype=torch.bfloat16, seed=3, experts_implementation=experts.NAME)
     module = _experts_modules(model)[0].to(device)
     assert not getattr(module, "fused_epilogues", False)  # only where fused_kernels installed it
     fused_projections.install(model)
     assert module.fused_epilogues
-    hidden, index, weights = (t.to(device) for t in _routed(module, 16, torch.bfloat16))
-    got = module(hidden, index, weights)
-    want = grouped_mm_experts_forward(module, hidden, index, weights)
+    tokens = 16 if path == "grouped" else 1  # 4 pairs per token (_routed): grouped beyond GATHER_MAX_PAIRS
+    hidden, index, weights = (t.to(device) for t in _routed(module, tokens, torch.bfloat16))
+    got = module(hidden, index, weights)  # gather_or_grouped
+    want = (grouped_mm_experts_forward if path == "grouped" else batched_mm_experts_forward)(module, hidden, index,
+                                                                                               weights)  # fmt: skip
+    assert combined
     assert calls and got.dtype == torch.bfloat16
     scale = float(want.abs().max())
     torch.testing.assert_close(got, want, rtol=2**-6, atol=2**-6 * scale)

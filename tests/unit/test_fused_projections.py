@@ -15,7 +15,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 @pytest.fixture
 def on_cpu_too(monkeypatch):
-    monkeypatch.setattr(fused_projections, "_fused", lambda t: True)
+    monkeypatch.setattr(fused_projections, "fused_tensor", lambda t: True)
 
 
 def talker(dtype=torch.float32, device="cpu"):
@@ -93,8 +93,8 @@ def test_decoder_layers_match_transformers(on_cpu_too, device):
 @pytest.mark.parametrize("lean_experts", [False, True])
 def test_thinker_and_talker_with_merged_projections_match_generate(on_cpu_too, hf_model, processor, lean_experts,
                                                                    monkeypatch):  # fmt: skip
-    """With lean_experts, the experts run as on cuda: lean_grouped_mm with its fused silu(gate) * up and its
-    fused way back to the tokens."""
+    """With lean_experts, the experts run as on cuda: gather_or_grouped (gathered for the one-token steps,
+    lean_grouped_mm for the prompts) with its fused silu(gate) * up and its fused way back to the tokens."""
     from omnistage.core.sampling import SamplingParams
     from omnistage.models.processor import prepare_inputs
     from omnistage.stages.talker import TalkerPrompt, TalkerRunner
@@ -111,7 +111,7 @@ def test_thinker_and_talker_with_merged_projections_match_generate(on_cpu_too, h
     if lean_experts:
         experts.register()
         for m in moe:
-            m.config._experts_implementation = experts.LEAN_NAME
+            m.config._experts_implementation = experts.NAME
         combine = fused_projections.combine_experts
         monkeypatch.setattr(fused_projections, "combine_experts", lambda *a: combined.append(1) or combine(*a))
     assert fused_projections.install(model) > 0 and moe and all(m.fused_epilogues for m in moe)
@@ -135,3 +135,56 @@ def test_fused_install_gives_each_stage_the_parts_that_apply(stage):
     assert counts["fused_ops"] > 0  # norms everywhere, SnakeBeta in the vocoder
     assert (counts["merged_projections"] > 0) == (stage == "talker")
     assert (counts["copy_free_convs"] > 0) == (stage == "code2wav")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_kind", ["lockstep", "decode_step"])
+def test_attention_writes_kv_into_the_cache_as_update_does(on_cpu_too, device, dtype, cache_kind):
+    """qkv_into_cache (K normed and rotated, V copied, straight into the cache) leaves the same cache and
+    gives the same attention output as the cache's own update() of qk_norm_rope's K and V."""
+    from omnistage.stages.kv_cache import LockstepCache, SlotKVCache
+
+    model = talker(dtype, device)
+    fused_projections.install(model)
+    stack = model.code_predictor.model if cache_kind == "lockstep" else model.model
+    attn = stack.layers[0].self_attn
+    cfg = stack.config
+    g = torch.Generator().manual_seed(2)
+    batch, tokens = (3, 2) if cache_kind == "lockstep" else (3, 1)
+
+    def cache():
+        if cache_kind == "lockstep":
+            c = LockstepCache(1, batch, cfg.num_key_value_heads, 8, attn.head_dim, dtype, device)
+            c.length = 3  # writes at positions 3 and 4
+            return c
+        slots = SlotKVCache(1, 4, cfg.num_key_value_heads, 16, attn.head_dim, dtype, device)
+        for t in (slots.k[0], slots.v[0]):
+            t.copy_(torch.randn(t.shape, generator=g).to(device, dtype))
+        return slots.step_view(batch, torch.tensor([5, 0, 9], device=device), kv_len=12)
+
+    hidden = torch.randn(batch, tokens, cfg.hidden_size, generator=g).to(device, dtype)
+    positions = torch.arange(3, 3 + tokens, device=device)[None].expand(batch, tokens)
+    if cache_kind == "decode_step":  # the talker's MRoPE
+        positions = positions[None].expand(3, batch, tokens)
+    rope = stack.rotary_emb(hidden, positions)
+    fused_cache, plain_cache = cache(), cache()
+    if cache_kind == "decode_step":
+        plain_cache.cache.k[0].copy_(fused_cache.cache.k[0])
+        plain_cache.cache.v[0].copy_(fused_cache.cache.v[0])
+    want, _ = attn(hidden, rope, None, _UpdateOnly(plain_cache))  # the cache's own update()
+    got, _ = attn(hidden, rope, None, fused_cache)
+    assert torch.equal(got, want)
+    k_of = (lambda c: c.k[0]) if cache_kind == "lockstep" else (lambda c: c.cache.k[0])
+    v_of = (lambda c: c.v[0]) if cache_kind == "lockstep" else (lambda c: c.cache.v[0])
+    assert torch.equal(k_of(fused_cache), k_of(plain_cache)) and torch.equal(v_of(fused_cache), v_of(plain_cache))
+
+
+class _UpdateOnly:
+    """A cache seen through transformers' update() alone (no kv_target): the attention's unfused way."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def update(self, *args, **kwargs):
+        return self.cache.update(*args, **kwargs)

@@ -80,13 +80,13 @@ def test_a_zero_budget_keeps_nothing(hf_model):
 @pytest.mark.gpu
 @torch.inference_mode()
 def test_chunk_prefill_graphs_equal_the_full_prefill_on_cuda(tiny_checkpoint, processor):
-    """As served on CUDA (bf16, lean_grouped_mm experts, graphs): a prompt whose system prompt comes from the pool
+    """As served on CUDA (bf16, gather_or_grouped experts, graphs): a prompt whose system prompt comes from the pool
     leaves the K/V of a full prefill in its slot, within bf16 rounding."""
     from omnistage.models.checkpoint import load_config, load_stage
 
     config = load_config(str(tiny_checkpoint))
     model = load_stage(str(tiny_checkpoint), "thinker", dtype=torch.bfloat16, device="cuda",
-                       experts_implementation="lean_grouped_mm")  # fmt: skip
+                       experts_implementation="gather_or_grouped")  # fmt: skip
     kw = dict(max_slots=4, max_seq_len=512, device="cuda", dtype=torch.bfloat16, cuda_graphs=True)
     cached = ThinkerRunner(model, config, prefix_cache_bytes=8 << 20, **kw)
     plain = ThinkerRunner(model, config, **kw)
