@@ -74,8 +74,8 @@ def host_side(fn, repeat: int = 5) -> dict:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
-    return {"host_ms": round(sum(times) / repeat * 1e3, 2), "syncs": len(syncs)}
+    syncs = [f"{os.path.relpath(w.filename)}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    return {"host_ms": round(sum(times) / repeat * 1e3, 2), "syncs": len(syncs), "sync_sites": sorted(set(syncs))}
 
 
 def traced(path: str | None, fn) -> None:

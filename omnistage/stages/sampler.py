@@ -15,6 +15,7 @@ class Sampler:
         self._generators: dict[str, torch.Generator] = {}  # per request, only for seeded requests
         self._shared = torch.Generator(device=device)
         self._shared.manual_seed(seed)
+        self._neg_inf: torch.Tensor | None = None
 
     def generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
         if params.seed is None:
@@ -47,7 +48,9 @@ class Sampler:
         ban_rows = [i for i, ban in enumerate(banned) for _ in ban]
         if ban_rows:
             cols = [t for ban in banned for t in ban]
-            logits[to_device(ban_rows, logits.device), to_device(cols, logits.device)] = float("-inf")
+            # a device-side -inf: a Python float would be copied to the device with the stream synchronised
+            index = (to_device(ban_rows, logits.device), to_device(cols, logits.device))
+            logits.index_put_(index, self._minus_inf(logits))
         if suppress is not None:  # masked_fill, not logits[:, suppress]: a boolean index syncs with the device
             logits.masked_fill_(suppress, float("-inf"))
         tokens = logits.argmax(dim=-1)
@@ -55,6 +58,11 @@ class Sampler:
             if not p.greedy:
                 tokens[i] = self.draw(logits[i], p.temperature, p.top_k, p.top_p, self.generator(request_ids[i], p))
         return tokens
+
+    def _minus_inf(self, like: torch.Tensor) -> torch.Tensor:
+        if self._neg_inf is None or self._neg_inf.device != like.device or self._neg_inf.dtype != like.dtype:
+            self._neg_inf = torch.full((), float("-inf"), dtype=like.dtype, device=like.device)  # a fill kernel
+        return self._neg_inf
 
     @staticmethod
     def draw(row: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator):
