@@ -9,7 +9,7 @@
 # kernels, on the same weights. thinker_prefix: the thinker's chunk prefill as W1 makes it at 64 streams
 # (1 / 16 / 32 prompts of 150 tokens whose first 112 come from the prefix cache), graphs captured.
 # thinker_b1 / talker_parts: a lone request's steps (graphs captured) with the stage's experts and with
-# lean_grouped_mm: the thinker's decode step, and the talker's frame beside its two parts (the LM step
+# each of --also-experts (lean_grouped_mm): the thinker's decode step, and the talker's frame beside its two parts (the LM step
 # and the code predictor's 15 sub-steps), with every kernel each runs.
 #
 #   python -m perf.profile_steps out.json [--experts lean_grouped_mm] [--trace-dir DIR] [--stages thinker_prefix ...]
@@ -26,7 +26,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from omnistage.core.sampling import SamplingParams
-from omnistage.models import fused
+from omnistage.models import fused, gemv
 from omnistage.models.checkpoint import load_config, load_stage
 from omnistage.stages.code2wav import Code2WavRunner
 from omnistage.stages.talker import TalkerRunner
@@ -230,6 +230,7 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--config", default="perf/qwen3_omni_30b_a3b_instruct.config.json")
     ap.add_argument("--experts", default="gather_or_grouped")  # the cuda profile's
+    ap.add_argument("--also-experts", nargs="*", default=["lean_grouped_mm"], help="thinker_b1 / talker_parts again")
     ap.add_argument("--trace-dir", default=None)
     ap.add_argument("--no-fused", action="store_true", help="keep transformers' ops and projections")
     ap.add_argument("--stages", nargs="+", default=["thinker", "talker", "code2wav"])
@@ -239,7 +240,7 @@ def main() -> None:
     kw = dict(max_slots=max(BATCHES), max_seq_len=1024, device=dev, dtype=dtype, cuda_graphs=False)
     params = SamplingParams(max_tokens=500, ignore_eos=True)
     report = {"weights": "dummy random bf16", "model": "full-size Qwen3-Omni-30B-A3B config", "experts": args.experts,
-              "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}  # fmt: skip
+              "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "gemv": gemv.enabled}  # fmt: skip
 
     def save():  # after each stage too: a run cut by its time limit keeps what it measured
         with open(args.out, "w") as f:
@@ -270,12 +271,12 @@ def main() -> None:
         free()
         save()
     if "thinker_b1" in args.stages:
-        for experts in (args.experts, "lean_grouped_mm"):
+        for experts in dict.fromkeys([args.experts, *args.also_experts]):
             report.update(profile_thinker_b1(load("thinker", experts), config, kw, params, experts))
             free()
             save()
     if "talker_parts" in args.stages:
-        for experts in (args.experts, "lean_grouped_mm"):
+        for experts in dict.fromkeys([args.experts, *args.also_experts]):
             report.update(profile_frame_parts(load("talker", experts), config, kw, params, experts))
             free()
             save()

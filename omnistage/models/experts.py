@@ -28,7 +28,7 @@ from transformers.integrations.moe import (
     grouped_mm_experts_forward,
 )
 
-from . import fused_projections
+from . import fused_projections, gemv
 
 NAME = "gather_or_grouped"
 LEAN_NAME = "lean_grouped_mm"
@@ -53,6 +53,12 @@ def gathered_experts_forward(
         return batched_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     tokens, top_k = top_k_index.shape
     expert_ids = top_k_index.reshape(-1)  # pair (t, k) at row t * top_k + k; every id is a real expert
+    if _fused_epilogues(self, hidden_states) and gemv.enabled and not self.is_transposed:
+        # each pair reads its expert's weights where they are (no gathered copy): gemv.py
+        gated = fused_projections.silu_mul(gemv.gemv(hidden_states, self.gate_up_proj, expert_ids, top_k))
+        down = gemv.gemv(gated, self.down_proj, expert_ids)
+        positions = torch.arange(tokens * top_k, device=down.device).view(tokens, top_k)
+        return fused_projections.combine_experts(down, positions, top_k_weights, hidden_states.dtype)
     pairs = hidden_states.repeat_interleave(top_k, dim=0)
     gate_up = _batched_linear(pairs, self.gate_up_proj[expert_ids], is_transposed=self.is_transposed)
     fused = _fused_epilogues(self, gate_up)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as modeling
 
-from . import fused_ops
+from . import fused_ops, gemv
 
 if fused_ops.available():
     import triton
@@ -203,7 +203,7 @@ def _attention_forward(self, hidden_states, position_embeddings, attention_mask,
         return type(self).forward(self, hidden_states, position_embeddings, attention_mask, past_key_values,
                                   **kwargs)  # fmt: skip
     batch, seq, _ = hidden_states.shape
-    qkv = F.linear(hidden_states, self.qkv_weight, self.qkv_bias)
+    qkv = gemv.linear(hidden_states, self.qkv_weight, self.qkv_bias)
     heads_q, heads_k = self.config.num_attention_heads, self.config.num_key_value_heads
     target = past_key_values.kv_target(self.layer_idx, seq) if hasattr(past_key_values, "kv_target") else None
     if target is not None:  # the cache takes K and V in place: one kernel instead of three
@@ -218,13 +218,13 @@ def _attention_forward(self, hidden_states, position_embeddings, attention_mask,
                                                                modeling.eager_attention_forward)  # fmt: skip
     out, weights = attention(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling,
                              sliding_window=self.sliding_window, **kwargs)  # fmt: skip
-    return self.o_proj(out.reshape(batch, seq, -1).contiguous()), weights
+    return gemv.linear(out.reshape(batch, seq, -1).contiguous(), self.o_proj.weight, self.o_proj.bias), weights
 
 
 def _mlp_forward(self, x):
     if not fused_tensor(x) or self.config.hidden_act != "silu":
         return type(self).forward(self, x)
-    return self.down_proj(silu_mul(F.linear(x, self.gate_up_weight)))
+    return gemv.linear(silu_mul(gemv.linear(x, self.gate_up_weight)), self.down_proj.weight, self.down_proj.bias)
 
 
 def _merge(*linears: torch.nn.Linear) -> torch.Tensor:

@@ -1,0 +1,75 @@
+# One- and two-row matmuls of a lone request's decode steps, cuBLAS (F.linear; the picked experts' weights
+# gathered, then bmm) against omnistage/models/gemv.py, each as 50 calls replayed in a CUDA graph (as the
+# served decode steps run them): microseconds per call and the weight bandwidth it reached. Full-size
+# Qwen3-Omni shapes, random bf16 values; writes JSON to argv[1].
+#
+#   python -m perf.gemv_bench out.json
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+from transformers.integrations.moe import _batched_linear
+
+from omnistage.models import gemv
+
+CALLS, REPLAYS = 50, 20
+# (name, rows, K, N): code predictor (hidden 1024, 16 q / 8 kv heads of 128, MLP 3072), talker text
+# (1024, 16 / 2 heads, shared expert 768), thinker text (2048, 32 / 4 heads)
+DENSE = [("code_predictor_qkv", 1, 1024, 4096), ("code_predictor_o", 1, 2048, 1024),
+         ("code_predictor_gate_up", 1, 1024, 6144), ("code_predictor_down", 1, 3072, 1024),
+         ("talker_qkv", 1, 1024, 2560), ("talker_o", 1, 2048, 1024), ("talker_shared_gate_up", 1, 1024, 1536),
+         ("thinker_qkv", 1, 2048, 5120), ("thinker_o", 1, 4096, 2048), ("code_predictor_gate_up_2rows", 2, 1024, 6144)]  # fmt: skip
+# (name, tokens, top_k, experts, K, N_gate_up): the picked experts' gate/up projection
+EXPERTS = [("talker_experts_gate_up", 1, 6, 128, 1024, 768), ("thinker_experts_gate_up", 1, 8, 128, 2048, 1536),
+           ("thinker_experts_down", 1, 8, 128, 768, 2048)]  # fmt: skip
+
+
+def graphed_us(fn) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(REPLAYS):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (REPLAYS * CALLS)
+
+
+def main() -> None:
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    report = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "weights": "random bf16",
+              "cases": {}}  # fmt: skip
+    for name, rows, k, n in DENSE:
+        x, w = torch.randn(rows, k, device=dev, dtype=dtype), torch.randn(n, k, device=dev, dtype=dtype)
+        cublas, ours = graphed_us(lambda: torch.nn.functional.linear(x, w)), graphed_us(lambda: gemv.gemv(x, w))
+        report["cases"][name] = _entry(cublas, ours, w.numel() * 2)
+    for name, tokens, top_k, experts, k, n in EXPERTS:
+        x = torch.randn(tokens, k, device=dev, dtype=dtype)
+        w = torch.randn(experts, n, k, device=dev, dtype=dtype)
+        ids = torch.randperm(experts, device=dev)[: tokens * top_k]
+        pairs = lambda: x.repeat_interleave(top_k, dim=0)  # noqa: E731
+        gathered = graphed_us(lambda: _batched_linear(pairs(), w[ids]))
+        ours = graphed_us(lambda: gemv.gemv(x, w, ids, top_k))
+        report["cases"][name] = _entry(gathered, ours, tokens * top_k * n * k * 2)
+    json.dump(report, open(sys.argv[1], "w"), indent=1)
+    for name, case in report["cases"].items():
+        print(f"{name:32s} cublas {case['cublas_us']:7.1f} us  gemv {case['gemv_us']:7.1f} us  "
+              f"x{case['speedup']:.2f}  gemv {case['gemv_tb_s']:.2f} TB/s")  # fmt: skip
+
+
+def _entry(cublas_us: float, gemv_us: float, weight_bytes: int) -> dict:
+    return {"cublas_us": round(cublas_us, 2), "gemv_us": round(gemv_us, 2), "speedup": round(cublas_us / gemv_us, 2),
+            "weight_mb": round(weight_bytes / 1e6, 2), "gemv_tb_s": round(weight_bytes / gemv_us / 1e6, 2)}  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+# The one- and two-row matmul kernel (omnistage/models/gemv.py, run by Triton's CPU interpreter here, see
+# tests/conftest.py) gives F.linear's result up to the order of the float32 sum, for plain weights and for
+# expert weights picked per row, and linear() keeps F.linear wherever the kernel does not apply.
+import pytest
+import torch
+
+from omnistage.models import fused_ops, gemv
+
+pytestmark = pytest.mark.skipif(not fused_ops.available(), reason="triton is not installed")
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _close(got, want):
+    scale = float(want.abs().max())
+    tol = 1e-5 if want.dtype == torch.float32 else 2**-7  # bf16: one rounding step, now and then
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * scale)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,k,n", [(1, 64, 96), (2, 200, 36), (1, 1030, 20)])  # ragged K and N blocks
+def test_gemv_matches_linear(device, dtype, rows, k, n):
+    g = torch.Generator().manual_seed(rows * k + n)
+    x = torch.randn(rows, k, generator=g).to(device, dtype)
+    w = torch.randn(n, k, generator=g).to(device, dtype)
+    got = gemv.gemv(x, w)
+    assert got.shape == (rows, n) and got.dtype == dtype
+    _close(got, (x.float() @ w.float().T).to(dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_reads_each_rows_expert_in_place(device, dtype):
+    g = torch.Generator().manual_seed(3)
+    tokens, top_k, experts, k, n = 2, 3, 5, 48, 40
+    x = torch.randn(tokens, k, generator=g).to(device, dtype)
+    w = torch.randn(experts, n, k, generator=g).to(device, dtype)
+    ids = torch.tensor([4, 0, 2, 2, 1, 3], device=device)  # pair (t, j) at row t * top_k + j
+    got = gemv.gemv(x, w, ids, rows_per_x=top_k)
+    want = torch.stack([x[m // top_k].float() @ w[ids[m]].float().T for m in range(tokens * top_k)]).to(dtype)
+    _close(got, want)
+
+
+def test_linear_takes_the_kernel_only_for_few_rows_without_bias(monkeypatch):
+    calls = []
+    monkeypatch.setattr(gemv, "gemv", lambda x, w: calls.append(tuple(x.shape)) or x @ w.T)
+    w, bias = torch.randn(6, 8), torch.randn(6)
+    for x in (torch.randn(1, 1, 8), torch.randn(2, 8), torch.randn(3, 8), torch.randn(1, 3, 8)):
+        torch.testing.assert_close(gemv.linear(x, w), torch.nn.functional.linear(x, w))
+    gemv.linear(torch.randn(1, 8), w, bias)
+    monkeypatch.setattr(gemv, "enabled", False)
+    gemv.linear(torch.randn(1, 8), w)
+    assert calls == [(1, 8), (2, 8)]  # 3 rows, a bias, or the kernel turned off: F.linear
