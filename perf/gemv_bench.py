@@ -1,7 +1,8 @@
 # One- and two-row matmuls of a lone request's decode steps, cuBLAS (F.linear; the picked experts' weights
 # gathered, then bmm) against omnistage/models/gemv.py, each as 50 calls replayed in a CUDA graph (as the
 # served decode steps run them): microseconds per call and the weight bandwidth it reached. Full-size
-# Qwen3-Omni shapes, random bf16 values; writes JSON to argv[1].
+# Qwen3-Omni shapes, random bf16 values; writes JSON to argv[1]. Then the kernel's tuning (programs per call,
+# warps per program) over a lone talker frame's and thinker step's mix of these calls.
 #
 #   python -m perf.gemv_bench out.json
 from __future__ import annotations
@@ -60,10 +61,38 @@ def main() -> None:
         gathered = graphed_us(lambda: _batched_linear(pairs(), w[ids]))
         ours = graphed_us(lambda: gemv.gemv(x, w, ids, top_k))
         report["cases"][name] = _entry(gathered, ours, tokens * top_k * n * k * 2)
+    report["tuning"] = tune(dev, dtype)
     json.dump(report, open(sys.argv[1], "w"), indent=1)
     for name, case in report["cases"].items():
         print(f"{name:32s} cublas {case['cublas_us']:7.1f} us  gemv {case['gemv_us']:7.1f} us  "
               f"x{case['speedup']:.2f}  gemv {case['gemv_tb_s']:.2f} TB/s")  # fmt: skip
+
+
+# calls per lone talker frame (LM step: 20 layers; code predictor: 15 sub-steps x 5 layers) and thinker step
+FRAME_MIX = {"code_predictor_qkv": 75, "code_predictor_o": 75, "code_predictor_gate_up": 75, "code_predictor_down": 75,
+             "talker_qkv": 20, "talker_o": 20, "talker_experts_gate_up": 20}  # fmt: skip
+THINKER_MIX = {"thinker_qkv": 48, "thinker_o": 48, "thinker_experts_gate_up": 48, "thinker_experts_down": 48}
+
+
+def tune(dev, dtype) -> dict:
+    """Microseconds of each mix per (programs, num_warps)."""
+    calls = {}
+    for name, rows, k, n in DENSE:
+        x, w = torch.randn(rows, k, device=dev, dtype=dtype), torch.randn(n, k, device=dev, dtype=dtype)
+        calls[name] = lambda x=x, w=w, **kw: gemv.gemv(x, w, **kw)
+    for name, tokens, top_k, experts, k, n in EXPERTS:
+        x, w = torch.randn(tokens, k, device=dev, dtype=dtype), torch.randn(experts, n, k, device=dev, dtype=dtype)
+        ids = torch.randperm(experts, device=dev)[: tokens * top_k]
+        calls[name] = lambda x=x, w=w, ids=ids, top_k=top_k, **kw: gemv.gemv(x, w, ids, top_k, **kw)
+    out = {}
+    for programs in (256, 512, 1024, 2048):
+        for warps in (2, 4, 8):
+            us = {name: graphed_us(lambda: fn(programs=programs, num_warps=warps)) for name, fn in calls.items()}
+            key = f"programs={programs} warps={warps}"
+            out[key] = {"frame_us": round(sum(c * us[n] for n, c in FRAME_MIX.items()), 1),
+                        "thinker_step_us": round(sum(c * us[n] for n, c in THINKER_MIX.items()), 1)}  # fmt: skip
+            print(key, out[key], flush=True)
+    return out
 
 
 def _entry(cublas_us: float, gemv_us: float, weight_bytes: int) -> dict:

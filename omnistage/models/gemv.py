@@ -42,25 +42,30 @@ if fused_ops.available():
         tl.store(out_ptr + m * N + n, _cast(out, out_ptr.dtype.element_ty), mask=keep_n)
 
 
-MAX_ROWS = 2  # beyond, each row re-reading the weight costs more than a GEMM's one read
+MAX_ROWS = 1  # 2 rows of the code predictor's gate/up ran at 0.83x cuBLAS's speed on the H200 (1 row: 1.2x)
 PROGRAMS = 512  # programs per call the block size aims at: ~4 per SM of an H100/H200 keep loads in flight
+NUM_WARPS = 4
+MIN_BLOCK_N = 4
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor | None = None, rows_per_x: int = 1) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor | None = None, rows_per_x: int = 1, *,
+         programs: int | None = None, num_warps: int | None = None) -> torch.Tensor:  # fmt: skip
     """x [R, K] times weight [N, K] transposed -> [R, N] (F.linear without bias), or with expert ids [M]
-    and weight [E, N, K]: row m = x[m // rows_per_x] times weight[ids[m]] transposed -> [M, N]."""
+    and weight [E, N, K]: row m = x[m // rows_per_x] times weight[ids[m]] transposed -> [M, N].
+    programs / num_warps: tuning (perf/gemv_bench.py), PROGRAMS and NUM_WARPS by default."""
     rows = x.shape[0] * rows_per_x if ids is None else ids.shape[0]
     n, k = weight.shape[-2:]
     assert weight.stride(-1) == 1 and x.shape[-1] == k
     x = x.contiguous()
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     # the widest block of outputs that still gives PROGRAMS programs, then ~4096 weights per loop step
-    per_program = max(1, rows * n // PROGRAMS) if x.is_cuda else n  # Triton's CPU interpreter (tests) runs
-    block_n = max(4, min(64, 1 << (per_program.bit_length() - 1)))  # one program at a time: few, wide ones
+    per_program = max(1, rows * n // (programs or PROGRAMS)) if x.is_cuda else n  # Triton's CPU interpreter (tests) runs
+    block_n = max(MIN_BLOCK_N, min(64, 1 << (per_program.bit_length() - 1)))  # one program at a time: few, wide
     block_k = max(32, min(4096 // block_n, triton.next_power_of_2(k)))
     _gemv_kernel[(rows, triton.cdiv(n, block_n))](
         x, weight, ids if ids is not None else x, out, n, k, x.stride(0), weight.stride(0) if ids is not None else 0,
-        weight.stride(-2), ROWS_PER_X=rows_per_x, HAS_IDS=ids is not None, BLOCK_N=block_n, BLOCK_K=block_k)  # fmt: skip
+        weight.stride(-2), ROWS_PER_X=rows_per_x, HAS_IDS=ids is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps or NUM_WARPS)  # fmt: skip
     return out
 
 

@@ -45,9 +45,10 @@ def test_linear_takes_the_kernel_only_for_few_rows_without_bias(monkeypatch):
     calls = []
     monkeypatch.setattr(gemv, "gemv", lambda x, w: calls.append(tuple(x.shape)) or x @ w.T)
     w, bias = torch.randn(6, 8), torch.randn(6)
+    monkeypatch.setattr(gemv, "MAX_ROWS", 2)
     for x in (torch.randn(1, 1, 8), torch.randn(2, 8), torch.randn(3, 8), torch.randn(1, 3, 8)):
         torch.testing.assert_close(gemv.linear(x, w), torch.nn.functional.linear(x, w))
     gemv.linear(torch.randn(1, 8), w, bias)
     monkeypatch.setattr(gemv, "enabled", False)
     gemv.linear(torch.randn(1, 8), w)
-    assert calls == [(1, 8), (2, 8)]  # 3 rows, a bias, or the kernel turned off: F.linear
+    assert calls == [(1, 8), (2, 8)]  # more than MAX_ROWS rows, a bias, or the kernel turned off: F.linear
