@@ -28,8 +28,8 @@
 # completes in its prefill step, sent without waiting for the step's decode: talker hold_prefill_outputs
 # false; the cuda default since the second session of 2026-12-04), grouped_mm (transformers' grouped_mm
 # experts in thinker and talker: the cuda default before lean_grouped_mm), lean_mm (lean_grouped_mm for every
-# step size in thinker and talker: the cuda default before gather_or_grouped), no_gemv (one- and two-row
-# matmuls through cuBLAS instead of omnistage/models/gemv.py: OMNI_GEMV=0), first_first (every response
+# step size in thinker and talker: the cuda default before gather_or_grouped), no_gemv (one-row matmuls
+# through cuBLAS instead of omnistage/models/gemv.py: OMNI_GEMV=0), first_first (every response
 # thread sends a request's first output at the head of its round: model parameter first_responses_first,
 # off by default), no_hold (thinker and talker send a request's prefill output as soon as the prefill phase
 # ends instead of with the same step's decode output: the cuda default since the third session of

@@ -9,10 +9,11 @@
 # kernels, on the same weights. thinker_prefix: the thinker's chunk prefill as W1 makes it at 64 streams
 # (1 / 16 / 32 prompts of 150 tokens whose first 112 come from the prefix cache), graphs captured.
 # thinker_b1 / talker_parts: a lone request's steps (graphs captured) with the stage's experts and with
-# each of --also-experts (lean_grouped_mm): the thinker's decode step, and the talker's frame beside its two parts (the LM step
-# and the code predictor's 15 sub-steps), with every kernel each runs.
+# each of --also-experts (lean_grouped_mm): the thinker's decode step, and the talker's frame beside its two
+# parts (the LM step and the code predictor's 15 sub-steps), with every kernel each runs.
 #
-#   python -m perf.profile_steps out.json [--experts lean_grouped_mm] [--trace-dir DIR] [--stages thinker_prefix ...]
+#   python -m perf.profile_steps out.json [--experts NAME] [--also-experts NAME ...] [--trace-dir DIR]
+#                                         [--stages thinker thinker_prefix thinker_b1 talker talker_parts code2wav]
 from __future__ import annotations
 
 import argparse

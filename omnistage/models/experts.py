@@ -48,7 +48,8 @@ def gather_or_grouped_experts_forward(
 def gathered_experts_forward(
     self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
-    """transformers' batched_mm: each (token, expert) pair's weights gathered and multiplied in one bmm."""
+    """A few (token, expert) pairs: each pair's weights read in place by gemv where fused_kernels is on, else
+    gathered and multiplied in one bmm as transformers' batched_mm does."""
     if self.has_bias or not self.has_gate:  # not Qwen3-Omni's experts: transformers' own path
         return batched_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     tokens, top_k = top_k_index.shape
@@ -56,19 +57,23 @@ def gathered_experts_forward(
     if _fused_epilogues(self, hidden_states) and gemv.enabled and not self.is_transposed:
         # each pair reads its expert's weights where they are (no gathered copy): gemv.py
         gated = fused_projections.silu_mul(gemv.gemv(hidden_states, self.gate_up_proj, expert_ids, top_k))
-        down = gemv.gemv(gated, self.down_proj, expert_ids)
-        positions = torch.arange(tokens * top_k, device=down.device).view(tokens, top_k)
-        return fused_projections.combine_experts(down, positions, top_k_weights, hidden_states.dtype)
+        return _combine_pairs(gemv.gemv(gated, self.down_proj, expert_ids), top_k_weights, hidden_states.dtype)
     pairs = hidden_states.repeat_interleave(top_k, dim=0)
     gate_up = _batched_linear(pairs, self.gate_up_proj[expert_ids], is_transposed=self.is_transposed)
     fused = _fused_epilogues(self, gate_up)
     gated = fused_projections.silu_mul(gate_up) if fused else self._apply_gate(gate_up)
     down = _batched_linear(gated, self.down_proj[expert_ids], is_transposed=self.is_transposed)
-    if fused:  # the pairs are in token order already: the weighting and the sum over k in one kernel
-        positions = torch.arange(tokens * top_k, device=down.device).view(tokens, top_k)
-        return fused_projections.combine_experts(down, positions, top_k_weights, hidden_states.dtype)
+    if fused:
+        return _combine_pairs(down, top_k_weights, hidden_states.dtype)
     weighted = down * top_k_weights.reshape(-1).unsqueeze(-1)
     return weighted.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+def _combine_pairs(down: torch.Tensor, top_k_weights: torch.Tensor, dtype) -> torch.Tensor:
+    """The pairs' outputs [T * K, H], already in token order: the weighting and the sum over k in one kernel."""
+    tokens, top_k = top_k_weights.shape
+    positions = torch.arange(tokens * top_k, device=down.device).view(tokens, top_k)
+    return fused_projections.combine_experts(down, positions, top_k_weights, dtype)
 
 
 def _fused_epilogues(self: torch.nn.Module, gate_up: torch.Tensor) -> bool:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import types
 
 import torch
-import torch.nn.functional as F
 from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as modeling
 
 from . import fused_ops, gemv

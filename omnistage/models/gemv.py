@@ -1,5 +1,4 @@
-# Matmuls of one or two rows (a lone request's decode step) as one Triton kernel that streams the weight
-# once. cuBLAS runs them as GEMMs tiled for many rows: on the H200 a lone talker frame's 336 such
+# One-row matmuls (a lone request's decode step) as one Triton kernel that streams the weight once. cuBLAS runs them as GEMMs tiled for many rows: on the H200 a lone talker frame's 336 such
 # projections ran at ~1-1.6 TB/s, two thirds of the frame's kernel time (perf/README.md, 2026-12-04 fourth
 # session). With expert ids, each row reads its own expert's weight in place, where the gathered path
 # (experts.py) first copies the picked experts' weights and then multiplies them.
@@ -58,9 +57,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor | None = None,
     assert weight.stride(-1) == 1 and x.shape[-1] == k
     x = x.contiguous()
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    # the widest block of outputs that still gives PROGRAMS programs, then ~4096 weights per loop step
-    per_program = max(1, rows * n // (programs or PROGRAMS)) if x.is_cuda else n  # Triton's CPU interpreter (tests) runs
-    block_n = max(MIN_BLOCK_N, min(64, 1 << (per_program.bit_length() - 1)))  # one program at a time: few, wide
+    # the widest block of outputs that still gives PROGRAMS programs, then ~4096 weights per loop step;
+    # Triton's CPU interpreter (tests) runs one program at a time, so there: few, wide ones
+    per_program = max(1, rows * n // (programs or PROGRAMS)) if x.is_cuda else n
+    block_n = max(MIN_BLOCK_N, min(64, 1 << (per_program.bit_length() - 1)))
     block_k = max(32, min(4096 // block_n, triton.next_power_of_2(k)))
     _gemv_kernel[(rows, triton.cdiv(n, block_n))](
         x, weight, ids if ids is not None else x, out, n, k, x.stride(0), weight.stride(0) if ids is not None else 0,

@@ -30,7 +30,8 @@ def run_layers(layers, hidden: torch.Tensor, final_norm: torch.nn.Module | None 
 
 def add_norm(residual: torch.Tensor, x: torch.Tensor, norm: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """(residual + x, norm(residual + x)), in one kernel where the norm is a fused one."""
-    if fused_ops.is_fused_norm(norm) and fused_projections.fused_tensor(x) and x.dtype == residual.dtype and x.shape == residual.shape:
+    same_layout = x.dtype == residual.dtype and x.shape == residual.shape
+    if same_layout and fused_ops.is_fused_norm(norm) and fused_projections.fused_tensor(x):
         return fused_ops.add_rms_norm(x, residual, norm.weight, norm.variance_epsilon)
     total = residual + x
     return total, norm(total)
