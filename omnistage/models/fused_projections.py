@@ -40,34 +40,13 @@ if fused_ops.available():
         return _rounded(w1 * _rounded(x1 * scale, dt), dt), _rounded(w2 * _rounded(x2 * scale, dt), dt)
 
     @triton.jit
-    def _qk_norm_rope_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, q_rows, heads_q, heads_k,
-                             seq, s_b, s_t, cs_b, cs_t, eps_q, eps_k, HALF: tl.constexpr):  # fmt: skip
-        # one program per (batch, head, position) row of q, then of k; qkv [B, T, (Hq + 2 Hk) * D] with a
-        # contiguous last dim; q [B, Hq, T, D] and k [B, Hk, T, D] contiguous
-        row = tl.program_id(0).to(tl.int64)
-        is_q = row < q_rows
-        r = tl.where(is_q, row, row - q_rows)
-        heads = tl.where(is_q, heads_q, heads_k)
-        b, h, t = r // (heads * seq), (r // seq) % heads, r % seq
-        column = tl.where(is_q, h, heads_q + h) * 2 * HALF
-        dt = q_ptr.dtype.element_ty
-        i = tl.arange(0, HALF)
-        src = qkv_ptr + b * s_b + t * s_t + column
-        x1, x2 = tl.load(src + i).to(tl.float32), tl.load(src + HALF + i).to(tl.float32)
-        w_ptr = tl.where(is_q, qw_ptr, kw_ptr)
-        n1, n2 = _norm_half(x1, x2, w_ptr, tl.where(is_q, eps_q, eps_k), i, HALF, dt)
-        lo, hi = _rotated(n1, n2, cos_ptr + b * cs_b + t * cs_t, sin_ptr + b * cs_b + t * cs_t, i, HALF, dt)
-        dst = tl.where(is_q, q_ptr, k_ptr) + r * 2 * HALF
-        tl.store(dst + i, _cast(lo, dt))
-        tl.store(dst + HALF + i, _cast(hi, dt))
-
-    @triton.jit
     def _qkv_into_cache_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr, start,
                                q_rows, kv_rows, heads_q, heads_k, seq, s_b, s_t, cs_b, cs_t, c_b, c_h, c_t, eps_q,
                                eps_k, HALF: tl.constexpr, HAS_POS: tl.constexpr):  # fmt: skip
-        # _qk_norm_rope_kernel's q rows, then its k rows and plain copies of the v rows written straight
-        # into a KV cache [B', Hk, L, D] (strides c_b, c_h, c_t, shared by K and V) at position
-        # start + t (+ pos[b] per batch row with HAS_POS), instead of into tensors the cache then copies
+        # one program per (batch, head, position) row of q, then of k, then of v; qkv [B, T, (Hq + 2 Hk) * D]
+        # with a contiguous last dim. q rows (normed, rotated) go to q [B, Hq, T, D] contiguous, k rows
+        # (normed, rotated) and v rows (as they are) to K/V buffers [B', Hk, L, D] (strides c_b, c_h, c_t,
+        # shared) at position start + t (+ pos[b] per batch row with HAS_POS): a cache, or fresh tensors
         row = tl.program_id(0).to(tl.int64)
         is_q = row < q_rows
         is_k = (row >= q_rows) & (row < q_rows + kv_rows)
@@ -127,40 +106,31 @@ if fused_ops.available():
 
 
 def qk_norm_rope(qkv: torch.Tensor, heads_q: int, heads_k: int, q_norm, k_norm, cos, sin):
-    """qkv [B, T, (Hq + 2 Hk) * D] -> q [B, Hq, T, D], k [B, Hk, T, D]: per-head RMSNorm, then rope."""
+    """qkv [B, T, (Hq + 2 Hk) * D] -> q [B, Hq, T, D], k and v [B, Hk, T, D], contiguous: per-head RMSNorm,
+    then rope, on q and k; v as it is."""
+    batch, seq, _ = qkv.shape
+    k = torch.empty(batch, heads_k, seq, q_norm.weight.shape[0], dtype=qkv.dtype, device=qkv.device)
+    v = torch.empty_like(k)
+    return qkv_into_cache(qkv, heads_q, heads_k, q_norm, k_norm, cos, sin, k, v), k, v
+
+
+def qkv_into_cache(qkv: torch.Tensor, heads_q: int, heads_k: int, q_norm, k_norm, cos, sin, k_cache, v_cache,
+                   start: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """qk_norm_rope, with k (normed, rotated) and v written into K/V buffers [B', Hk, L, D] (same strides) at
+    position start + t of batch row b (+ positions[b] when given); returns q [B, Hq, T, D]."""
     batch, seq, _ = qkv.shape
     dim = q_norm.weight.shape[0]
     q = torch.empty(batch, heads_q, seq, dim, dtype=qkv.dtype, device=qkv.device)
-    k = torch.empty(batch, heads_k, seq, dim, dtype=qkv.dtype, device=qkv.device)
     if cos.stride(-1) != 1 or sin.stride() != cos.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
     cs_b = cos.stride(0) if cos.shape[0] == batch else 0  # [1, T, D]: every row reads the same angles
-    q_rows = batch * heads_q * seq
-    # one warp per 128-wide head row: with Triton's default four, a prefill's ~37k rows (1024 tokens x 36
-    # heads, thinker) kept three idle warps each and took ~53 us per layer on the H200
-    _qk_norm_rope_kernel[(q_rows + batch * heads_k * seq,)](
-        qkv, q_norm.weight, k_norm.weight, cos, sin, q, k, q_rows, heads_q, heads_k, seq, qkv.stride(0),
-        qkv.stride(1), cs_b, cos.stride(1), q_norm.variance_epsilon, k_norm.variance_epsilon, HALF=dim // 2,
-        num_warps=1)  # fmt: skip
-    return q, k
-
-
-def qkv_into_cache(qkv: torch.Tensor, heads_q: int, heads_k: int, q_norm, k_norm, cos, sin, target) -> torch.Tensor:
-    """qk_norm_rope, with k (normed, rotated) and v written into the cache where `target` says
-    (KVTarget: its K and V buffers [B', Hk, L, D] and each batch row's write position); returns q."""
-    batch, seq, _ = qkv.shape
-    dim = q_norm.weight.shape[0]
-    q = torch.empty(batch, heads_q, seq, dim, dtype=qkv.dtype, device=qkv.device)
-    if cos.stride(-1) != 1 or sin.stride() != cos.stride():
-        cos, sin = cos.contiguous(), sin.contiguous()
-    cs_b = cos.stride(0) if cos.shape[0] == batch else 0
-    k_cache, v_cache = target.k, target.v
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     q_rows, kv_rows = batch * heads_q * seq, batch * heads_k * seq
-    positions = target.positions
+    # one warp per 128-wide head row: with Triton's default four, a prefill's ~37k rows (1024 tokens x 36
+    # heads, thinker) kept three idle warps each and took ~53 us per layer on the H200
     _qkv_into_cache_kernel[(q_rows + 2 * kv_rows,)](
         qkv, q_norm.weight, k_norm.weight, cos, sin, q, k_cache, v_cache,
-        positions if positions is not None else q, target.start, q_rows, kv_rows, heads_q, heads_k, seq,
+        positions if positions is not None else q, start, q_rows, kv_rows, heads_q, heads_k, seq,
         qkv.stride(0), qkv.stride(1), cs_b, cos.stride(1), *k_cache.stride()[:3], q_norm.variance_epsilon,
         k_norm.variance_epsilon, HALF=dim // 2, HAS_POS=positions is not None, num_warps=1)  # fmt: skip
     return q
@@ -206,11 +176,11 @@ def _attention_forward(self, hidden_states, position_embeddings, attention_mask,
     heads_q, heads_k = self.config.num_attention_heads, self.config.num_key_value_heads
     target = past_key_values.kv_target(self.layer_idx, seq) if hasattr(past_key_values, "kv_target") else None
     if target is not None:  # the cache takes K and V in place: one kernel instead of three
-        q = qkv_into_cache(qkv, heads_q, heads_k, self.q_norm, self.k_norm, *position_embeddings, target)
+        q = qkv_into_cache(qkv, heads_q, heads_k, self.q_norm, self.k_norm, *position_embeddings, target.k, target.v,
+                           target.start, target.positions)  # fmt: skip
         k, v = past_key_values.attended(self.layer_idx, seq)
     else:
-        q, k = qk_norm_rope(qkv, heads_q, heads_k, self.q_norm, self.k_norm, *position_embeddings)
-        v = qkv[..., (heads_q + heads_k) * self.head_dim :].view(batch, seq, heads_k, self.head_dim).transpose(1, 2)
+        q, k, v = qk_norm_rope(qkv, heads_q, heads_k, self.q_norm, self.k_norm, *position_embeddings)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
     attention = modeling.ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
