@@ -45,23 +45,31 @@ def graphed_us(fn) -> float:
     return start.elapsed_time(end) * 1e3 / (REPLAYS * CALLS)
 
 
+def cases(dev, dtype) -> dict:
+    """name -> (cuBLAS's call, gemv's call taking the tuning keywords, weight bytes it reads), on random inputs."""
+    out = {}
+    for name, rows, k, n in DENSE:
+        x, w = torch.randn(rows, k, device=dev, dtype=dtype), torch.randn(n, k, device=dev, dtype=dtype)
+        out[name] = (lambda x=x, w=w: torch.nn.functional.linear(x, w),
+                     lambda x=x, w=w, **kw: gemv.gemv(x, w, **kw), w.numel() * 2)  # fmt: skip
+    for name, tokens, top_k, experts, k, n in EXPERTS:
+        x, w = torch.randn(tokens, k, device=dev, dtype=dtype), torch.randn(experts, n, k, device=dev, dtype=dtype)
+        ids = torch.randperm(experts, device=dev)[: tokens * top_k]
+        # cuBLAS's way: the picked experts' weights gathered, then one bmm (experts.py's gathered path)
+        out[name] = (lambda x=x, w=w, ids=ids, top_k=top_k: _batched_linear(x.repeat_interleave(top_k, dim=0), w[ids]),
+                     lambda x=x, w=w, ids=ids, top_k=top_k, **kw: gemv.gemv(x, w, ids, top_k, **kw),
+                     tokens * top_k * n * k * 2)  # fmt: skip
+    return out
+
+
 def main() -> None:
     dev, dtype = torch.device("cuda"), torch.bfloat16
     report = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "weights": "random bf16",
               "cases": {}}  # fmt: skip
-    for name, rows, k, n in DENSE:
-        x, w = torch.randn(rows, k, device=dev, dtype=dtype), torch.randn(n, k, device=dev, dtype=dtype)
-        cublas, ours = graphed_us(lambda: torch.nn.functional.linear(x, w)), graphed_us(lambda: gemv.gemv(x, w))
-        report["cases"][name] = _entry(cublas, ours, w.numel() * 2)
-    for name, tokens, top_k, experts, k, n in EXPERTS:
-        x = torch.randn(tokens, k, device=dev, dtype=dtype)
-        w = torch.randn(experts, n, k, device=dev, dtype=dtype)
-        ids = torch.randperm(experts, device=dev)[: tokens * top_k]
-        pairs = lambda: x.repeat_interleave(top_k, dim=0)  # noqa: E731
-        gathered = graphed_us(lambda: _batched_linear(pairs(), w[ids]))
-        ours = graphed_us(lambda: gemv.gemv(x, w, ids, top_k))
-        report["cases"][name] = _entry(gathered, ours, tokens * top_k * n * k * 2)
-    report["tuning"] = tune(dev, dtype)
+    calls = cases(dev, dtype)
+    for name, (cublas, ours, weight_bytes) in calls.items():
+        report["cases"][name] = _entry(graphed_us(cublas), graphed_us(ours), weight_bytes)
+    report["tuning"] = tune(calls)
     json.dump(report, open(sys.argv[1], "w"), indent=1)
     for name, case in report["cases"].items():
         print(f"{name:32s} cublas {case['cublas_us']:7.1f} us  gemv {case['gemv_us']:7.1f} us  "
@@ -74,20 +82,13 @@ FRAME_MIX = {"code_predictor_qkv": 75, "code_predictor_o": 75, "code_predictor_g
 THINKER_MIX = {"thinker_qkv": 48, "thinker_o": 48, "thinker_experts_gate_up": 48, "thinker_experts_down": 48}
 
 
-def tune(dev, dtype) -> dict:
+def tune(calls: dict) -> dict:
     """Microseconds of each mix per (programs, num_warps)."""
-    calls = {}
-    for name, rows, k, n in DENSE:
-        x, w = torch.randn(rows, k, device=dev, dtype=dtype), torch.randn(n, k, device=dev, dtype=dtype)
-        calls[name] = lambda x=x, w=w, **kw: gemv.gemv(x, w, **kw)
-    for name, tokens, top_k, experts, k, n in EXPERTS:
-        x, w = torch.randn(tokens, k, device=dev, dtype=dtype), torch.randn(experts, n, k, device=dev, dtype=dtype)
-        ids = torch.randperm(experts, device=dev)[: tokens * top_k]
-        calls[name] = lambda x=x, w=w, ids=ids, top_k=top_k, **kw: gemv.gemv(x, w, ids, top_k, **kw)
     out = {}
     for programs in (256, 512, 1024, 2048):
         for warps in (2, 4, 8):
-            us = {name: graphed_us(lambda: fn(programs=programs, num_warps=warps)) for name, fn in calls.items()}
+            us = {name: graphed_us(lambda ours=ours: ours(programs=programs, num_warps=warps))
+                  for name, (_, ours, _) in calls.items()}  # fmt: skip
             key = f"programs={programs} warps={warps}"
             out[key] = {"frame_us": round(sum(c * us[n] for n, c in FRAME_MIX.items()), 1),
                         "thinker_step_us": round(sum(c * us[n] for n, c in THINKER_MIX.items()), 1)}  # fmt: skip
