@@ -27,7 +27,7 @@ _KEYS = {
     "thinker": _PLACED | {"max_batch_size", "max_seq_len", "max_queue", "max_prefills_per_step", "max_prefill_tokens",
                           "sampling", "experts_implementation", "fused_kernels", "kv_cache_bytes",
                           "kv_cache_memory_fraction", "hold_prefill_outputs"},  # fmt: skip
-    "code2wav": _PLACED | {"max_batch_size", "fused_kernels"},
+    "code2wav": _PLACED | {"max_batch_size", "fused_kernels", "later_chunk_batch"},
     "omni_ensemble": {"replicas", "max_inflight", "max_queue", "max_audio_seconds", "max_image_pixels", "max_media_items"},
 }
 _KEYS["talker"] = set(_KEYS["thinker"])
@@ -205,6 +205,8 @@ def _stage(name: str, raw: dict, platform: str, gpu_count: int | None) -> StageP
         if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
                                      or not 0 < fraction <= 1):  # fmt: skip
             raise ProfileError(f"{where}.{key} must be in (0, 1], got {fraction!r}")
+    if settings.get("later_chunk_batch") is not None:
+        _int(f"{where}.later_chunk_batch", settings["later_chunk_batch"], low=0)
     if settings.get("prefix_cache_bytes") is not None:
         _int(f"{where}.prefix_cache_bytes", settings["prefix_cache_bytes"], low=0)
     if settings.get("kv_cache_bytes") is not None:

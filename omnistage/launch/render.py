@@ -75,6 +75,7 @@ def profile_spec(profile: Profile, model_path: str | None = None) -> dict[str, M
             # cuda_graphs), the other chunks go to its main worker
             firsts = {profile.chunks[k] for k in ("first_chunk_frames", "light_first_chunk_frames")} - {None}
             params["first_chunk_frames"] = ",".join(map(str, sorted(firsts)))
+            params["chunk_frames"] = str(profile.chunks["chunk_frames"])  # the later chunks' largest size
             per_gpu = plan.replicas // len(plan.devices)
             place = {"kind": "KIND_GPU", "gpus": plan.devices, "instances": per_gpu} if cuda else {"instances": plan.replicas}
             spec[stage] = ModelSpec(parameters=params, **place)

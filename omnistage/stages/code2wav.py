@@ -269,6 +269,17 @@ class Code2WavRunner:
         return self._forward_tensors(codes, past_kv, past_hidden, position)
 
     def _forward_tensors(self, codes, past_kv, past_hidden, position):
+        hidden, kv = self.transformer(codes, past_kv, position)
+        hidden = torch.cat([past_hidden, hidden], dim=1)  # [B, C' + n, D]
+        wav = self.conv_stack(hidden)
+        return wav, _last(kv, 4, self.kv_frames), _last(hidden, 1, self.context_frames)
+
+    def transformer(self, codes: torch.Tensor, past_kv: torch.Tensor, position: torch.Tensor):
+        """The pre-transformer on a chunk's new frames, codes [B, n, Q], after `position` [B, 1] decoded frames
+        whose post-rope K/V are the last rows of past_kv [B, L, 2, H, W, D]. Rows of past_kv that would sit
+        before frame 0 (a stream with position < W, its K/V right-aligned) are masked out, so a batch can
+        carry streams of any position in one W. Returns the normed outputs [B, n, D] and every layer's K/V
+        [B, L, 2, H, W + n, D]."""
         n = codes.shape[1]
         m = self.module
         past = past_kv.shape[4]
@@ -277,7 +288,8 @@ class Code2WavRunner:
         position_ids = position + torch.arange(n, device=self.device)  # [B, n]
         key_pos = position - past + torch.arange(past + n, device=self.device)  # [B, W + n]
         q, k = position_ids[:, None, :, None], key_pos[:, None, None, :]
-        mask = (k <= q) & (k > q - self.window)  # [B, 1, n, W + n]: transformers' sliding-window rule
+        # [B, 1, n, W + n]: transformers' sliding-window rule, and no key before the stream's first frame
+        mask = (k <= q) & (k > q - self.window) & (k >= 0)
         if self.attn_impl == "eager":  # eager adds the mask to the scores
             mask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill(
                 ~mask, torch.finfo(self.dtype).min)
@@ -286,14 +298,9 @@ class Code2WavRunner:
         for layer in self.layers:
             hidden = layer(hidden, attention_mask=mask, position_embeddings=rope, position_ids=position_ids,
                            past_key_values=cache, use_cache=True)
-        hidden = m.pre_transformer.norm(hidden)
+        return m.pre_transformer.norm(hidden), torch.stack(cache.full, dim=1)
 
-        hidden = torch.cat([past_hidden, hidden], dim=1)  # [B, C' + n, D]
-        wav = self._conv_stack(hidden)
-        kv = _last(torch.stack(cache.full, dim=1), 4, self.kv_frames)  # [B, L, 2, H, W', D]
-        return wav, kv, _last(hidden, 1, self.context_frames)
-
-    def _conv_stack(self, hidden: torch.Tensor) -> torch.Tensor:
+    def conv_stack(self, hidden: torch.Tensor) -> torch.Tensor:
         # [B, T, D] pre-transformer outputs -> [B, T * spf - tail] samples, as the module's forward.
         with self._convs():
             wav = hidden.transpose(1, 2)  # [B, D, T]

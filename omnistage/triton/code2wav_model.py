@@ -6,6 +6,8 @@
 # New streams' first chunks (what a time to first audio waits for) have a worker of their own, the first
 # lane: on CUDA it runs on a high-priority stream and replays CUDA graphs (stages/code2wav_first.py), so a
 # first chunk no longer waits behind a forward of later chunks (~100 ms at 64 streams on the H200).
+# With later_chunk_batch, the main worker decodes chunks with carried state of up to chunk_frames frames as
+# one group, padded to static shapes and replayed as CUDA graphs (stages/code2wav_later.py).
 from __future__ import annotations
 
 import logging
@@ -22,6 +24,7 @@ from ..models import fused
 from ..models.checkpoint import load_stage
 from ..stages.code2wav import Code2WavRunner, chunk_key, state_from_tensors, state_to_tensors, take_group
 from ..stages.code2wav_first import FirstChunkDecoder
+from ..stages.code2wav_later import LaterChunkDecoder
 from ..stages.host_copy import sync_current_stream, to_host
 from ..stages.step_stream import StepStream
 from .logs import stop_fault_reports
@@ -64,6 +67,12 @@ class Code2WavModel:
                                for n in lengths]  # fmt: skip
         for decoder in self.first_decoders:
             decoder.capture_all()
+        # the later lane: chunks with carried state, at most later_chunk_batch streams per replay; 0: off (eager)
+        later_batch = int(params.get("later_chunk_batch", 0))
+        self.later = (LaterChunkDecoder(self.runner, int(params.get("chunk_frames", 25)), later_batch,
+                                        flag(params, "cuda_graphs")) if later_batch else None)  # fmt: skip
+        if self.later is not None:
+            self.later.capture_all()
         # its inputs are host tensors or complete CUDA copies (the Python backend copies synchronously), so it
         # does not wait for the default stream, where the other worker's forwards may run
         self.first_stream = StepStream(self.device, True, priority=-1, wait_default=False)
@@ -83,7 +92,9 @@ class Code2WavModel:
                                  "first chunks)")
                         .counter("omni_code2wav_first_chunks_total", "first chunks answered by the first lane")
                         .counter("omni_code2wav_first_chunk_seconds_total", "their seconds from execute() to the "
-                                 "response sent"))  # fmt: skip
+                                 "response sent")
+                        .counter("omni_code2wav_later_chunks_total", "chunks with carried state decoded padded to "
+                                 "static shapes (CUDA graphs with cuda_graphs)"))  # fmt: skip
         self.metrics.start()
         self._workers = [threading.Thread(target=self._loop, args=(self._queue, self.step_stream, False),
                                           name="code2wav-worker", daemon=True)]  # fmt: skip
@@ -130,14 +141,25 @@ class Code2WavModel:
                     break
             if any(item is None for item in pending):
                 return
-            group, pending = take_group(pending, lambda p: chunk_key(*p.chunk), self.max_batch)
+            group, pending = take_group(pending, self._group_key, self.max_batch)
             group = self._turn_away_bad_ranges(group)
             if group:
                 self._decode(group, stream, first_lane)
 
+    def _group_key(self, pending: PendingChunk) -> tuple:
+        """The lowest key decodes first: new streams' chunks by shape, then all chunks the later decoder
+        takes (one group), then other chunks by shape."""
+        if self.later is not None and self.later.fits([pending.chunk]):
+            return (1,)
+        return (0 if pending.chunk[1] is None else 2, *chunk_key(*pending.chunk))
+
     def _groups(self, chunks: list, first_lane: bool):
-        """decode_groups(), or the first lane's decoder for first chunks of its length (one group)."""
-        decoder = next((d for d in self.first_decoders if d.fits(chunks)), None) if first_lane else None
+        """decode_groups(), or the first lane's decoder for first chunks of its length, or the later
+        decoder for its chunks (one group each)."""
+        if first_lane:
+            decoder = next((d for d in self.first_decoders if d.fits(chunks)), None)
+        else:
+            decoder = self.later if self.later is not None and self.later.fits(chunks) else None
         if decoder is None:  # ranges were checked by _turn_away_bad_ranges: no second device sync for them
             return self.runner.decode_groups(chunks, check_ranges=False)
         return [list(enumerate(decoder.decode(chunks)))]
@@ -195,7 +217,8 @@ class Code2WavModel:
                 ("omni_code2wav_busy_seconds_total", {}, self.busy_seconds),
                 ("omni_code2wav_first_lane_seconds_total", {}, self.first_lane_seconds),
                 ("omni_code2wav_first_chunks_total", {}, self.first_chunks),
-                ("omni_code2wav_first_chunk_seconds_total", {}, self.first_chunk_seconds)]  # fmt: skip
+                ("omni_code2wav_first_chunk_seconds_total", {}, self.first_chunk_seconds),
+                ("omni_code2wav_later_chunks_total", {}, self.later.chunks if self.later is not None else 0)]  # fmt: skip
 
     def finalize(self) -> None:
         self.metrics.stop()

@@ -11,6 +11,7 @@ from omnistage.core.errors import BadRequestError
 from omnistage.models.random_init import make_code2wav_audible_
 from omnistage.models.tiny_config import tiny_config_dict
 from omnistage.stages.code2wav_first import FirstChunkDecoder
+from omnistage.stages.code2wav_later import LaterChunkDecoder, frames_buckets
 from omnistage.stages.code2wav import (
     PAST_FRAMES,
     PAST_HIDDEN,
@@ -128,7 +129,7 @@ def test_derived_reach_is_exact(streamer, codes300):
     hidden = torch.randn(1, r + 4, streamer.hidden_size)
     hidden[:, 0] = float("nan")
     with torch.inference_mode():
-        wav = streamer._conv_stack(hidden)[0]
+        wav = streamer.conv_stack(hidden)[0]
     assert wav[r * spf - tail].isnan() and not wav[(r + 1) * spf - tail :].isnan().any()
     # And numerically: streaming with exactly R context frames (no margin) equals the full decode.
     exact = Code2WavRunner(streamer.module, "cpu", torch.float32, context_frames=r)
@@ -250,14 +251,62 @@ def test_first_chunk_decoder_equals_decode(deep):
             assert rel_err(after, after1) < TOL
 
 
+def _cuda_runner():
+    module = build(seed=1, num_hidden_layers=3, sliding_window=8, num_key_value_heads=1, dtype=torch.bfloat16)
+    return Code2WavRunner(module.cuda(), "cuda", torch.bfloat16)
+
+
 @pytest.mark.gpu
 def test_first_chunk_graphs_equal_eager_on_cuda():
-    module = build(seed=1, num_hidden_layers=3, sliding_window=8, num_key_value_heads=1, dtype=torch.bfloat16)
-    runner = Code2WavRunner(module.cuda(), "cuda", torch.bfloat16)
+    runner = _cuda_runner()
     graphed = FirstChunkDecoder(runner, frames=2, max_batch=8, cuda_graphs=True)
     graphed.capture_all()
     assert len(graphed.graphs.graphs) == len(graphed.buckets)
     chunks = [(random_codes(2, seed=40 + s), None) for s in range(5)]
+    for (audio, state), (audio1, state1) in zip(graphed.decode(chunks), runner.decode(chunks)):
+        assert audio.device.type == "cuda" and rel_err(audio, audio1) < 2e-2
+        assert torch.allclose(state.kv.float(), state1.kv.float(), atol=2e-2)
+
+
+def _advance(runner, codes, schedule):
+    """A stream's state after eager chunks of the given sizes."""
+    state, start = None, 0
+    for n in schedule:
+        [(_, state)] = runner.decode([(codes[start : start + n], state)])
+        start += n
+    return state, start
+
+
+def test_later_chunk_decoder_equals_decode(deep):
+    """Chunks with carried state through LaterChunkDecoder (static buffers, K/V right-aligned and masked, new
+    frames and conv rows padded: the code a CUDA graph replays) equal decode(), at positions below and
+    beyond the K/V window (7) and the conv context (11), mixed in one batch, and the chunk after."""
+    assert frames_buckets(25) == [13, 25] and frames_buckets(1) == [1]
+    later = LaterChunkDecoder(deep, chunk_frames=6, max_batch=2, cuda_graphs=False)
+    assert (later.kv_rows, later.context) == (7, 11)
+    streams = [random_codes(40, seed=50 + s) for s in range(4)]
+    schedules = [[1], [3, 2], [4, 5, 6], [6, 6, 6, 6, 6]]  # positions 1, 5, 15, 30
+    states = [_advance(deep, codes, schedule) for codes, schedule in zip(streams, schedules)]
+    for sizes in ([6, 2, 1, 5], [3], [2, 6]):  # 3 replays of <= 2 streams, then fewer (stale rows), then padded
+        chunks = [(codes[pos : pos + n], state) for (state, pos), codes, n in zip(states, streams, sizes)]
+        assert later.fits(chunks)
+        got, want = later.decode(chunks), deep.decode(chunks)
+        for (audio, state), (audio1, state1), (codes, old) in zip(got, want, chunks):
+            assert audio.shape == audio1.shape and rel_err(audio, audio1) < TOL
+            assert state.position == state1.position and state.kv.shape == state1.kv.shape
+            assert torch.allclose(state.kv, state1.kv, atol=1e-6) and torch.allclose(state.hidden, state1.hidden, atol=1e-6)
+        assert not later.fits([(streams[0][:7], states[0][0])]) and not later.fits([(streams[0][:2], None)])
+
+
+@pytest.mark.gpu
+def test_later_chunk_graphs_equal_eager_on_cuda():
+    runner = _cuda_runner()
+    graphed = LaterChunkDecoder(runner, chunk_frames=6, max_batch=4, cuda_graphs=True)
+    graphed.capture_all()
+    assert len(graphed.graphs.graphs) == len(graphed.batch_buckets) * len(graphed.frames_buckets)
+    streams = [random_codes(30, seed=60 + s) for s in range(5)]
+    states = [_advance(runner, codes, [1 + s, 6, 6][: 1 + s % 3]) for s, codes in enumerate(streams)]
+    chunks = [(codes[pos : pos + 2 + s], state) for s, ((state, pos), codes) in enumerate(zip(states, streams))]
     for (audio, state), (audio1, state1) in zip(graphed.decode(chunks), runner.decode(chunks)):
         assert audio.device.type == "cuda" and rel_err(audio, audio1) < 2e-2
         assert torch.allclose(state.kv.float(), state1.kv.float(), atol=2e-2)
