@@ -56,8 +56,9 @@ def gathered_experts_forward(
     expert_ids = top_k_index.reshape(-1)  # pair (t, k) at row t * top_k + k; every id is a real expert
     if _fused_epilogues(self, hidden_states) and gemv.enabled and not self.is_transposed:
         # each pair reads its expert's weights where they are (no gathered copy): gemv.py
-        gated = fused_projections.silu_mul(gemv.gemv(hidden_states, self.gate_up_proj, expert_ids, top_k))
-        return _combine_pairs(gemv.gemv(gated, self.down_proj, expert_ids), top_k_weights, hidden_states.dtype)
+        gate_up = gemv.gemv(hidden_states, self.gate_up_proj, expert_ids, top_k)
+        down = gemv.gemv(gate_up, self.down_proj, expert_ids, silu_mul=True)  # silu(gate) * up on the way in
+        return _combine_pairs(down, top_k_weights, hidden_states.dtype)
     pairs = hidden_states.repeat_interleave(top_k, dim=0)
     gate_up = _batched_linear(pairs, self.gate_up_proj[expert_ids], is_transposed=self.is_transposed)
     fused = _fused_epilogues(self, gate_up)

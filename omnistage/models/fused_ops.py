@@ -52,6 +52,13 @@ if triton is not None:
         return _rounded(x, dt).to(dt)  # exact: the value is already one of dt's
 
     @triton.jit
+    def _silu_times(g, u, dt: tl.constexpr, LIBDEVICE: tl.constexpr):
+        """silu(g) * u from float32 g and u of dtype dt, rounded as transformers' two ops: silu(g) to dt,
+        then the product to dt (returned as float32)."""
+        e = libdevice.exp(-g) if LIBDEVICE else tl.exp(-g)
+        return _rounded(_rounded(g / (1.0 + e), dt) * u, dt)
+
+    @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)

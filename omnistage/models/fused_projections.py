@@ -21,9 +21,8 @@ from . import fused_ops, gemv
 if fused_ops.available():
     import triton
     import triton.language as tl
-    from triton.language.extra import libdevice
 
-    from .fused_ops import _cast, _rotated, _rounded
+    from .fused_ops import _cast, _rotated, _rounded, _silu_times
 
 # the thinker's and talker's text attention (one class) and the code predictor's; their dense MLPs
 ATTENTION_CLASSES = ("Qwen3OmniMoeThinkerTextAttention", "Qwen3OmniMoeTalkerCodePredictorAttention")
@@ -82,8 +81,7 @@ if fused_ops.available():
         dt = out_ptr.dtype.element_ty
         g = tl.load(gu_ptr + row * 2 * width + j, mask=keep, other=0.0).to(tl.float32)
         u = tl.load(gu_ptr + row * 2 * width + width + j, mask=keep, other=0.0).to(tl.float32)
-        e = libdevice.exp(-g) if LIBDEVICE else tl.exp(-g)
-        tl.store(out_ptr + row * width + j, _cast(_rounded(g / (1.0 + e), dt) * u, dt), mask=keep)
+        tl.store(out_ptr + row * width + j, _silu_times(g, u, dt, LIBDEVICE).to(dt), mask=keep)
 
     @triton.jit
     def _combine_experts_kernel(down_ptr, pos_ptr, w_ptr, out_ptr, width, TOP_K: tl.constexpr,
@@ -147,6 +145,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out.view(*gate_up.shape[:-1], width)
 
 
+def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """gemv.linear(silu_mul(gate_up), weight, bias), as one kernel where the one-row GEMV takes it."""
+    if not gemv.takes(gate_up, weight, bias):
+        return torch.nn.functional.linear(silu_mul(gate_up), weight, bias)
+    out = gemv.gemv(gate_up.reshape(-1, gate_up.shape[-1]), weight, silu_mul=True)
+    return out.view(*gate_up.shape[:-1], weight.shape[0])
+
+
 def combine_experts(down: torch.Tensor, positions: torch.Tensor, weights: torch.Tensor, dtype) -> torch.Tensor:
     """The experts' outputs back to their tokens: down [S, H] in expert-sorted order, positions [T, K] (the row
     of pair (t, k) in it), weights [T, K] -> [T, H] in dtype. One kernel for transformers' unsort, weighting
@@ -193,7 +199,7 @@ def _attention_forward(self, hidden_states, position_embeddings, attention_mask,
 def _mlp_forward(self, x):
     if not fused_tensor(x) or self.config.hidden_act != "silu":
         return type(self).forward(self, x)
-    return gemv.linear(silu_mul(gemv.linear(x, self.gate_up_weight)), self.down_proj.weight, self.down_proj.bias)
+    return silu_mul_linear(gemv.linear(x, self.gate_up_weight), self.down_proj.weight, self.down_proj.bias)
 
 
 def _merge(*linears: torch.nn.Linear) -> torch.Tensor:

@@ -6,7 +6,7 @@ import torch
 
 from transformers.integrations.moe import batched_mm_experts_forward, grouped_mm_experts_forward
 
-from omnistage.models import experts, fused_ops, fused_projections
+from omnistage.models import experts, fused_ops, fused_projections, gemv
 from omnistage.models.checkpoint import load_stage
 
 
@@ -84,6 +84,9 @@ def test_experts_with_the_fused_epilogues(monkeypatch, device, path):
     combined = []
     combine = fused_projections.combine_experts
     monkeypatch.setattr(fused_projections, "combine_experts", lambda *a: combined.append(1) or combine(*a))
+    gemv_silu = []  # the gathered path's GEMV takes silu(gate) * up on its way in (gemv.py)
+    real_gemv = gemv.gemv
+    monkeypatch.setattr(gemv, "gemv", lambda *a, **kw: gemv_silu.append(kw.get("silu_mul")) or real_gemv(*a, **kw))
     model = load_stage("dummy:tiny", "thinker", dtype=torch.bfloat16, seed=3, experts_implementation=experts.NAME)
     module = _experts_modules(model)[0].to(device)
     assert not getattr(module, "fused_epilogues", False)  # only where fused_kernels installed it
@@ -94,8 +97,8 @@ def test_experts_with_the_fused_epilogues(monkeypatch, device, path):
     got = module(hidden, index, weights)  # gather_or_grouped
     want = (grouped_mm_experts_forward if path == "grouped" else batched_mm_experts_forward)(module, hidden, index,
                                                                                                weights)  # fmt: skip
-    assert combined
-    assert calls and got.dtype == torch.bfloat16
+    assert combined and got.dtype == torch.bfloat16
+    assert (gemv_silu == [None, True]) if path == "gathered" else (calls and not gemv_silu)
     scale = float(want.abs().max())
     torch.testing.assert_close(got, want, rtol=2**-6, atol=2**-6 * scale)
 

@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from omnistage.models import fused_ops, gemv
+from omnistage.models import fused_ops, fused_projections, gemv
 
 pytestmark = pytest.mark.skipif(not fused_ops.available(), reason="triton is not installed")
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -52,3 +52,34 @@ def test_linear_takes_the_kernel_only_for_few_rows_without_bias(monkeypatch):
     monkeypatch.setattr(gemv, "enabled", False)
     gemv.linear(torch.randn(1, 8), w)
     assert calls == [(1, 8), (2, 8)]  # more than MAX_ROWS rows, a bias, or the kernel turned off: F.linear
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_ids", [False, True])
+def test_gemv_with_silu_mul_equals_silu_mul_then_gemv(device, dtype, with_ids):
+    """silu(gate) * up computed on the way into the GEMV rounds as fused_projections.silu_mul's kernel, so
+    the result is the two kernels' bit for bit (same sums in the same order)."""
+    g = torch.Generator().manual_seed(11)
+    rows, k, n = 3, 72, 40
+    gate_up = (torch.randn(rows, 2 * k, generator=g) * 3).to(device, dtype)
+    w = torch.randn(4, n, k, generator=g).to(device, dtype) if with_ids else torch.randn(n, k, generator=g).to(device, dtype)
+    ids = torch.tensor([3, 0, 3], device=device) if with_ids else None
+    got = gemv.gemv(gate_up, w, ids, silu_mul=True)
+    want = gemv.gemv(fused_projections.silu_mul(gate_up), w, ids)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, gemv.gemv(gate_up[:, :k].contiguous(), w, ids))  # the up half matters
+
+
+def test_silu_mul_linear_routes_like_linear(monkeypatch):
+    """One row through the fused GEMV, more rows (or a bias) through silu_mul then F.linear: same values."""
+    g = torch.Generator().manual_seed(12)
+    w, bias = torch.randn(6, 8, generator=g), torch.randn(6, generator=g)
+    calls = []
+    real = gemv.gemv
+    monkeypatch.setattr(gemv, "gemv", lambda *a, **kw: calls.append(kw.get("silu_mul")) or real(*a, **kw))
+    for shape, b in (((1, 1, 16), None), ((3, 16), None), ((1, 16), bias)):
+        x = torch.randn(*shape, generator=g)
+        want = torch.nn.functional.linear(fused_projections.silu_mul(x), w, b)
+        torch.testing.assert_close(fused_projections.silu_mul_linear(x, w, b), want, rtol=1e-5, atol=1e-5)
+    assert calls == [True]
