@@ -29,7 +29,9 @@
 # false; the cuda default since the second session of 2026-12-04), grouped_mm (transformers' grouped_mm
 # experts in thinker and talker: the cuda default before lean_grouped_mm), lean_mm (lean_grouped_mm for every
 # step size in thinker and talker: the cuda default before gather_or_grouped), no_gemv (one-row matmuls
-# through cuBLAS instead of omnistage/models/gemv.py: OMNI_GEMV=0), first_first (every response
+# through cuBLAS instead of omnistage/models/gemv.py: OMNI_GEMV=0), no_router (transformers' MoE routers
+# instead of omnistage/models/moe_router.py: OMNI_FUSED_ROUTER=0), eager_later (Code2Wav's later chunks eager,
+# one forward per shape: code2wav later_chunk_batch 0, the cuda default before), first_first (every response
 # thread sends a request's first output at the head of its round: model parameter first_responses_first,
 # off by default), no_hold (thinker and talker send a request's prefill output as soon as the prefill phase
 # ends instead of with the same step's decode output: the cuda default since the third session of
@@ -136,6 +138,8 @@ for n in (16, 64): print('smoke burst', n, {k: v for k, v in r.get(f'burst_{n}',
     prefill8) run_variant prefill8 --set thinker.max_prefills_per_step=8 --set talker.max_prefills_per_step=8 ;;
     grouped_mm) run_variant grouped_mm --set thinker.experts_implementation=grouped_mm --set talker.experts_implementation=grouped_mm ;;
     no_gemv) OMNI_GEMV=0 run_variant no_gemv ;;
+    no_router) OMNI_FUSED_ROUTER=0 run_variant no_router ;;
+    eager_later) run_variant eager_later --set code2wav.later_chunk_batch=0 ;;
     lean_mm) run_variant lean_mm --set thinker.experts_implementation=lean_grouped_mm \
             --set talker.experts_implementation=lean_grouped_mm ;;
     first_first) run_variant first_first --set thinker.first_responses_first=true --set talker.first_responses_first=true \

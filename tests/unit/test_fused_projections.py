@@ -95,16 +95,8 @@ def test_thinker_and_talker_with_merged_projections_match_generate(on_cpu_too, h
                                                                    monkeypatch):  # fmt: skip
     """With lean_experts, the experts run as on cuda: gather_or_grouped (gathered for the one-token steps,
     lean_grouped_mm for the prompts) with its fused silu(gate) * up and its fused way back to the tokens."""
-    from omnistage.core.sampling import SamplingParams
-    from omnistage.models.processor import prepare_inputs
-    from omnistage.stages.talker import TalkerPrompt, TalkerRunner
-    from omnistage.stages.thinker import ThinkerPrompt, ThinkerRunner
+    from .test_stage_oracle import assert_runners_match_generate
 
-    from .. import oracle
-    from .test_stage_oracle import FRAMES, REPLY, run_talker, run_thinker, running
-
-    inputs = prepare_inputs(processor, oracle.messages("text"))
-    want_text, want_codes, _ = oracle.generate(hf_model, inputs, REPLY, FRAMES)  # before the swap
     model = copy.deepcopy(hf_model)
     moe = [m for m in model.modules() if experts.is_experts_module(m)]
     combined = []
@@ -115,15 +107,7 @@ def test_thinker_and_talker_with_merged_projections_match_generate(on_cpu_too, h
         combine = fused_projections.combine_experts
         monkeypatch.setattr(fused_projections, "combine_experts", lambda *a: combined.append(1) or combine(*a))
     assert fused_projections.install(model) > 0 and moe and all(m.fused_epilogues for m in moe)
-    kw = {"max_slots": 4, "max_seq_len": 512, "device": "cpu", "dtype": torch.float32}
-    thinker = ThinkerRunner(model.thinker, model.config, **kw)
-    out, _ = run_thinker(thinker, running("t", SamplingParams(max_tokens=REPLY),
-                                          ThinkerPrompt(inputs["input_ids"][0], export_talker=True), slot=1))  # fmt: skip
-    assert out.token_ids == want_text
-    talker = TalkerRunner(model.talker, model.config, **kw)
-    prompt = TalkerPrompt(out.talker, 2302, list(out.text_rows.unbind(0)), True)
-    codes, _ = run_talker(talker, running("a", SamplingParams(max_tokens=FRAMES, repetition_penalty=1.05), prompt, 2))
-    assert torch.equal(codes, want_codes)
+    assert_runners_match_generate(model, hf_model, processor, thinker_slot=1, talker_slot=2)
     assert bool(combined) == lean_experts  # the lean path ran, with its fused kernels
 
 

@@ -40,6 +40,23 @@ def run_talker(runner, seq):
     return torch.cat(frames), results[0].finish_reason
 
 
+def assert_runners_match_generate(model, hf_model, processor, thinker_slot: int, talker_slot: int) -> None:
+    """The thinker and talker runners on `model` (a changed copy of hf_model) give generate()'s text tokens
+    and codec codes on hf_model for the text prompt."""
+    inputs = prepare_inputs(processor, oracle.messages("text"))
+    want_text, want_codes, _ = oracle.generate(hf_model, inputs, REPLY, FRAMES)
+    kw = {"max_slots": 4, "max_seq_len": 512, "device": "cpu", "dtype": torch.float32}
+    thinker = ThinkerRunner(model.thinker, model.config, **kw)
+    out, _ = run_thinker(thinker, running("t", SamplingParams(max_tokens=REPLY),
+                                          ThinkerPrompt(inputs["input_ids"][0], export_talker=True), thinker_slot))  # fmt: skip
+    assert out.token_ids == want_text
+    talker = TalkerRunner(model.talker, model.config, **kw)
+    prompt = TalkerPrompt(out.talker, 2302, list(out.text_rows.unbind(0)), True)
+    params = SamplingParams(max_tokens=FRAMES, repetition_penalty=1.05)
+    codes, _ = run_talker(talker, running("a", params, prompt, talker_slot))
+    assert torch.equal(codes, want_codes)
+
+
 @pytest.mark.parametrize("kind", ["text", "image", "audio"])
 def test_thinker_and_talker_match_generate(kind, hf_model, processor):
     inputs = prepare_inputs(processor, oracle.messages(kind))
