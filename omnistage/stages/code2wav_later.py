@@ -1,5 +1,5 @@
 # Streams' later Code2Wav chunks (those with carried state) decoded from static buffers and replayed as one
-# CUDA graph per (batch bucket, frames bucket). Eager, a chunk's forward is ~550 launch-bound kernels: on
+# CUDA graph per (batch size, frames bucket). Eager, a chunk's forward is ~550 launch-bound kernels: on
 # the H200 a lone stream's 25-frame chunk took 28 ms where its kernels take a few (perf/README.md), and its
 # last chunk is on the way to the end of every reply. Eager chunks also run one forward per distinct
 # (W, n, C') shape; here any later chunks share a forward. The shapes are made static by padding, exactly:
@@ -16,21 +16,23 @@ import functools
 import torch
 
 from .code2wav import ChunkIn, ChunkOut, Code2WavRunner, StreamState, _last
-from .cuda_graphs import GraphBank, batch_buckets, bucket_for
+from .cuda_graphs import GraphBank, bucket_for
 
 
 def frames_buckets(chunk_frames: int) -> list[int]:
-    """A half and a whole chunk: a stream's last chunk pads to the smaller one that holds it."""
-    return sorted({max(1, (chunk_frames + 1) // 2), chunk_frames})
+    """Fifths of a chunk: a stream's last chunk pads by less than a fifth of a chunk."""
+    return sorted({max(1, -(-chunk_frames * i // 5)) for i in range(1, 6)})
 
 
 class LaterChunkDecoder:
     """Decodes chunks with carried state of at most chunk_frames frames, max_batch streams per replay (more
-    run as several). Off CUDA, or without graphs, the same code runs eagerly."""
+    run as several). Every batch size has its graph: at large batches the conv stack's work, not its
+    launches, bounds a forward, and padded rows would be paid in full. Off CUDA, or without graphs, the same
+    code runs eagerly."""
 
     def __init__(self, runner: Code2WavRunner, chunk_frames: int, max_batch: int, cuda_graphs: bool):
-        self.runner = runner
-        self.batch_buckets = batch_buckets(max_batch)
+        self.runner, self.max_batch = runner, max_batch
+        self.batch_buckets = list(range(1, max_batch + 1))
         self.frames_buckets = frames_buckets(chunk_frames)
         r, b, n = runner, max_batch, self.frames_buckets[-1]
         self.kv_rows, self.context = r.kv_frames, r.context_frames  # W, C
@@ -66,16 +68,14 @@ class LaterChunkDecoder:
         """As Code2WavRunner.decode for chunks that fit (checked and range-checked by the caller). Results own
         their memory: the next replay overwrites the graph's outputs."""
         out: list[ChunkOut] = []
-        largest = self.batch_buckets[-1]
-        for start in range(0, len(chunks), largest):
-            out += self._decode(chunks[start : start + largest])
+        for start in range(0, len(chunks), self.max_batch):
+            out += self._decode(chunks[start : start + self.max_batch])
         self.runner.forwards += 1
         self.chunks += len(chunks)
         return out
 
     def _decode(self, chunks: list[ChunkIn]) -> list[ChunkOut]:
-        r, count = self.runner, len(chunks)
-        batch = bucket_for(count, self.batch_buckets)
+        r, batch = self.runner, len(chunks)
         frames = bucket_for(max(codes.shape[0] for codes, _ in chunks), self.frames_buckets)
         sources = []
         for i, (codes, state) in enumerate(chunks):
@@ -87,9 +87,8 @@ class LaterChunkDecoder:
             source = list(range(c)) + [self.context + j for j in range(frames)]
             source += [source[-1]] * (self.context - c)
             sources.append(source)
-        self.rows[:count, : self.context + frames].copy_(torch.tensor(sources))
-        self.position[:count, 0].copy_(torch.tensor([state.position for _, state in chunks]))
-        # rows count..batch keep an earlier call's inputs: a valid stream's, and their outputs are never read
+        self.rows[:batch, : self.context + frames].copy_(torch.tensor(sources))
+        self.position[:batch, 0].copy_(torch.tensor([state.position for _, state in chunks]))
         self.graphs.run((batch, frames), functools.partial(self._forward, batch, frames))
         wav, kv, rows = self.outputs[batch, frames]
         results = []

@@ -6,8 +6,9 @@
 # New streams' first chunks (what a time to first audio waits for) have a worker of their own, the first
 # lane: on CUDA it runs on a high-priority stream and replays CUDA graphs (stages/code2wav_first.py), so a
 # first chunk no longer waits behind a forward of later chunks (~100 ms at 64 streams on the H200).
-# With later_chunk_batch, the main worker decodes chunks with carried state of up to chunk_frames frames as
-# one group, padded to static shapes and replayed as CUDA graphs (stages/code2wav_later.py).
+# With later_chunk_batch, the main worker decodes a group of at most that many chunks with carried state of up
+# to chunk_frames frames as one forward, padded to static shapes and replayed as a CUDA graph
+# (stages/code2wav_later.py); larger groups run eager, one forward per shape.
 from __future__ import annotations
 
 import logging
@@ -67,7 +68,8 @@ class Code2WavModel:
                                for n in lengths]  # fmt: skip
         for decoder in self.first_decoders:
             decoder.capture_all()
-        # the later lane: chunks with carried state, at most later_chunk_batch streams per replay; 0: off (eager)
+        # later chunks (with carried state) in groups of at most later_chunk_batch: static shapes, CUDA graphs
+        # with cuda_graphs; 0: off (eager)
         later_batch = int(params.get("later_chunk_batch", 0))
         self.later = (LaterChunkDecoder(self.runner, int(params.get("chunk_frames", 25)), later_batch,
                                         flag(params, "cuda_graphs")) if later_batch else None)  # fmt: skip
@@ -159,7 +161,11 @@ class Code2WavModel:
         if first_lane:
             decoder = next((d for d in self.first_decoders if d.fits(chunks)), None)
         else:
-            decoder = self.later if self.later is not None and self.later.fits(chunks) else None
+            # a larger group runs eager, by shape: there the conv stack's work bounds a forward, and the
+            # frames' padding costs more than the launches a graph saves (H200, 64 W1 streams: 35.1 req/s
+            # with groups of up to 64 in graphs of 16 against 39.6 eager, perf/README.md)
+            later = self.later
+            decoder = later if later is not None and len(chunks) <= later.max_batch and later.fits(chunks) else None
         if decoder is None:  # ranges were checked by _turn_away_bad_ranges: no second device sync for them
             return self.runner.decode_groups(chunks, check_ranges=False)
         return [list(enumerate(decoder.decode(chunks)))]

@@ -281,13 +281,13 @@ def test_later_chunk_decoder_equals_decode(deep):
     """Chunks with carried state through LaterChunkDecoder (static buffers, K/V right-aligned and masked, new
     frames and conv rows padded: the code a CUDA graph replays) equal decode(), at positions below and
     beyond the K/V window (7) and the conv context (11), mixed in one batch, and the chunk after."""
-    assert frames_buckets(25) == [13, 25] and frames_buckets(1) == [1]
+    assert frames_buckets(25) == [5, 10, 15, 20, 25] and frames_buckets(6) == [2, 3, 4, 5, 6] and frames_buckets(1) == [1]
     later = LaterChunkDecoder(deep, chunk_frames=6, max_batch=2, cuda_graphs=False)
     assert (later.kv_rows, later.context) == (7, 11)
     streams = [random_codes(40, seed=50 + s) for s in range(4)]
     schedules = [[1], [3, 2], [4, 5, 6], [6, 6, 6, 6, 6]]  # positions 1, 5, 15, 30
     states = [_advance(deep, codes, schedule) for codes, schedule in zip(streams, schedules)]
-    for sizes in ([6, 2, 1, 5], [3], [2, 6]):  # 3 replays of <= 2 streams, then fewer (stale rows), then padded
+    for sizes in ([6, 2, 1, 5], [3], [2, 6]):  # 2 forwards of 2 streams (frames padded 1 -> 2), then stale rows
         chunks = [(codes[pos : pos + n], state) for (state, pos), codes, n in zip(states, streams, sizes)]
         assert later.fits(chunks)
         got, want = later.decode(chunks), deep.decode(chunks)
