@@ -161,9 +161,8 @@ class Code2WavModel:
         if first_lane:
             decoder = next((d for d in self.first_decoders if d.fits(chunks)), None)
         else:
-            # a larger group runs eager, by shape: there the conv stack's work bounds a forward, and the
-            # frames' padding costs more than the launches a graph saves (H200, 64 W1 streams: 35.1 req/s
-            # with groups of up to 64 in graphs of 16 against 39.6 eager, perf/README.md)
+            # a larger group runs eager, by shape: there the conv stack's work, not its launches, bounds a
+            # forward, and padded rows would be paid in full (perf/README.md, 2026-12-04 fifth session)
             later = self.later
             decoder = later if later is not None and len(chunks) <= later.max_batch and later.fits(chunks) else None
         if decoder is None:  # ranges were checked by _turn_away_bad_ranges: no second device sync for them
