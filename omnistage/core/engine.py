@@ -186,21 +186,24 @@ class StageEngine:
         if phase == "prefill":
             self.prefilled_rows += len(seqs)
             self.queue_seconds += sum(t_phase - s.added_at for s in seqs)
-        failure = None
+        failed: list[tuple[Sequence, Exception]] = []  # a failed step fails its sequences, not the engine
+        retry = phase == "prefill" and len(seqs) > 1
+        before = [(s.num_generated, list(s.generated), s.state) for s in seqs] if retry else []
         try:
             results = getattr(self.runner, phase)(seqs)
-        except Exception as e:  # a failed step fails its sequences, not the engine
-            log.error("[%s] %s failed: %s", self.name, phase, traceback.format_exc())
-            failure = e
+        except Exception as e:
+            log.error("[%s] %s of %d failed: %s", self.name, phase, len(seqs), traceback.format_exc())
+            if retry:
+                results, failed = self._prefill_alone(seqs, before)
+            else:
+                results, failed = [], [(seq, e) for seq in seqs]
         finally:
             self.phase_seconds[phase] += time.perf_counter() - t_phase
         if held:
             self._flush(held)
-        if failure is not None:
-            for seq in seqs:
-                self._end(seq, None, EngineError(f"[{self.name}] {phase} failed: {failure}"))
-            return
-        if phase == "decode":
+        for seq, e in failed:
+            self._end(seq, None, EngineError(f"[{self.name}] {phase} failed: {e}"))
+        if phase == "decode" and not failed:
             self.decoded_rows += len(seqs)
         emitted = time.perf_counter()
         for r in results:
@@ -215,6 +218,22 @@ class StageEngine:
                     self.emit(r.seq.request_id, r.output, None, None)
             else:
                 self._end(r.seq, r.output, None, r.finish_reason)
+
+    def _prefill_alone(self, seqs: list[Sequence], before: list[tuple]) -> tuple[list, list]:
+        """After a batched prefill failed: each sequence's prefill on its own, so that one bad prompt, or a
+        batch too large for the device's memory, fails only the sequences that fail alone. Each starts from
+        its fields as they were before the batch (`before`: num_generated, generated, state); the runner's
+        prefill starts the slot afresh, so what the failed batch wrote there is overwritten. Returns the
+        results and the (sequence, error) pairs that failed again."""
+        results, failed = [], []
+        for seq, (num_generated, generated, state) in zip(seqs, before):
+            seq.num_generated, seq.generated, seq.state = num_generated, generated, state
+            try:
+                results += self.runner.prefill([seq])
+            except Exception as e:
+                log.error("[%s] prefill of %s alone failed: %s", self.name, seq.request_id, e)
+                failed.append((seq, e))
+        return results, failed
 
     def _end(self, seq: Sequence, output: Any, error: OmniError | None, finish_reason: str | None = None) -> None:
         self.scheduler.finish(seq)

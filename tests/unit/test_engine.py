@@ -124,6 +124,63 @@ def test_failed_step_fails_its_sequences_not_the_engine():
     assert "failed" in str(out.done["bad-one"]) and out.done["good"] == "length"
 
 
+class BatchFailingRunner(CountingRunner):
+    """Its prefill fails any batch that `fails(request ids)` says should, after it has started the batch's
+    sequences (as a runner's late failure would): counted a token, kept a token id, set a state."""
+
+    def __init__(self, fails):
+        super().__init__()
+        self.fails, self.prefills = fails, []
+
+    def prefill(self, seqs):
+        ids = sorted(s.request_id for s in seqs)
+        self.prefills.append(ids)
+        results = super().prefill(seqs)
+        for s in seqs:
+            s.generated.append(7)
+            s.state = "written"
+        if self.fails(ids):
+            raise RuntimeError(f"prefill of {ids} failed")
+        return results
+
+
+def _served_in_one_prefill(runner, requests):
+    """The requests (id -> max_tokens) added before the engine starts, so that one step prefills them all."""
+    out = Collector()
+    engine = StageEngine("test", runner, Scheduler(4), out)
+    for rid, n in requests.items():
+        engine.add(Sequence(rid, SamplingParams(max_tokens=n), None))
+    engine.start()
+    out.wait(*requests)
+    engine.stop()
+    return engine, out
+
+
+def test_a_failed_batched_prefill_retries_each_sequence_alone():
+    """One bad prompt in a batched prefill fails alone; the others are prefilled again on their own, from
+    their fields as they were before the batch, and stream as if nothing had happened."""
+    runner = BatchFailingRunner(lambda ids: "poison" in ids)
+    engine, out = _served_in_one_prefill(runner, {"a": 3, "poison": 3, "b": 2})
+    assert runner.prefills == [["a", "b", "poison"], ["a"], ["poison"], ["b"]]  # batched, then each alone
+    assert "prefill failed" in str(out.done["poison"]) and not out.outputs("poison")
+    assert out.outputs("a") == [1, 2, 3] and out.outputs("b") == [1, 2]  # counted once, not twice
+    assert out.done["a"] == out.done["b"] == "length"
+    assert sorted(runner.released) == ["a", "b", "poison"] and engine.scheduler.slots_in_use == 0
+
+
+def test_a_batch_too_large_for_one_prefill_succeeds_alone():
+    runner = BatchFailingRunner(lambda ids: len(ids) > 1)  # e.g. out of memory for the batch's activations
+    _, out = _served_in_one_prefill(runner, {"a": 2, "b": 2})
+    assert runner.prefills == [["a", "b"], ["a"], ["b"]]
+    assert out.done == {"a": "length", "b": "length"} and out.outputs("a") == out.outputs("b") == [1, 2]
+
+
+def test_a_lone_failed_prefill_is_not_retried():
+    runner = BatchFailingRunner(lambda ids: True)
+    _, out = _served_in_one_prefill(runner, {"a": 2})
+    assert runner.prefills == [["a"]] and "prefill failed" in str(out.done["a"])
+
+
 def test_update_runs_on_engine_thread_and_wakes_gated_sequence():
     seen = {}
     runner = CountingRunner(gate=lambda s: s.payload is not None)
