@@ -37,10 +37,11 @@
 # ends instead of with the same step's decode output: the cuda default since the third session of
 # 2026-12-04), thinker_hold (the thinker holds its prefill output for the step's decode output again: the
 # cuda default before), warm (base, run first and not compared: see below).
-# The first variant of a call has run slow: in the fifth session of 2026-12-04 it made 34.6-35.1 req/s at
-# 64 where the same code made 37.5-45.6 later in a call. A fresh machine starts with an empty Triton kernel
-# cache (~/.triton/cache), so the first server compiles the kernels its levels meet while they run (likely
-# the cause, not proven). Begin a call with `warm`, or interleave (a b a b), and compare within a call.
+# The first variant of a call has run slow: in calls 1-2 of the fifth session of 2026-12-04 it made 34.6-35.1
+# req/s at 64 where the deployments after it made 39.5-45.6 (in call 3 the first was not the slowest). A
+# fresh machine starts with an empty Triton kernel cache (~/.triton/cache), so the first server compiles the
+# kernels its levels meet while they run: a suspected cause, not a proven one. Begin a call with `warm`, or
+# interleave (a b a b), and compare within a call.
 set -u
 OUT="${1:?usage: bash perf/gpu_variants.sh OUT_DIR [variant ...]}"
 shift
