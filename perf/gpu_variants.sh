@@ -36,12 +36,11 @@
 # off by default), no_hold (thinker and talker send a request's prefill output as soon as the prefill phase
 # ends instead of with the same step's decode output: the cuda default since the third session of
 # 2026-12-04), thinker_hold (the thinker holds its prefill output for the step's decode output again: the
-# cuda default before), warm (base, run first and not compared: see below).
-# The first variant of a call has run slow: in calls 1-2 of the fifth session of 2026-12-04 it made 34.6-35.1
-# req/s at 64 where the deployments after it made 39.5-45.6 (in call 3 the first was not the slowest). A
-# fresh machine starts with an empty Triton kernel cache (~/.triton/cache), so the first server compiles the
-# kernels its levels meet while they run: a suspected cause, not a proven one. Begin a call with `warm`, or
-# interleave (a b a b), and compare within a call.
+# cuda default before).
+# Spread: at 64 streams with 320 prompts, base made 34.6-45.3 req/s and eager_later 39.6-45.6 across four
+# calls of the fifth session of 2026-12-04, within calls too (a suspected slow first variant of a call was
+# not reproduced: base run twice in one call, first 45.3, then 43.9).
+# Interleave (a b a b) and compare within a call; a difference under ~10% at 64 says little.
 set -u
 OUT="${1:?usage: bash perf/gpu_variants.sh OUT_DIR [variant ...]}"
 shift
@@ -124,7 +123,6 @@ for s in r['single']: print('smoke single', {k: s.get(k) for k in ('ttft','ttfp'
 for n in (16, 64): print('smoke burst', n, {k: v for k, v in r.get(f'burst_{n}', {}).items() if k != 'errors'})" \
         "$OUT/smoke.json" 2>&1 | tee -a "$OUT/variants.log" ;;
     base) run_variant base ;;
-    warm) run_variant warm ;;
     prefill16) run_variant prefill16 "${PREFILL16[@]}" ;;
     scaled) run_variant scaled "${SCALED[@]}" ;;
     gpu_inputs) run_variant gpu_inputs "${GPU_INPUTS[@]}" ;;
