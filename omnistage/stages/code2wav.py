@@ -192,6 +192,11 @@ class Code2WavRunner:
         """Samples decode() returns for a chunk of `frames` frames after `position` decoded frames."""
         return frames * self.samples_per_frame - (self.tail_samples if position == 0 else 0)
 
+    def new_samples_start(self, context_rows: int) -> int:
+        """Where a chunk's own audio starts in the conv stack's output over its context_rows carried rows and
+        its new frames: the carried rows' samples were the previous chunk's, bar the tail it could not emit."""
+        return context_rows * self.samples_per_frame - self.tail_samples if context_rows else 0
+
     def check(self, codes: torch.Tensor, state: StreamState | None) -> None:
         """The checks of one chunk that need no device sync (types, shapes, the state's consistency): a
         serving loop runs them as requests arrive, without waiting for the decode in flight on the device."""
@@ -244,7 +249,7 @@ class Code2WavRunner:
             codes = torch.stack([chunks[i][0].to(self.device, torch.long) for i in idx])  # [B, n, Q]
             wav, kv, hidden = self._forward(codes, group_states)
             self.forwards += 1
-            first = context * self.samples_per_frame - self.tail_samples if context else 0
+            first = self.new_samples_start(context)
             # Audio: a view of the batch output (the caller copies it out). State: own storage, so one
             # stream's state does not keep the whole batch alive.
             yield [(i, (wav[row, first:].float(), StreamState(kv[row].clone(), hidden[row].clone(), s.position + n)))

@@ -41,7 +41,7 @@ class LaterChunkDecoder:
                                    device=r.device)  # fmt: skip
         self.past_hidden = torch.zeros(b, self.context, r.hidden_size, dtype=r.dtype, device=r.device)
         self.position = torch.ones(b, 1, dtype=torch.long, device=r.device)
-        self.rows = torch.zeros(b, self.context + n, dtype=torch.long, device=r.device)  # conv-stack row sources
+        self.row_sources = torch.zeros(b, self.context + n, dtype=torch.long, device=r.device)  # of the conv stack's rows
         self.outputs: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # key -> wav, kv, hidden
         self.graphs = GraphBank("code2wav-later", r.device, cuda_graphs)
         self.chunks = 0  # chunks decoded
@@ -59,7 +59,7 @@ class LaterChunkDecoder:
         r = self.runner
         hidden, kv = r.transformer(self.codes[:batch, :frames], self.past_kv[:batch], self.position[:batch])
         rows = torch.cat([self.past_hidden[:batch], hidden], dim=1)  # [B, C + frames, D]
-        index = self.rows[:batch, : self.context + frames, None].expand(-1, -1, rows.shape[2])
+        index = self.row_sources[:batch, : self.context + frames, None].expand(-1, -1, rows.shape[2])
         rows = torch.gather(rows, 1, index)
         self.outputs[batch, frames] = (r.conv_stack(rows), kv, rows)
 
@@ -87,14 +87,14 @@ class LaterChunkDecoder:
             source = list(range(c)) + [self.context + j for j in range(frames)]
             source += [source[-1]] * (self.context - c)
             sources.append(source)
-        self.rows[:batch, : self.context + frames].copy_(torch.tensor(sources))
+        self.row_sources[:batch, : self.context + frames].copy_(torch.tensor(sources))
         self.position[:batch, 0].copy_(torch.tensor([state.position for _, state in chunks]))
         self.graphs.run((batch, frames), functools.partial(self._forward, batch, frames))
         wav, kv, rows = self.outputs[batch, frames]
         results = []
         for i, (codes, state) in enumerate(chunks):
             n, c = codes.shape[0], state.hidden.shape[0]
-            first = c * r.samples_per_frame - r.tail_samples  # c >= 1: the samples before are the last chunk's
+            first = r.new_samples_start(c)
             audio = wav[i, first : first + n * r.samples_per_frame].to(torch.float32, copy=True)
             new_kv = _last(kv[i, :, :, :, : self.kv_rows + n], 3, min(state.position + n, self.kv_rows))
             new_hidden = _last(rows[i, : c + n], 0, min(c + n, self.context))
