@@ -70,7 +70,7 @@ class LaterChunkDecoder:
         out: list[ChunkOut] = []
         for start in range(0, len(chunks), self.max_batch):
             out += self._decode(chunks[start : start + self.max_batch])
-        self.runner.forwards += 1
+            self.runner.forwards += 1
         self.chunks += len(chunks)
         return out
 
