@@ -328,15 +328,21 @@ class Bench:
         w1 = workloads.w1(256).with_lengths(a.w1_reply_tokens, a.w1_frames)
         w1_sizes = loadgen.level_sizes(a.w1_concurrency, a.w1_factor, a.w1_min_prompts)
         w2_share = 0.0 if a.skip_w2 else a.w2_share
+        media_share = a.media_share if a.media else 0.0
         self.sweep(
             "w1",
             w1,
             a.w1_concurrency,
             w1_sizes,
             [2.0 + c / 16 for c in a.w1_concurrency],
-            1.0 - w2_share,
+            1.0 - w2_share - media_share,
             warmup=a.warmup,
         )
+        for i, (name, levels) in enumerate(a.media):  # W3, W4: media in, each with its own warm-up
+            sizes = loadgen.level_sizes(levels, a.w1_factor, a.w1_min_prompts)
+            workload = workloads.build(name, max(sizes)).with_lengths(a.w1_reply_tokens, a.w1_frames)
+            share = (1.0 - w2_share) / (len(a.media) - i)  # of what is left: the rest split evenly, W2's kept
+            self.sweep(name, workload, levels, sizes, [2.0 + c / 16 for c in levels], share, warmup=a.warmup)
         if not a.skip_w2:
             w2 = workloads.w2(8, prompt_tokens=a.w2_prompt_tokens).with_lengths(a.w2_reply_tokens, a.w2_reply_tokens)
             self.sweep(
@@ -358,6 +364,13 @@ def _instances(text: str) -> dict[str, int]:
             raise argparse.ArgumentTypeError(f"{item!r}: expected MODEL=N with N >= 1")
         out[model] = int(count)
     return out
+
+
+def _media_levels(text: str) -> tuple[str, list[int]]:
+    name, _, levels = text.partition(":")
+    if name not in ("w3", "w4") or not levels or not all(c.isdigit() and int(c) > 0 for c in levels.split(",")):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected w3:C[,C...] or w4:C[,C...]")
+    return name, [int(c) for c in levels.split(",")]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -387,6 +400,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--w1-frames", type=int, default=46)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--warmup-cap-s", type=float, default=40.0)
+    ap.add_argument("--media", type=_media_levels, nargs="*", default=[], metavar="W:C[,C]",
+                    help="media-in levels after W1 (W1's lengths and prompt factor), e.g. w3:1,64 w4:64")  # fmt: skip
+    ap.add_argument("--media-share", type=float, default=0.4, help="of the time left after the server start")
     ap.add_argument("--w2-concurrency", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--w2-prompts-per-level", type=int, default=1, help="x concurrency")
     ap.add_argument("--w2-share", type=float, default=0.3, help="of the time left after the server start")

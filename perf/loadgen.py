@@ -175,7 +175,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         prog="python -m perf.loadgen", description="OpenAI-frontend load generator (vLLM-Omni metrics)"
     )
     ap.add_argument("--url", default="http://127.0.0.1:8091", help="base URL of the OpenAI frontend")
-    ap.add_argument("--workload", choices=("w1", "w2"), default="w1")
+    ap.add_argument("--workload", choices=tuple(workloads.BUILDERS), default="w1")
     ap.add_argument("--concurrency", type=int, nargs="+", help="levels (default: the workload's sweep)")
     ap.add_argument(
         "--prompts-per-level-factor", type=float, default=10.0, help="prompts per level = factor x concurrency"
@@ -206,7 +206,7 @@ def main(argv=None) -> int:
     sizes = level_sizes(concurrency, args.prompts_per_level_factor, args.min_prompts, args.prompts_per_level)
     print(
         f"[loadgen] {workload.name}: {workload.reply_tokens} reply tokens, {workload.frames} frames, "
-        f"~{sum(workload.prompt_tokens) / len(workload.prompt_tokens):.0f} prompt tokens; levels {concurrency} "
+        f"~{workload.params()['prompt_tokens_mean']:.0f} text prompt tokens; levels {concurrency} "
         f"x prompts {sizes}; {args.warmup} warm-up",
         file=sys.stderr,
         flush=True,

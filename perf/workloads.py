@@ -1,7 +1,8 @@
-# The two benchmark workloads, built deterministically (same prompts on every run and machine).
+# The benchmark workloads, built deterministically (same prompts on every run and machine).
 #   W1 "Seed-TTS-like": a ~115-token text-to-speech system prompt + a ~20-token English sentence
 #      (~150 prompt tokens with the chat template); 18 reply tokens, 46 codec frames (~3.7 s of audio).
 #   W2 "vLLM-Omni DFX": ~2500 prompt tokens of random text; 900 reply tokens and 900 frames (72 s).
+#   W3 voice chat and W4 image: media in, 18 reply tokens and 46 frames (perf/media_workloads.py).
 # With dummy weights nothing stops on its own, so both lengths are forced (max_tokens + ignore_eos).
 from __future__ import annotations
 
@@ -222,12 +223,40 @@ def w2(n_prompts: int = 32, tokenizer=None, seed: int = 0, prompt_tokens: int = 
     )
 
 
+def w3(n_prompts: int = 64, seed: int = 0) -> Workload:
+    from perf.media_workloads import voice_chat_prompts
+
+    return Workload(
+        name="w3",
+        description="voice chat: a 5 s 16 kHz speech-like clip (~65 audio tokens) + a short instruction",
+        reply_tokens=18,
+        frames=46,
+        concurrency=(1, 16, 32, 64),
+        prompts=voice_chat_prompts(n_prompts, seed),
+    )
+
+
+def w4(n_prompts: int = 64, seed: int = 0) -> Workload:
+    from perf.media_workloads import image_prompts
+
+    return Workload(
+        name="w4",
+        description="image: one 448x448 picture (196 vision tokens) + a question",
+        reply_tokens=18,
+        frames=46,
+        concurrency=(1, 16, 32, 64),
+        prompts=image_prompts(n_prompts, seed),
+    )
+
+
+BUILDERS = {"w1": (w1, 1088), "w2": (w2, 32), "w3": (w3, 64), "w4": (w4, 64)}
+
+
 def build(name: str, n_prompts: int | None = None, **kw) -> Workload:
-    if name == "w1":
-        return w1(n_prompts or 1088, **kw)
-    if name == "w2":
-        return w2(n_prompts or 32, **kw)
-    raise ValueError(f"unknown workload {name!r} (w1 | w2)")
+    if name not in BUILDERS:
+        raise ValueError(f"unknown workload {name!r} ({' | '.join(BUILDERS)})")
+    make, default_prompts = BUILDERS[name]
+    return make(n_prompts or default_prompts, **kw)
 
 
 def _tokenizer():

@@ -66,3 +66,26 @@ def test_level_sizes():
     assert level_sizes([1, 16, 32, 64], 10) == [10, 160, 320, 640]
     assert level_sizes([1, 16], 2, min_prompts=4) == [4, 32]
     assert level_sizes([1, 16], 10, fixed=7) == [7, 7]
+
+
+@pytest.mark.parametrize("name", ["w3", "w4"])
+def test_media_workloads_decode_differ_and_are_accepted(name):
+    import base64
+
+    from omnistage.models import media
+
+    w = workloads.build(name, 3)
+    assert workloads.build(name, 3).prompts == w.prompts  # same media every run
+    parts = [p[0]["content"][0] for p in w.prompts]
+    assert len({str(p) for p in parts}) == 3  # every prompt its own clip or picture
+    for part in parts:
+        if name == "w3":
+            samples = media.decode_audio(base64.b64decode(part["input_audio"]["data"]), "wav", "clip")
+            assert samples.size == 5 * media.SAMPLE_RATE
+            voiced = (abs(samples.reshape(-1, 160)).max(axis=1) > 0.05).mean()
+            assert 0.4 < voiced < 0.95  # syllables with pauses between them, not a tone or silence
+        else:
+            _, raw = media.split_data_url(part["image_url"]["url"], "image")
+            assert media.decode_image(raw, "image").size == (448, 448)
+    plan = plan_chat(ChatCompletionRequest.model_validate(w.body(1)), FrontendSettings())
+    assert plan.audio_out and plan.parameters["max_tokens"] == 18 and plan.parameters["talker_max_tokens"] == 46
