@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU device call (~9 min): confirm on the H200 that the stub crash is gone, then the bench.
-#  1. tools/bls_stress with large host tensors, dropped as before (faulted in its first round on the H200,
-#     2026-12-03) and held by the reaper as omni_ensemble does now (omnistage/triton/iterator_reaper.py);
+#  1. tools/bls_stress with large host tensors, dropped by the stub's own thread (faults in its first round
+#     on the H200) and held by the reaper as omni_ensemble holds them (omnistage/triton/iterator_reaper.py);
 #  2. the served smoke (single W1 requests, bursts of 16 and 64);
 #  3. perf/gpu_bench.sh if the burst of 16 passed.
 #

@@ -1,5 +1,5 @@
 # Per-request measurements and their aggregation, with vLLM-Omni's benchmark definitions so that the
-# numbers compare with theirs (see /work/shared/reference/README.md, "Benchmark definitions"):
+# numbers compare with theirs (perf/README.md, Method):
 #   TTFT : request start -> first SSE chunk with reply text
 #   TTFP : request start -> first SSE chunk carrying audio ("audio time to first packet")
 #   E2E  : request start -> end of the stream

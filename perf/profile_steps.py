@@ -106,8 +106,8 @@ def graphed_decode(runner, seqs, stage: str, step: str, trace_dir: str | None) -
 
 
 def prefill_profile(runner, seqs, measure=None, sizes=PREFILLS) -> dict:
-    """One prefill call of b prompts per size: its top kernels (CUDA time) and its wall time. The W1 sweep
-    of 2026-12-03 found the talker's prefills costing ~26 ms per prompt whatever the batch (perf/README.md)."""
+    """One prefill call of b prompts per size: its top kernels (CUDA time) and its wall time, to tell a
+    prefill's cost per prompt from its cost per call."""
     measure = measure or top_kernels
     out = {}
     for b in sizes:

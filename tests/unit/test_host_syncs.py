@@ -1,8 +1,8 @@
 # A lone request's talker frame is queued without waiting for the device: its LM step (codebook 0 picked
 # with suppressed ids and a banned EOS) and the code predictor's sub-steps run under torch's sync debug mode
 # set to error. One sync inside the step would leave the GPU idle while the host queues the rest (on the
-# H200 a lone frame went from 7.7 to 6.4 ms once the boolean-mask sync went; perf/README.md, 2026-12-04
-# fourth session). Needs a CUDA device: run on the GPU machine with TRITON_INTERPRET=0 (README.md, Tests).
+# H200 a boolean-mask sync cost a lone frame 7.7 against 6.4 ms without it). Needs a CUDA device: run on
+# the GPU machine with TRITON_INTERPRET=0 (README.md, Tests).
 import pytest
 import torch
 

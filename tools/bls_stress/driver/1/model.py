@@ -23,11 +23,11 @@ STATE_DEVICE = "cuda" if DEVICE == "mixed" else DEVICE  # mixed: echo_big answer
 STATE = int(os.environ.get("BLS_STRESS_STATE", 1_200_000))  # floats: code2wav's full-size past_kv
 CALLS = int(os.environ.get("BLS_STRESS_CALLS", 6))
 POLL = os.environ.get("BLS_STRESS_POLL", "1") == "1"
-# EARLY=1: leave each call at its first response, dropping the iterator before its end (as omni_ensemble's
-# code2wav() did until 2026-12-03)
+# EARLY=1: leave each call at its first response, dropping the iterator before its end (a caller that reads
+# only the first response of a stream)
 EARLY = os.environ.get("BLS_STRESS_EARLY", "0") == "1"
 # VIEWS=1: keep what a response carries as DLPack views of its memory, the state until the next call
-# replaces it (as omni_ensemble did with host tensors until 6cf3333), instead of copies
+# replaces it, instead of copies (omni_ensemble copies: a view's release escapes the iterator reaper)
 VIEWS = os.environ.get("BLS_STRESS_VIEWS", "0") == "1"
 
 
