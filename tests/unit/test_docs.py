@@ -1,4 +1,5 @@
-# The user docs: every relative link and #anchor resolves, and README.md stays short enough to read.
+# The user docs: every relative link and #anchor resolves, README.md stays short enough to read, and
+# perf/README.md lists every committed result.
 import re
 import unicodedata
 from pathlib import Path
@@ -76,6 +77,12 @@ def test_every_relative_link_and_anchor_resolves(doc):
 def test_readme_is_under_15_kb():
     size = (ROOT / "README.md").stat().st_size
     assert size < README_MAX_BYTES, f"README.md is {size} bytes; move detail into docs/ and link to it"
+
+
+def test_every_committed_result_is_listed_in_perf_readme():
+    listed = {(ROOT / "perf" / t).resolve() for t in links(ROOT / "perf" / "README.md") if t.startswith("results/")}
+    unlisted = sorted(p.name for p in (ROOT / "perf" / "results").iterdir() if p.resolve() not in listed)
+    assert unlisted == [], "perf/README.md lists each file of perf/results/ (Current results or Earlier results)"
 
 
 def test_the_checker_catches_a_missing_file_and_a_missing_anchor(tmp_path):
