@@ -28,10 +28,8 @@ PROMPT = [{"role": "system", "content": "You are a text-to-speech engine. Speak 
           {"role": "user", "content": "The quick brown fox jumps over the lazy dog near the quiet river bank."}]  # fmt: skip
 
 
-def serve(model: str, run_dir: Path, handoff: str = "gpu", **overrides) -> TritonServer:
+def serve(model: str, run_dir: Path, **overrides) -> TritonServer:
     spec = default_spec(model, "cuda")
-    for params in (m.parameters for m in spec.values()):
-        params["handoff"] = handoff
     for name, params in overrides.items():
         spec[name].parameters.update(params)
     repo = render_repository(REPO_ROOT / "model_repository", run_dir / "model_repository", spec)
@@ -108,7 +106,7 @@ def dump_stacks() -> None:
     subprocess.run(["pkill", "-USR1", "-f", "triton_python_backend_stub"], check=False)
 
 
-def main(out: str, handoffs: list[str], tiny_too: bool = False) -> None:
+def main(out: str, tiny_too: bool = False) -> None:
     report = {"note": "full-size Qwen3-Omni config, DUMMY random bf16 weights, thinker/talker decode as CUDA graphs"}
     run = Path("/tmp/smoke")
     if tiny_too:
@@ -122,20 +120,16 @@ def main(out: str, handoffs: list[str], tiny_too: bool = False) -> None:
         finally:
             server.stop()
         Path(out).write_text(json.dumps(report, indent=1))
-    for handoff in handoffs:
-        report[handoff] = smoke_full(run / f"full_{handoff}", handoff, Path(out).parent / f"evidence-{handoff}.tar.gz")
-        Path(out).write_text(json.dumps(report, indent=1))
+    report["full"] = smoke_full(run / "full", Path(out).parent / "evidence.tar.gz")
+    Path(out).write_text(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1))
 
 
-def smoke_full(run_dir: Path, variant: str, evidence: Path) -> dict:
+def smoke_full(run_dir: Path, evidence: Path) -> dict:
     """Single W1 requests, then bursts (SMOKE_BURSTS, default 16,64) on one server; stops at the first burst
-    that fails and packs every stub's stacks and the server log (the evidence) into one tarball.
-    variant: the handoff of every model (gpu, cpu), or mixed: stages gpu, omni_ensemble's replies cpu."""
-    report = {"handoff": variant}
-    ensemble = {"handoff": "cpu"} if variant == "mixed" else {}
-    server = serve(f"dummy:{FULL_CONFIG}", run_dir, "gpu" if variant == "mixed" else variant,
-                   thinker={"max_seq_len": "1024"}, talker={"max_seq_len": "1024"}, omni_ensemble=ensemble)  # fmt: skip
+    that fails and packs every stub's stacks and the server log (the evidence) into one tarball."""
+    report = {}
+    server = serve(f"dummy:{FULL_CONFIG}", run_dir, thinker={"max_seq_len": "1024"}, talker={"max_seq_len": "1024"})
     stop = threading.Event()
     threading.Thread(target=watch, args=(server, stop), daemon=True).start()
     try:
@@ -160,4 +154,4 @@ def smoke_full(run_dir: Path, variant: str, evidence: Path) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2].split(",") if len(sys.argv) > 2 else ["gpu"])
+    main(sys.argv[1])

@@ -17,9 +17,9 @@ for flag in "" "--reaper --free-probe"; do
   timeout 90 "$PY" tools/bls_stress/run.py --device cpu --concurrency 32 --rounds 6 $flag 2>&1 \
     | grep -v threading.py | tail -8 | tee -a "$OUT/triage.log"
 done
-SMOKE_BURSTS=16,64 timeout 200 "$PY" -m perf.gpu_smoke "$OUT/smoke.json" gpu > "$OUT/smoke.log" 2>&1
+SMOKE_BURSTS=16,64 timeout 200 "$PY" -m perf.gpu_smoke "$OUT/smoke.json" > "$OUT/smoke.log" 2>&1
 grep '^{"n"' "$OUT/smoke.log" | cut -c1-300 | tee -a "$OUT/triage.log"
-if "$PY" -c "import json,sys; r=json.load(open('$OUT/smoke.json'))['gpu']; sys.exit(r.get('burst_16',{}).get('ok')!=16)"; then
+if "$PY" -c "import json,sys; r=json.load(open('$OUT/smoke.json'))['full']; sys.exit(r.get('burst_16',{}).get('ok')!=16)"; then
   PERF_BUDGET_S=${PERF_BUDGET_S:-300} PERF_HARD_LIMIT_S=${PERF_HARD_LIMIT_S:-320} \
     bash perf/gpu_bench.sh "$OUT/bench" --w1-concurrency 1 16 32 64 --baseline-cap-s 90 --baseline-requests 1 \
     > "$OUT/bench_console.log" 2>&1

@@ -41,14 +41,11 @@ Emit = Callable[[str, Any, "str | None", "OmniError | None"], None]
 
 
 class StageEngine:
-    """hold_prefill_outputs: a sequence's prefill output leaves with its decode output of the same step (one
-    response with both, e.g. the thinker's first two tokens, so the talker starts with two rows), at the
-    cost of one decode phase on its first output; else each phase's outputs leave as soon as it ends."""
+    """Each phase's outputs leave as soon as the phase ends: a request's first output (the next stage's start)
+    does not wait for the decode phase of the step that prefilled it."""
 
-    def __init__(self, name: str, runner: StageRunner, scheduler: Scheduler, emit: Emit,
-                 hold_prefill_outputs: bool = False):  # fmt: skip
+    def __init__(self, name: str, runner: StageRunner, scheduler: Scheduler, emit: Emit):
         self.name = name
-        self.hold_prefill_outputs = hold_prefill_outputs
         self.runner = runner
         self.scheduler = scheduler
         self.emit = emit
@@ -154,17 +151,14 @@ class StageEngine:
 
     def _step(self, prefills: list[Sequence], decodes: list[Sequence]) -> None:
         t0 = time.perf_counter()
-        held: list[tuple[str, Any]] | None = [] if self.hold_prefill_outputs else None
         if prefills:
-            self._run_phase("prefill", prefills, held)
+            self._run_phase("prefill", prefills)
             # What this step prefilled decodes in it too, when ready: a decode step runs every occupied row of
             # the static cache anyway (StaticDecoder), and the second output then leaves with the first,
             # a step earlier (the talker's second frame waits for the thinker's second token).
             decodes = decodes + [s for s in prefills if s.status is SeqStatus.RUNNING and self.runner.is_ready(s)]
         if decodes:
-            self._run_phase("decode", decodes, None, held)
-        elif held:
-            self._flush(held)
+            self._run_phase("decode", decodes)
         self.steps += 1
         self.last_batch_size = len({id(s) for s in prefills + decodes})
         self.last_step_seconds = time.perf_counter() - t0
@@ -172,16 +166,8 @@ class StageEngine:
             log.info("[%s] step %d: %d prefill + %d decode in %.1f ms", self.name, self.steps, len(prefills),
                      len(decodes), self.last_step_seconds * 1e3)  # fmt: skip
 
-    def _flush(self, held: list[tuple[str, Any]]) -> None:
-        for request_id, output in held:
-            self.emit(request_id, output, None, None)
-        held.clear()
-
-    def _run_phase(self, phase: str, seqs: list[Sequence], hold: list | None = None,
-                   held: list | None = None) -> None:  # fmt: skip
-        """Runs a phase and hands its results on. hold: a list that keeps its outputs of unfinished sequences
-        instead (the caller emits them); held: outputs kept by an earlier phase, emitted before this one's
-        (so a request's outputs stay in order), whatever this phase does."""
+    def _run_phase(self, phase: str, seqs: list[Sequence]) -> None:
+        """Runs a phase and hands its results on."""
         t_phase = time.perf_counter()
         if phase == "prefill":
             self.prefilled_rows += len(seqs)
@@ -199,8 +185,6 @@ class StageEngine:
                 results, failed = [], [(seq, e) for seq in seqs]
         finally:
             self.phase_seconds[phase] += time.perf_counter() - t_phase
-        if held:
-            self._flush(held)
         for seq, e in failed:
             self._end(seq, None, EngineError(f"[{self.name}] {phase} failed: {e}"))
         if phase == "decode" and not failed:
@@ -212,9 +196,7 @@ class StageEngine:
                 self.first_outputs += 1
                 self.first_output_seconds += emitted - r.seq.added_at
             if r.finish_reason is None:
-                if r.output is not None and hold is not None:
-                    hold.append((r.seq.request_id, r.output))
-                elif r.output is not None:
+                if r.output is not None:
                     self.emit(r.seq.request_id, r.output, None, None)
             else:
                 self._end(r.seq, r.output, None, r.finish_reason)

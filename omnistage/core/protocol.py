@@ -9,8 +9,6 @@ from dataclasses import dataclass, field
 
 CODE_GROUPS = 16  # codec codebooks per frame (talker codebook 0 + 15 from the code predictor)
 SAMPLE_RATE = 24000  # Code2Wav output rate, mono
-# How stage outputs cross to the next stage (model parameter `handoff`): as CUDA tensors, or copied to the host
-HANDOFFS = ("gpu", "cpu")
 # Request parameter of omni_ensemble's BLS calls: the stage answers with its host tensors as BF16 views of
 # their bytes, for which Triton 2.51's stub makes no numpy array of the data (bf16_bytes.py)
 BLS_TRANSPORT = "bls_transport"

@@ -13,7 +13,6 @@ from pathlib import Path
 import yaml
 
 from omnistage.core.errors import OmniError
-from omnistage.core.protocol import HANDOFFS
 from omnistage.core.sampling import SamplingParams
 from omnistage.launch.triton_env import REPO_ROOT
 
@@ -22,18 +21,16 @@ PLATFORMS = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
 ENGINE_STAGES = ("thinker", "talker")  # KV-cache engines; sessions are pinned to one replica
 STAGES = (*ENGINE_STAGES, "code2wav", "omni_ensemble")
-_PLACED = {"devices", "replicas", "cuda_graphs", "memory_fraction", "step_stream"}
+_PLACED = {"devices", "replicas", "memory_fraction"}
 _KEYS = {
     "thinker": _PLACED | {"max_batch_size", "max_seq_len", "max_queue", "max_prefills_per_step", "max_prefill_tokens",
-                          "sampling", "experts_implementation", "fused_kernels", "kv_cache_bytes",
-                          "kv_cache_memory_fraction", "hold_prefill_outputs"},  # fmt: skip
-    "code2wav": _PLACED | {"max_batch_size", "fused_kernels", "later_chunk_batch"},
+                          "sampling", "kv_cache_bytes", "kv_cache_memory_fraction"},  # fmt: skip
+    "code2wav": _PLACED | {"max_batch_size"},
     "omni_ensemble": {"replicas", "max_inflight", "max_queue", "max_audio_seconds", "max_image_pixels", "max_media_items"},
 }
 _KEYS["talker"] = set(_KEYS["thinker"])
 _KEYS["thinker"] |= {"prefix_cache_bytes"}
-_TOP_KEYS = {"base", "description", "platform", "dtype", "handoff", "gpu_inputs", "model", "stages", "chunks",
-             "platforms"}  # fmt: skip
+_TOP_KEYS = {"base", "description", "platform", "dtype", "model", "stages", "chunks", "platforms"}
 _CHUNK_KEYS = {"first_chunk_frames", "chunk_frames", "left_context_frames", "light_first_chunk_frames",
                "light_load_requests"}
 
@@ -66,10 +63,6 @@ class Profile:
     chunks: dict[str, int | None]
     model: str | None = None
     sources: tuple[Path, ...] = ()  # files merged, base first
-    handoff: str = "gpu"  # where stage outputs travel between stages: as CUDA tensors, or copied to the host
-    # whether the GPU stages take their inputs where they arrive (CUDA tensors stay on the device) instead of
-    # the Python backend's default of copying every input to the host first (FORCE_CPU_ONLY_INPUT_TENSORS)
-    gpu_inputs: bool = False
 
 
 def replica_names(stage: str, replicas: int) -> list[str]:
@@ -150,15 +143,8 @@ def _validate(raw: dict, platform: str, gpu_count: int | None, sources: tuple[Pa
     chunks = _chunks(raw.get("chunks") or {}, stages["talker"].settings["max_seq_len"])
     if platform == "cuda":
         _check_memory(stages)
-    handoff = raw.get("handoff") or "gpu"
-    if handoff not in HANDOFFS:
-        raise ProfileError(f"handoff must be one of {', '.join(HANDOFFS)}, not {handoff!r}")
-    gpu_inputs = raw.get("gpu_inputs", False)
-    if not isinstance(gpu_inputs, bool):
-        raise ProfileError(f"gpu_inputs must be true or false, not {gpu_inputs!r}")
     model = raw.get("model")
-    return Profile(platform, dtype, stages, chunks, str(model) if model is not None else None, sources, handoff,
-                   gpu_inputs)  # fmt: skip
+    return Profile(platform, dtype, stages, chunks, str(model) if model is not None else None, sources)
 
 
 def _int(where: str, value, low: int = 1) -> int:
@@ -197,16 +183,11 @@ def _stage(name: str, raw: dict, platform: str, gpu_count: int | None) -> StageP
         if settings.get("max_prefills_per_step", 1) > settings["max_batch_size"]:
             raise ProfileError(f"{where}.max_prefills_per_step exceeds max_batch_size ({settings['max_batch_size']})")
         settings["sampling"] = _sampling(where, settings.get("sampling") or {}, settings["max_seq_len"])
-    for key in ("cuda_graphs", "fused_kernels", "step_stream", "hold_prefill_outputs"):
-        if key in settings and not isinstance(settings[key], bool):
-            raise ProfileError(f"{where}.{key} must be true or false, got {settings[key]!r}")
     for key in ("memory_fraction", "kv_cache_memory_fraction"):
         fraction = settings.get(key)
         if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
                                      or not 0 < fraction <= 1):  # fmt: skip
             raise ProfileError(f"{where}.{key} must be in (0, 1], got {fraction!r}")
-    if settings.get("later_chunk_batch") is not None:
-        _int(f"{where}.later_chunk_batch", settings["later_chunk_batch"], low=0)
     if settings.get("prefix_cache_bytes") is not None:
         _int(f"{where}.prefix_cache_bytes", settings["prefix_cache_bytes"], low=0)
     if settings.get("kv_cache_bytes") is not None:

@@ -58,21 +58,18 @@ def profile_spec(profile: Profile, model_path: str | None = None) -> dict[str, M
     if not model_path:
         raise ValueError("no model: pass one, or set `model:` in the profile")
     cuda = profile.platform == "cuda"
-    common = {"model_path": absolute_model_path(model_path), "device": profile.platform, "dtype": profile.dtype,
-              "handoff": profile.handoff}  # fmt: skip
+    common = {"model_path": absolute_model_path(model_path), "device": profile.platform, "dtype": profile.dtype}
     spec: dict[str, ModelSpec] = {}
     for stage in (*ENGINE_STAGES, "code2wav"):
         plan = profile.stages[stage]
         params = {**common, **_stage_parameters(plan.settings)}
-        if cuda and profile.gpu_inputs:  # read by the Python backend itself: inputs stay where they arrive
-            params["FORCE_CPU_ONLY_INPUT_TENSORS"] = "no"
         if stage == "code2wav":  # max_batch_size is the engine's, not Triton's (see ModelSpec)
             if "max_batch_size" in params:
                 params["max_batch_windows"] = params.pop("max_batch_size")
             if profile.chunks["left_context_frames"] is not None:
                 params["left_context_frames"] = str(profile.chunks["left_context_frames"])
-            # the lengths of new streams' first chunks: code2wav's first lane decodes those (CUDA graphs with
-            # cuda_graphs), the other chunks go to its main worker
+            # the lengths of new streams' first chunks: code2wav's first lane decodes those (CUDA graphs on
+            # cuda), the other chunks go to its main worker
             firsts = {profile.chunks[k] for k in ("first_chunk_frames", "light_first_chunk_frames")} - {None}
             params["first_chunk_frames"] = ",".join(map(str, sorted(firsts)))
             params["chunk_frames"] = str(profile.chunks["chunk_frames"])  # the later chunks' largest size

@@ -1,4 +1,4 @@
-# What the profile key `fused_kernels` turns on, in one call for any stage's model: the fused elementwise
+# What every stage installs on CUDA, in one call for any stage's model: the fused elementwise
 # kernels (RMSNorm, rotary, SnakeBeta: fused_ops), the merged q/k/v and gate/up projections of the decoder
 # stacks (fused_projections), the MoE routers' softmax + top-k as one kernel (moe_router) and Code2Wav's
 # copy-free convolutions (code2wav_convs). Each part swaps only the module classes it knows, so a stage's

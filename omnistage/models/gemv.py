@@ -7,7 +7,6 @@
 # output dtype (to nearest even, as fused_ops' kernels do): the same as a GEMM up to the order of the sum.
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -87,5 +86,4 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return gemv(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
 
 
-# part of fused_kernels; OMNI_GEMV=0 in the server's environment turns it off (A/B runs: perf/gpu_variants.sh)
-enabled = fused_ops.available() and os.environ.get("OMNI_GEMV", "1") != "0"
+enabled = fused_ops.available()  # part of fused_kernels

@@ -14,7 +14,6 @@
 # install(model) swaps the forward of the thinker's and talker's routers; CPU tensors keep transformers'.
 from __future__ import annotations
 
-import os
 import types
 
 import torch
@@ -91,7 +90,7 @@ def _router_forward(self, hidden_states: torch.Tensor):
 
 def install(model: torch.nn.Module) -> int:
     """The fused router forward on the thinker's and talker's MoE routers; returns how many were swapped
-    (0 without triton, or with OMNI_FUSED_ROUTER=0 in the environment: A/B runs, perf/gpu_variants.sh)."""
+    (0 without triton)."""
     if not enabled:
         return 0
     swapped = 0
@@ -102,4 +101,4 @@ def install(model: torch.nn.Module) -> int:
     return swapped
 
 
-enabled = fused_ops.available() and os.environ.get("OMNI_FUSED_ROUTER", "1") != "0"
+enabled = fused_ops.available()

@@ -1,9 +1,10 @@
 # TalkerRunner: codec frames from the thinker's conditioning, one frame per decode step for every ready
-# request. A request's text arrives in pieces while the thinker is still running (async chunk). A frame
+# request. A request's text arrives in pieces while the thinker is still running (async chunk). Frames
+# leave in host memory, copied at the step's own sync (see stages/thinker.py). A frame
 # takes two parts: the talker reads frame k-1 back with reply-token row k-1 and picks frame k's codebook 0,
 # then the code predictor completes frame k. A step does both, in that order, so frame k goes out as soon
 # as row k-1 is in, and the sequence then waits for row k: the audio runs one reply token ahead of the
-# thinker instead of behind it (frame k used to wait for row k). Frame 0's codebook 0 comes from the
+# thinker instead of behind it. Frame 0's codebook 0 comes from the
 # prefill, which completes that frame in the same step.
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ from .kv_cache import SlotKVCache
 from .sampler import Sampler
 from .static_decode import StaticDecoder
 from .static_prefill import StaticPrefill
-from .step_stream import StepStream, on_step_stream
 from .thinker import TalkerConditioning
 
 
@@ -70,13 +70,8 @@ class _SlotState:
 
 class TalkerRunner:
     def __init__(self, model, config, *, max_slots: int, max_seq_len: int, device, dtype, seed: int = 0,
-                 cuda_graphs: bool = False, max_prefills: int = 16, own_stream: bool = False,
-                 host_outputs: bool = False):  # fmt: skip
+                 cuda_graphs: bool = False, max_prefills: int = 16):  # fmt: skip
         self.model, self.config, self.device, self.dtype = (model, config, torch.device(device), dtype)
-        # own_stream: prefill/decode/release on a CUDA stream of their own (step_stream.py)
-        self.step_stream = StepStream(self.device, own_stream)
-        # host_outputs: frames leave in pinned host memory, copied at the step's own sync (handoff "cpu")
-        self.host_outputs = host_outputs
         tc = config.talker_config
         text = tc.text_config
         self.text_config = text
@@ -134,13 +129,11 @@ class TalkerRunner:
         # text: tts_eos, then tts_pad), so a sequence with an unfed frame waits for that row
         return not state.unfed or seq.payload.text_end or state.frames < len(seq.payload.text)
 
-    @on_step_stream
     def release(self, seq: Sequence) -> None:
         if 0 <= seq.slot < len(self.slots):
             self.slots[seq.slot] = None
         self.sampler.release(seq.request_id)
 
-    @on_step_stream
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> list[StepResult]:
         results = self._prefill_batch(seqs)
@@ -149,9 +142,8 @@ class TalkerRunner:
         going = [i for i, r in enumerate(results) if r.finish_reason is None]
         if going:
             codes = self._complete_frames([results[i].seq for i in going])
-            sent = to_host(codes) if self.host_outputs else codes
-            if self.host_outputs:
-                sync_current_stream(self.device)
+            sent = to_host(codes)
+            sync_current_stream(self.device)
             for j, i in enumerate(going):
                 results[i] = self._frame_sent(results[i].seq, sent[j : j + 1])
         return results
@@ -163,18 +155,17 @@ class TalkerRunner:
         if self.static_predictor is not None:
             self.static_predictor.capture_all()
 
-    @on_step_stream
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> list[StepResult]:
         # read back the frames sent by earlier steps (their rows are in: is_ready), then complete the next frame
-        # of every sequence; one sync at the end, for the picked tokens and (host_outputs) the frames' copy
+        # of every sequence; one sync at the end, for the picked tokens and the frames' host copy
         unfed = [s for s in seqs if self.slots[s.slot].unfed]
         picked = self._advance(unfed) if unfed else None
         codes = self._complete_frames(seqs)
         # a frame completed from an EOS pick is dropped below; until the sync only views of the copy are taken
-        sent = to_host(codes) if self.host_outputs else codes
+        sent = to_host(codes)
         tokens = dict(zip(map(id, unfed), picked.tolist())) if unfed else {}
-        if self.host_outputs and not unfed:
+        if not unfed:
             sync_current_stream(self.device)
         results = []
         for i, seq in enumerate(seqs):

@@ -18,7 +18,6 @@ from .prefix_cache import PrefixCache
 from .sampler import Sampler
 from .static_decode import StaticDecoder
 from .static_prefill import StaticPrefill
-from .step_stream import StepStream, on_step_stream
 
 
 @dataclass
@@ -69,13 +68,8 @@ class _SlotState:
 
 class ThinkerRunner:
     def __init__(self, model, config, *, max_slots: int, max_seq_len: int, device, dtype, seed: int = 0,
-                 cuda_graphs: bool = False, max_prefills: int = 16, own_stream: bool = False,
-                 host_outputs: bool = False, prefix_cache_bytes: int = 0):  # fmt: skip
+                 cuda_graphs: bool = False, max_prefills: int = 16, prefix_cache_bytes: int = 0):  # fmt: skip
         self.model, self.config, self.device, self.dtype = (model, config, torch.device(device), dtype)
-        # own_stream: prefill/decode/release on a CUDA stream of their own (step_stream.py)
-        self.step_stream = StepStream(self.device, own_stream)
-        # host_outputs: outputs leave in pinned host memory, copied at the step's own sync (handoff "cpu")
-        self.host_outputs = host_outputs
         text = config.thinker_config.text_config
         self.text_config = text
         self.max_seq_len = max_seq_len
@@ -118,35 +112,33 @@ class ThinkerRunner:
     def is_ready(self, seq: Sequence) -> bool:
         return True
 
-    @on_step_stream
     def release(self, seq: Sequence) -> None:
         if 0 <= seq.slot < len(self.slots):
             self.slots[seq.slot] = None
         self.sampler.release(seq.request_id)
 
-    @on_step_stream
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> list[StepResult]:
-        # text-only prompts of one step share a forward (right-padded); a multimodal one runs alone
+        """Every prompt of a step, one of three ways: text-only prompts that start with a kept prefix prefill
+        only the rest (ChunkPrefill), other text-only prompts that fit the static buffers together
+        (StaticPrefill); both are graph-replayed on CUDA. The rest (images, audio, long prompts) runs one by
+        one through transformers' own forward, eager."""
         text = [s for s in seqs if s.payload.is_text_only]
         # only prompts the chunk prefill could serve look up and keep prefixes (a 2500-token W2 prompt's
         # blocks would only push the shared ones out)
         found = {id(s): self.prefix.match(s.payload.input_ids.tolist()) for s in text
                  if s.payload.input_ids.numel() <= self.chunk_prefill.max_kv} if self.prefix else {}  # fmt: skip
         hits = self._chunk_hits(text, found)
-        results = self._prefill_static(hits, found) if hits else []
-        text = [s for s in text if all(s is not h for h in hits)]
-        if text and self.static_prefill.fits(len(text), max(int(s.payload.input_ids.numel()) for s in text)):
-            results += self._prefill_static(text)
-        else:
-            results += self._prefill_text(text) if len(text) > 1 else []
+        fresh = [s for s in text if all(s is not h for h in hits)
+                 and s.payload.input_ids.numel() <= self.static_prefill.max_tokens][: self.static_prefill.max_rows]
+        results = (self._prefill_static(hits, found) if hits else []) + (self._prefill_static(fresh) if fresh else [])
         batched = {id(r.seq) for r in results}
-        results += [self._prefill_one(s) for s in seqs if id(s) not in batched]
-        for seq in text + hits:  # keep the blocks worth keeping (copied in stream order: after the prefill)
+        results += [self._prefill_eager(s) for s in seqs if id(s) not in batched]
+        for seq in text:  # keep the blocks worth keeping (copied in stream order: after the prefill)
             if id(seq) in found:
                 self.prefix.store(seq.slot, found[id(seq)])
-        if self.host_outputs:  # the talker's conditioning was gathered after the tokens' sync: one more sync
-            outputs_to_host([r.output for r in results], self.device)
+        # the talker's conditioning was gathered after the tokens' sync: one more sync (none on the CPU)
+        outputs_to_host([r.output for r in results], self.device)
         return results
 
     @torch.inference_mode()
@@ -160,7 +152,6 @@ class ThinkerRunner:
         p = self.prefix
         return {"prefix_hit_tokens": p.hit_tokens if p else 0, "prefix_prompt_tokens": p.prompt_tokens if p else 0}
 
-    @on_step_stream
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> list[StepResult]:
         # every occupied slot up to the highest takes part (a just-prefilled one too), see StaticDecoder.step
@@ -170,7 +161,7 @@ class ThinkerRunner:
         slots = to_device([s.slot for s in seqs], self.device)
         tokens = self._sample(self.decoder.logits_out[slots], seqs)
         rows = self._text_rows(tokens, seqs)
-        if self.host_outputs and rows is not None:  # complete at tokens.tolist(), the step's one sync
+        if rows is not None:  # complete at tokens.tolist(), the step's one sync
             rows = to_host(rows)
         results = []
         for i, (seq, token) in enumerate(zip(seqs, tokens.tolist())):
@@ -179,7 +170,7 @@ class ThinkerRunner:
         return results
 
     # ---- internals ----------------------------------------------------------------------------------------
-    def _prefill_one(self, seq: Sequence) -> StepResult:
+    def _prefill_eager(self, seq: Sequence) -> StepResult:
         p: ThinkerPrompt = seq.payload
         ids = to_device(p.input_ids, self.device)[None]
         past = DynamicCache(config=self.text_config)
@@ -234,31 +225,6 @@ class ThinkerRunner:
         # no audio/image rows, so the accept layer's hidden states are never read: the embeddings stand in
         return [self._prefilled_text(seq, e.shape[0], token, e, e, rows, i)
                 for i, (seq, e, token) in enumerate(zip(seqs, embeds, tokens.tolist()))]  # fmt: skip
-
-    def _prefill_text(self, seqs: list[Sequence]) -> list[StepResult]:
-        """Several text-only prompts in one forward of the text model. Right padding: each row's first
-        `length` positions are exactly its own prompt's (causal attention never looks right), positions
-        count from 0 on all three MRoPE sections (text-only), so the rope delta is 0."""
-        lengths = [int(s.payload.input_ids.numel()) for s in seqs]
-        ids = torch.zeros(len(seqs), max(lengths), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, (seq, n) in enumerate(zip(seqs, lengths)):
-            ids[i, :n], mask[i, :n] = seq.payload.input_ids, 1
-        ids, mask = to_device(ids, self.device), to_device(mask, self.device)
-        export = any(s.payload.export_talker for s in seqs)
-        past = DynamicCache(config=self.text_config)
-        out = self.model.model(input_ids=ids, attention_mask=mask, past_key_values=past, use_cache=True,
-                               output_hidden_states=export)  # fmt: skip
-        last = out.last_hidden_state[torch.arange(len(seqs)), torch.tensor(lengths) - 1]  # [B, D]
-        tokens = self._sample(self.model.lm_head(last), seqs)
-        rows = self._text_rows(tokens, seqs)
-        hs = out.hidden_states  # every layer's, when a prompt of the step feeds a talker (export)
-        results = []
-        for i, (seq, n, token) in enumerate(zip(seqs, lengths, tokens.tolist())):
-            self.cache.load_prefill(seq.slot, past, row=i, length=n)
-            embeds, hidden = (hs[0][i, :n], hs[self.accept_layer][i, :n]) if export else (None, None)
-            results.append(self._prefilled_text(seq, n, token, embeds, hidden, rows, i))
-        return results
 
     def _prefilled_text(self, seq: Sequence, n: int, token: int, embeds, hidden, rows, i: int) -> StepResult:
         """A text-only prompt of n tokens is in its slot and its first token picked: the slot's state, the

@@ -6,9 +6,9 @@
 # New streams' first chunks (what a time to first audio waits for) have a worker of their own, the first
 # lane: on CUDA it runs on a high-priority stream and replays CUDA graphs (stages/code2wav_first.py), so a
 # first chunk no longer waits behind a forward of later chunks (~100 ms at 64 streams on the H200).
-# With later_chunk_batch, the main worker decodes a group of at most that many chunks with carried state of up
-# to chunk_frames frames as one forward, padded to static shapes and replayed as a CUDA graph
-# (stages/code2wav_later.py); larger groups run eager, one forward per shape.
+# On CUDA the main worker decodes a group of at most LATER_CHUNK_BATCH chunks with carried state of up to
+# chunk_frames frames as one forward, padded to static shapes and replayed as a CUDA graph
+# (stages/code2wav_later.py); larger groups (and every group on the CPU) run eager, one forward per shape.
 from __future__ import annotations
 
 import logging
@@ -31,10 +31,15 @@ from ..stages.step_stream import StepStream
 from .logs import stop_fault_reports
 from .metrics import MetricsPublisher
 from .responder import error_response, send_final
-from .stage_model import flag, init_instance
-from .tensors import host_handoff, input_tensors, is_probe, output_tensors, request_parameters, wants_bf16_bytes
+from .stage_model import init_instance
+from .tensors import input_tensors, is_probe, output_tensors, request_parameters, wants_bf16_bytes
 
 log = logging.getLogger(__name__)
+
+# a lone stream's eager 25-frame chunk takes ~28 ms of launches for a few ms of kernels, and its last chunk is
+# on the way to the end of the reply; groups of up to 4 replay a graph (at 64 streams few groups are that
+# small). Measured on the H200: perf/README.md
+LATER_CHUNK_BATCH = 4
 
 
 class PendingChunk(NamedTuple):
@@ -48,7 +53,7 @@ class Code2WavModel:
     def initialize(self, args) -> None:
         params, self.device, dtype = init_instance(args)
         module = load_stage(params["model_path"], "code2wav", dtype, self.device)
-        if self.device.type == "cuda" and flag(params, "fused_kernels"):
+        if self.device.type == "cuda":
             log.info("[code2wav] fused kernels installed: %s", fused.install(module))
         context = int(params["left_context_frames"]) if params.get("left_context_frames") else None
         self.runner = Code2WavRunner(module, self.device, dtype, context_frames=context)
@@ -57,22 +62,21 @@ class Code2WavModel:
             raise ValueError(f"left_context_frames {context} is below this checkpoint's conv reach "
                              f"({self.runner.conv_reach} frames); use null or >= {self.runner.conv_reach}")
         self.max_batch = int(params.get("max_batch_windows", 64))
-        # step_stream: the worker decodes on a CUDA stream of its own (stages/step_stream.py)
-        self.step_stream = StepStream(self.device, flag(params, "step_stream"))
-        # handoff "cpu": audio and state leave in pinned host memory, one sync per decoded group
-        self.host_outputs = host_handoff()
+        self.step_stream = StepStream(self.device, enabled=False)  # the main worker: the caller's stream
+        # audio and state leave in pinned host memory, one sync per decoded group (stages/host_copy.py)
+        self.host_outputs = self.device.type == "cuda"
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         # the first lane: first chunks of the schedule's lengths (first_chunk_frames, from the profile's chunks)
         lengths = sorted({int(n) for n in params.get("first_chunk_frames", "").split(",") if n.strip()} - {0})  # 0: off
-        self.first_decoders = [FirstChunkDecoder(self.runner, n, self.max_batch, flag(params, "cuda_graphs"))
+        cuda = self.device.type == "cuda"
+        self.first_decoders = [FirstChunkDecoder(self.runner, n, self.max_batch, cuda_graphs=cuda)
                                for n in lengths]  # fmt: skip
         for decoder in self.first_decoders:
             decoder.capture_all()
-        # later chunks (with carried state) in groups of at most later_chunk_batch: static shapes, CUDA graphs
-        # with cuda_graphs; 0: off (eager)
-        later_batch = int(params.get("later_chunk_batch", 0))
+        # later chunks (with carried state) in groups of at most LATER_CHUNK_BATCH: static shapes, CUDA graphs
+        later_batch = LATER_CHUNK_BATCH if cuda else 0
         self.later = (LaterChunkDecoder(self.runner, int(params.get("chunk_frames", 25)), later_batch,
-                                        flag(params, "cuda_graphs")) if later_batch else None)  # fmt: skip
+                                        cuda_graphs=cuda) if later_batch else None)  # fmt: skip
         if self.later is not None:
             self.later.capture_all()
         # its inputs are host tensors or complete CUDA copies (the Python backend copies synchronously), so it
@@ -96,7 +100,7 @@ class Code2WavModel:
                         .counter("omni_code2wav_first_chunk_seconds_total", "their seconds from execute() to the "
                                  "response sent")
                         .counter("omni_code2wav_later_chunks_total", "chunks with carried state decoded padded to "
-                                 "static shapes (CUDA graphs with cuda_graphs)"))  # fmt: skip
+                                 "static shapes (CUDA graphs)"))  # fmt: skip
         self.metrics.start()
         self._workers = [threading.Thread(target=self._loop, args=(self._queue, self.step_stream, False),
                                           name="code2wav-worker", daemon=True)]  # fmt: skip

@@ -27,8 +27,8 @@ from .iterator_reaper import IteratorReaper
 from .logs import setup_logging, stop_fault_reports
 from .metrics import MetricsPublisher
 from .responder import Responder, error_response, send_final
-from .stage_model import flag, model_parameters
-from .tensors import configure_handoff, is_probe, read_string, request_parameters
+from .stage_model import model_parameters
+from .tensors import is_probe, read_string, request_parameters
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,6 @@ class OmniModel:
     def initialize(self, args) -> None:
         setup_logging()
         params = model_parameters(args)
-        configure_handoff(params.get("handoff"))
         source = params["model_path"]
         self.config = load_config(source)
         self.processor = load_processor(source)
@@ -80,8 +79,7 @@ class OmniModel:
         self.clocks: dict[str, AudioClock] = {}
         # per-request timeline for perf/trace_join.py, when OMNI_TRACE_DIR is set (core/request_trace.py)
         self.trace = request_trace("omni_ensemble")
-        self.responder = Responder("omni_ensemble", self.encode, self._cancel, self.reaper,
-                                   first_responses_first=flag(params, "first_responses_first"))  # fmt: skip
+        self.responder = Responder("omni_ensemble", self.encode, self._cancel, self.reaper)
         self.responder.start()
         self.metrics = (
             MetricsPublisher("omni_ensemble", args.get("model_instance_name", "omni_ensemble"), self._sample)

@@ -49,13 +49,8 @@ def send_final(sender, response=None) -> None:
 
 class Responder:
     def __init__(self, name: str, encode: Callable[[Any, "str | None"], dict], on_cancel: Callable[[str], None],
-                 reaper: IteratorReaper | None = None, first_responses_first: bool = False):  # fmt: skip
+                 reaper: IteratorReaper | None = None):  # fmt: skip
         self.name = name
-        # A round sends what piled up while the last one was sending, ~50 responses at 64 W1 streams on the
-        # H200 (~20 ms). first_responses_first puts a request's first output (the next stage's start, a
-        # client's first token) at the head of its round instead of behind the streams already under way.
-        # Off by default: on the H200 it did not bring the first audio sooner (perf/README.md, 2026-12-04).
-        self.first_responses_first = first_responses_first
         self.encode = encode  # (output or None, finish_reason or None) -> {name: torch.Tensor or str}
         self.on_cancel = on_cancel
         # A model that makes BLS calls (omni_ensemble) passes its reaper: this thread's cancellation queries
@@ -129,7 +124,7 @@ class Responder:
                 except queue.Empty:
                     break
             picked = time.perf_counter()
-            for request_id, (output, finish_reason, error, emitted) in self._in_send_order(self._coalesce(items)):
+            for request_id, (output, finish_reason, error, emitted) in self._coalesce(items).items():
                 self._send(request_id, output, finish_reason, error, emitted, picked)
             if time.monotonic() - last_poll >= CANCEL_POLL_SECONDS:
                 last_poll = time.monotonic()
@@ -153,15 +148,6 @@ class Responder:
             entry[1] = entry[1] or finish_reason
             entry[2] = entry[2] or error
         return merged
-
-    def _in_send_order(self, merged: "OrderedDict[str, list]") -> list[tuple[str, list]]:
-        """Requests that have had no response with data yet first, then the rest; each group in emit order."""
-        items = list(merged.items())
-        if not self.first_responses_first or len(items) < 2:
-            return items
-        with self._lock:
-            waiting = {request_id for request_id, _ in items if request_id in self._registered_at}
-        return sorted(items, key=lambda item: item[0] not in waiting)  # stable
 
     def _send(self, request_id: str, output, finish_reason: str | None, error: OmniError | None,
               emitted: float | None = None, picked: float | None = None) -> None:  # fmt: skip

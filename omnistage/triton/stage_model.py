@@ -14,24 +14,15 @@ from ..core.engine import StageEngine
 from ..core.errors import PROBE_ACTION, BadRequestError, OmniError
 from ..core.sampling import SamplingParams
 from ..core.scheduler import Scheduler, Sequence
-from ..models import fused
+from ..models import experts, fused
 from ..models.checkpoint import load_config, load_stage
 from ..stages.kv_budget import kv_budget_bytes, kv_bytes_per_slot, plan_slots
 from .logs import setup_logging, stop_fault_reports
 from .metrics import StageMetrics
 from .responder import Responder, error_response, send_final
-from .tensors import (
-    configure_handoff,
-    host_handoff,
-    request_parameters,
-    wants_bf16_bytes,
-)
+from .tensors import request_parameters, wants_bf16_bytes
 
 log = logging.getLogger(__name__)
-
-
-def flag(params: dict[str, str], key: str) -> bool:
-    return params.get(key, "false").lower() in ("1", "true", "on")
 
 
 def model_parameters(args) -> dict[str, str]:
@@ -54,7 +45,6 @@ def init_instance(args) -> tuple[dict[str, str], torch.device, torch.dtype]:
     """What every stage instance does first: logging, its parameters, and its device and dtype."""
     setup_logging()
     params = model_parameters(args)
-    configure_handoff(params.get("handoff"))
     device = instance_device(args, params)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -75,7 +65,7 @@ class StageModel:
         source = self.params["model_path"]
         self.config = load_config(source)
         model = load_stage(source, self.STAGE, self.dtype, self.device,
-                           experts_implementation=self.params.get("experts_implementation") or None)
+                           experts_implementation=experts.NAME if self.device.type == "cuda" else None)
         self.max_seq_len = int(self.params.get("max_seq_len", 1024))
         # slots: max_batch_size, or fewer where the KV budget (if any) holds fewer (stages/kv_budget.py)
         max_batch_size = int(self.params.get("max_batch_size", 8))
@@ -87,27 +77,23 @@ class StageModel:
             log.warning("[%s] the KV budget of %.0f MiB holds %d of max_batch_size %d slots of %d tokens",
                         self.STAGE, self.kv.budget_bytes / 2**20, self.max_slots, max_batch_size,
                         self.max_seq_len)  # fmt: skip
-        self.cuda_graphs = flag(self.params, "cuda_graphs")
-        self.own_stream = flag(self.params, "step_stream")
-        # handoff "cpu": the runner copies its outputs to the host at its step's own sync (stages/host_copy.py)
-        self.host_outputs = host_handoff()
+        # on CUDA the decode steps and the static prefills replay as graphs, and the fused kernels replace
+        # transformers' elementwise ops: both are the measured path there (perf/README.md); the CPU runs eager
+        self.cuda_graphs = self.device.type == "cuda"
         self.max_prefills = int(self.params.get("max_prefills_per_step", 4))
-        if self.device.type == "cuda" and flag(self.params, "fused_kernels"):
+        if self.device.type == "cuda":
             log.info("[%s] fused kernels installed: %s", self.STAGE, fused.install(model))
         # a deploy profile's sampling defaults, over the stage's built-in ones (validated when rendered)
         self.sampling_overrides = json.loads(self.params.get("sampling_defaults") or "{}")
         runner = self.build_runner(model)
         if hasattr(runner, "capture_graphs"):  # before serving: capture needs the device to itself
             runner.capture_graphs()
-        self.responder = Responder(self.STAGE, self.encode, self._cancel,
-                                   first_responses_first=flag(self.params, "first_responses_first"))  # fmt: skip
+        self.responder = Responder(self.STAGE, self.encode, self._cancel)
         # tokens of the prompts prefilled in one step (a long prompt still goes alone); 0 / absent: no budget
         max_prefill_tokens = int(self.params.get("max_prefill_tokens") or 0) or None
         scheduler = Scheduler(self.max_slots, self.max_prefills, int(self.params.get("max_queue", 1024)),
                               max_prefill_tokens)  # fmt: skip
-        # a request's first and second outputs in one response when one step makes both (engine.py)
-        self.engine = StageEngine(self.STAGE, runner, scheduler, self.responder.emit,
-                                  hold_prefill_outputs=flag(self.params, "hold_prefill_outputs"))  # fmt: skip
+        self.engine = StageEngine(self.STAGE, runner, scheduler, self.responder.emit)
         self.responder.start()
         self.engine.start()
         instance = args.get("model_instance_name", self.STAGE)

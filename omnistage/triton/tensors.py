@@ -1,8 +1,9 @@
-# Conversions between Triton Python-backend tensors and torch. GPU tensors cross through DLPack and stay
-# on the device as outputs; as inputs, the Python backend first copies them to the host unless the model
-# sets FORCE_CPU_ONLY_INPUT_TENSORS "no" (the profile's `gpu_inputs`), and to_torch() takes either. CPU
-# tensors go through numpy (the 2.51 stub needs numpy<2 for that path), except in responses to
-# omni_ensemble's BLS calls, where they travel as BF16 views of their bytes (core/bf16_bytes.py).
+# Conversions between Triton Python-backend tensors and torch. Stage outputs cross stages in host memory:
+# the GPU runners copy them at their steps' own syncs (stages/host_copy.py), since a CUDA tensor in a
+# response costs the Python backend a device copy that waits for the step in flight on the default stream.
+# Inputs reach a model on the host (the Python backend's default). CPU tensors go through numpy (the 2.51
+# stub needs numpy<2 for that path), except in responses to omni_ensemble's BLS calls, where they travel as
+# BF16 views of their bytes (core/bf16_bytes.py).
 from __future__ import annotations
 
 import json
@@ -14,7 +15,7 @@ from torch.utils import dlpack
 
 from ..core.bf16_bytes import from_bf16_bytes, to_bf16_bytes
 from ..core.errors import PROBE_ACTION
-from ..core.protocol import BLS_TRANSPORT, BLS_TRANSPORT_BF16_BYTES, HANDOFFS
+from ..core.protocol import BLS_TRANSPORT, BLS_TRANSPORT_BF16_BYTES
 
 
 def to_torch(tensor, device: torch.device | None = None) -> torch.Tensor:
@@ -65,38 +66,16 @@ def input_tensors(request, contract) -> dict[str, torch.Tensor]:
     return found
 
 
-# Where this process's response tensors travel between stages: "gpu" hands CUDA tensors over as they are
-# (DLPack into Triton's CUDA pool); "cpu" copies them to the host first, a switch for diagnosing Python-
-# backend faults (perf/README.md). Set once per stub process from the model parameter `handoff`.
-_handoff = "gpu"
-
-
-def configure_handoff(kind: str | None) -> None:
-    global _handoff
-    kind = (kind or "gpu").lower()
-    if kind not in HANDOFFS:
-        raise ValueError(f"handoff must be one of {HANDOFFS}, not {kind!r}")
-    _handoff = kind
-
-
-def host_handoff() -> bool:
-    """Whether this process hands its outputs over in host memory (handoff "cpu"): its runners then copy them
-    to the host themselves, at their steps' own syncs (stages/host_copy.py)."""
-    return _handoff == "cpu"
-
-
 def output_tensors(values: dict, bf16_bytes: bool = False) -> list:
     """name -> torch.Tensor or str (TYPE_STRING) into response tensors. bf16_bytes: host tensors and strings
     as BF16 views of their bytes, for a BLS caller (see wants_bf16_bytes)."""
-    # host-handoff runners hand over host tensors already; this catches any CUDA tensor still left, e.g. one
-    # omni_ensemble relays from a stage that runs with handoff gpu
-    host = host_handoff()
+    # the runners hand over host tensors already; this catches any CUDA tensor still left
     tensors = []
     for name, value in values.items():
         if isinstance(value, str):
             tensors.append(bf16_bytes_tensor(name, value) if bf16_bytes else string_tensor(name, value))
         else:
-            tensors.append(from_torch(name, value.cpu() if host and value.is_cuda else value, bf16_bytes))
+            tensors.append(from_torch(name, value.cpu(), bf16_bytes))
     return tensors
 
 

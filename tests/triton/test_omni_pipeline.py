@@ -25,8 +25,6 @@ GREEDY = {"temperature": "0", "talker_temperature": "0", "talker_repetition_pena
 @pytest.fixture(scope="module")
 def repo_spec(tiny_checkpoint):
     spec = default_spec(str(tiny_checkpoint), "cpu")
-    for stage in ("thinker", "talker"):  # the graph-capturable static paths, run eagerly on the CPU
-        spec[stage].parameters["cuda_graphs"] = "1"
     return RepoSpec(models=spec, src=REPO_ROOT / "model_repository")
 
 
@@ -80,14 +78,11 @@ def test_first_chunks_take_code2wav_first_lane(triton_server, hf_model, processo
 
 
 def test_one_frame_first_chunk_sent_with_the_talker_prefill(triton_launcher, tiny_checkpoint, hf_model, processor):
-    """The cuda profile's chunk settings (a first chunk of 1 frame, the one the talker completes in its
-    prefill step; neither thinker nor talker holds its prefill outputs, so the talker starts on one reply
-    row; later chunks padded to static shapes, as the CUDA graphs replay them): the first audio is one frame
-    and the whole still equals generate()'s."""
+    """The cuda profile's chunk schedule (a first chunk of 1 frame, the one the talker completes in its
+    prefill step, sent on the thinker's first reply row): the first audio is one frame and the whole still
+    equals generate()'s."""
     spec = default_spec(str(tiny_checkpoint), "cpu")
-    spec["thinker"].parameters["hold_prefill_outputs"] = spec["talker"].parameters["hold_prefill_outputs"] = "false"
     spec["omni_ensemble"].parameters["first_chunk_frames"] = spec["code2wav"].parameters["first_chunk_frames"] = "1"
-    spec["code2wav"].parameters["later_chunk_batch"] = "2"
     server = triton_launcher(RepoSpec(models=spec, src=REPO_ROOT / "model_repository"))
     msgs = oracle.messages("text", "Say something short")
     want_text, want_codes, want_wav = oracle.generate(hf_model, prepare_inputs(processor, msgs), REPLY, FRAMES)
@@ -99,7 +94,6 @@ def test_one_frame_first_chunk_sent_with_the_talker_prefill(triton_launcher, tin
     chunks = lambda: gauge(server.metrics(), "omni_code2wav_chunks_total")  # noqa: E731
     wait_for(lambda: chunks() >= 3, what="code2wav chunk counts")  # 1 + 25 + 14 frames
     assert gauge(server.metrics(), "omni_code2wav_first_chunks_total") == 1
-    assert gauge(server.metrics(), "omni_code2wav_later_chunks_total") == 2  # positions 1 (C' < C) and 26
     assert len(r.audio[0]) == 1920 - 555  # the first audio: one frame, less the vocoder's look-ahead
 
 

@@ -42,11 +42,6 @@ def repo_spec(tiny_checkpoint, tmp_path_factory):
                     "chunks: {light_first_chunk_frames: 2}\n")  # fmt: skip
     spec = profile_spec(load_profile(path, "cpu"), str(tiny_checkpoint))
     assert spec["code2wav"].instances == 2
-    # what `gpu_inputs: true` renders on cuda, here on every stage: the backend takes it and, with host
-    # tensors only, nothing changes (the oracle comparison below still holds)
-    for name, model in spec.items():
-        if name != "omni_ensemble":
-            model.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"] = "no"
     # seven Python model processes load one after another on a 2-core machine
     return RepoSpec(models=spec, src=REPO_ROOT / "model_repository", ready_timeout_s=420)
 

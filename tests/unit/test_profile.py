@@ -35,18 +35,12 @@ def test_base_profile_is_the_default_layout(platform):
     for name in ("thinker", "talker"):
         p = spec[name].parameters
         assert p["max_batch_size"] == ("64" if cuda else "8") and p["max_seq_len"] == ("4096" if cuda else "1024")
-        assert p["dtype"] == ("bfloat16" if cuda else "float32") and p["cuda_graphs"] == ("true" if cuda else "false")
-        assert ("experts_implementation" in p) == cuda and p["fused_kernels"] == ("true" if cuda else "false")
+        assert p["dtype"] == ("bfloat16" if cuda else "float32")
     assert spec["code2wav"].parameters["max_batch_windows"] == "64"
-    assert spec["code2wav"].parameters["fused_kernels"] == ("true" if cuda else "false")
-    assert all(spec[name].parameters["step_stream"] == "false" for name in ("thinker", "talker", "code2wav"))
     omni = spec["omni_ensemble"].parameters
-    # first audio after 1 frame on cuda (CPU tests count the 4-frame first chunk); no light-load schedule.
-    # That frame leaves the talker with its prefill, on the thinker's first token: on cuda neither holds
+    # first audio after 1 frame on cuda (CPU tests count the 4-frame first chunk); no light-load schedule
     first = "1" if cuda else "4"
-    assert spec["thinker"].parameters["hold_prefill_outputs"] == ("false" if cuda else "true")
     assert spec["thinker"].parameters["max_prefill_tokens"] == spec["talker"].parameters["max_prefill_tokens"] == "16384"
-    assert spec["talker"].parameters["hold_prefill_outputs"] == ("false" if cuda else "true")
     assert spec["code2wav"].parameters.get("first_chunk_frames") == ("1" if cuda else "4")
     assert (omni["first_chunk_frames"], omni["chunk_frames"], omni["max_inflight"]) == (first, "25", "128")
     assert (omni.get("light_first_chunk_frames"), omni.get("light_load_requests")) == (None, None)
@@ -84,7 +78,7 @@ def test_cpu_platform_keeps_replicas_and_drops_gpus(tmp_path):
 
 def test_overlay_wins_over_the_base_platform_block(tmp_path):
     path = overlay(tmp_path, """\
-        stages: {thinker: {max_batch_size: 32, cuda_graphs: true, memory_fraction: 0.5,
+        stages: {thinker: {max_batch_size: 32, memory_fraction: 0.5,
                            sampling: {temperature: 0.7, stop_token_ids: [1, 2]}},
                  talker: {kv_cache_memory_fraction: 0.6}}
         chunks: {first_chunk_frames: 2, left_context_frames: 12}
@@ -93,7 +87,7 @@ def test_overlay_wins_over_the_base_platform_block(tmp_path):
     cuda = render.profile_spec(load_profile(path, "cuda"), MODEL)
     thinker = cuda["thinker"].parameters
     assert thinker["max_batch_size"] == "32" and thinker["max_seq_len"] == "4096"  # overlay, then cuda block
-    assert thinker["cuda_graphs"] == "true" and thinker["memory_fraction"] == "0.5"
+    assert thinker["memory_fraction"] == "0.5"
     assert "kv_cache_bytes" not in thinker and "kv_cache_memory_fraction" not in thinker  # null: no budget
     assert json.loads(thinker["sampling_defaults"]) == {"temperature": 0.7, "stop_token_ids": [1, 2]}
     assert cuda["talker"].parameters["max_queue"] == "1024"
@@ -101,25 +95,6 @@ def test_overlay_wins_over_the_base_platform_block(tmp_path):
     assert cuda["omni_ensemble"].parameters["first_chunk_frames"] == "2"
     assert cuda["code2wav"].parameters["left_context_frames"] == "12"
     assert render.profile_spec(load_profile(path, "cpu"), MODEL)["talker"].parameters["max_queue"] == "7"
-
-
-def test_handoff_goes_to_every_model(tmp_path):
-    assert {s.parameters["handoff"] for s in render.default_spec(MODEL, "cpu").values()} == {"gpu"}
-    assert {s.parameters["handoff"] for s in render.default_spec(MODEL, "cuda").values()} == {"cpu"}
-    spec = render.profile_spec(load_profile(overlay(tmp_path, "platforms: {cuda: {handoff: gpu}}\n"), "cuda"), MODEL)
-    assert {name: s.parameters["handoff"] for name, s in spec.items()} == dict.fromkeys(spec, "gpu")
-
-
-def test_gpu_inputs_keeps_cuda_stage_inputs_on_the_device(tmp_path):
-    key = "FORCE_CPU_ONLY_INPUT_TENSORS"  # the Python backend's own parameter (default: copy to the host)
-    assert not any(key in s.parameters for s in render.default_spec(MODEL, "cuda").values())
-    path = overlay(tmp_path, "gpu_inputs: true\n")
-    spec = render.profile_spec(load_profile(path, "cuda"), MODEL)
-    assert {name: s.parameters.get(key) for name, s in spec.items()} == {
-        "thinker": "no", "talker": "no", "code2wav": "no", "omni_ensemble": None}  # fmt: skip
-    assert parsed("code2wav", spec["code2wav"]).parameters[key].string_value == "no"
-    cpu = render.profile_spec(load_profile(path, "cpu"), MODEL)  # host tensors only: nothing to keep
-    assert not any(key in s.parameters for s in cpu.values())
 
 
 @pytest.mark.parametrize(
@@ -132,10 +107,7 @@ def test_gpu_inputs_keeps_cuda_stage_inputs_on_the_device(tmp_path):
         ("stages: {code2wav: {devices: [1, 1]}}", "lists a GPU twice"),
         ("stages: {thinker: {replicas: 0}}", "stages.thinker.replicas must be an integer >= 1, got 0"),
         ("stages: {thinker: {max_batch_size: 2, max_prefills_per_step: 4}}", "max_prefills_per_step exceeds"),
-        ("stages: {thinker: {cuda_graphs: 'yes'}}", "cuda_graphs must be true or false"),
-        ("stages: {talker: {fused_kernels: 1}}", "talker.fused_kernels must be true or false"),
-        ("stages: {code2wav: {step_stream: yes please}}", "code2wav.step_stream must be true or false"),
-        ("stages: {thinker: {hold_prefill_outputs: 0}}", "thinker.hold_prefill_outputs must be true or false"),
+        ("stages: {thinker: {cuda_graphs: true}}", "stages.thinker: unknown key(s) cuda_graphs"),
         ("stages: {talker: {max_prefill_tokens: 0}}", "talker.max_prefill_tokens must be an integer >= 1"),
         ("stages: {talker: {sampling: {temprature: 0.5}}}", "stages.talker.sampling: got an unexpected keyword argument 'temprature'"),
         ("stages: {talker: {sampling: {top_p: 0}}}", "stages.talker.sampling: top_p must be in (0, 1]"),
@@ -155,8 +127,7 @@ def test_gpu_inputs_keeps_cuda_stage_inputs_on_the_device(tmp_path):
         ("stages: {code2wav: {kv_cache_bytes: 1000}}", "stages.code2wav: unknown key(s) kv_cache_bytes"),
         ("platforms: {tpu: {}}", "unknown platform(s) tpu"),
         ("dtype: int8", "dtype must be one of"),
-        ("handoff: nvlink", "handoff must be one of gpu, cpu, not 'nvlink'"),
-        ("gpu_inputs: 'no'", "gpu_inputs must be true or false, not 'no'"),
+        ("handoff: cpu", "unknown key(s) handoff"),
         ("stage: {}", "unknown key(s) stage"),
     ],
 )

@@ -1,6 +1,5 @@
-# The response thread (omnistage/triton/responder.py): its send order (with first_responses_first, within a
-# round a request's first output goes out before the outputs of streams that already have theirs; otherwise
-# emit order) and its wait counters. Runs the real thread against a stand-in for the stub's module and
+# The response thread (omnistage/triton/responder.py): its send order (within a round, emit order) and its
+# wait counters. Runs the real thread against a stand-in for the stub's module and
 # response senders (they exist only in a stub).
 import sys
 import threading
@@ -43,11 +42,9 @@ class Output:
         return self
 
 
-@pytest.mark.parametrize("first_first", [True, False])
-def test_first_outputs_jump_the_round(responder_module, first_first):
+def test_a_round_sends_in_emit_order(responder_module):
     log, gate = [], threading.Event()
-    r = responder_module.Responder("stage", lambda output, reason: {}, lambda request_id: None,
-                                   first_responses_first=first_first)  # fmt: skip
+    r = responder_module.Responder("stage", lambda output, reason: {}, lambda request_id: None)
     r.register("blocker", Sender("blocker", log, gate))
     for name in ("old1", "old2", "new1", "new2"):
         r.register(name, Sender(name, log))
@@ -64,8 +61,7 @@ def test_first_outputs_jump_the_round(responder_module, first_first):
             r.emit(name, Output(), None, None)
         gate.set()
         _wait(lambda: len(log) == 5)
-        want = ["new1", "new2", "old1", "old2"] if first_first else ["old1", "new1", "old2", "new2"]
-        assert log == ["blocker", *want]
+        assert log == ["blocker", "old1", "new1", "old2", "new2"]
     finally:
         gate.set()
         r.stop()

@@ -1,44 +1,39 @@
-# With step_stream on, engine steps run on a stream of their own (omnistage/stages/step_stream.py): not
-# the legacy default stream that Triton's response copies synchronise, ordered after what other threads
-# queued there, and complete when the step returns. Off, they stay where the caller is.
+# StepStream (omnistage/stages/step_stream.py): work in run() goes to a stream of its own, ordered after
+# what other threads queued on the default stream and complete when run() returns; disabled or off CUDA,
+# it stays where the caller is.
 import pytest
 import torch
 
-from omnistage.stages.step_stream import StepStream, on_step_stream
+from omnistage.stages.step_stream import StepStream
 
 
-class Runner:
-    def __init__(self, device, enabled=True):
-        self.step_stream = StepStream(device, enabled)
-        self.seen = None
-
-    @on_step_stream
-    def decode(self, x):
-        self.seen = torch.cuda.current_stream() if x.is_cuda else None
-        return (x @ x).sum(0)
+def step(stream: StepStream, x: torch.Tensor):
+    with stream.run():
+        seen = torch.cuda.current_stream() if x.is_cuda else None
+        return seen, (x @ x).sum(0)
 
 
-def test_cpu_steps_run_as_they_are():
-    runner = Runner("cpu")
-    assert runner.step_stream.stream is None
-    assert torch.equal(runner.decode(torch.eye(3)), torch.ones(3))
+def test_cpu_work_runs_as_it_is():
+    stream = StepStream("cpu")
+    assert stream.stream is None
+    assert torch.equal(step(stream, torch.eye(3))[1], torch.ones(3))
 
 
 @pytest.mark.gpu
-def test_disabled_cuda_steps_stay_on_the_callers_stream():
-    runner = Runner("cuda", enabled=False)
-    assert runner.step_stream.stream is None
-    runner.decode(torch.ones(4, 4, device="cuda"))
-    assert runner.seen == torch.cuda.default_stream()
+def test_disabled_cuda_work_stays_on_the_callers_stream():
+    stream = StepStream("cuda", enabled=False)
+    assert stream.stream is None
+    seen, _ = step(stream, torch.ones(4, 4, device="cuda"))
+    assert seen == torch.cuda.default_stream()
 
 
 @pytest.mark.gpu
-def test_cuda_steps_run_on_their_own_stream_and_end_complete():
-    runner = Runner("cuda")
+def test_cuda_work_runs_on_its_own_stream_and_ends_complete():
+    stream = StepStream("cuda", priority=-1)
     # an input queued on the default stream by another thread's copy: the step must see it
     x = torch.ones(2048, 2048, device="cuda").mul_(2)
-    out = runner.decode(x)
-    assert runner.seen is not None and runner.seen != torch.cuda.default_stream()
-    assert runner.step_stream.stream.query()  # nothing left in flight on it
+    seen, out = step(stream, x)
+    assert seen is not None and seen != torch.cuda.default_stream()
+    assert stream.stream.query()  # nothing left in flight on it
     assert torch.cuda.current_stream() == torch.cuda.default_stream()  # the caller's stream is back
     assert torch.equal(out, torch.full((2048,), 2048.0 * 4 * 2048, device="cuda"))
