@@ -411,7 +411,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--instances", type=_instances, default={}, metavar="MODEL=N[,MODEL=N]",
                     help="instance_group count per model, e.g. code2wav=2,omni_ensemble=2")  # fmt: skip
     ap.add_argument("--set", dest="stage_settings", type=stage_setting, action="append", default=[],
-                    metavar="MODEL.KEY=VALUE", help="a model's config parameter, e.g. thinker.max_prefills_per_step=16")  # fmt: skip
+                    metavar="MODEL.KEY=VALUE", help="a model's config parameter, e.g. thinker.max_batch_size=32")  # fmt: skip
     ap.add_argument("--skip-baseline", action="store_true")
     ap.add_argument("--skip-server", action="store_true")
     ap.add_argument("--skip-w2", action="store_true", default=env("PERF_SKIP_W2") == "1")

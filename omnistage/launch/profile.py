@@ -1,13 +1,14 @@
 # Deploy profiles: YAML that says where each stage runs and how it is sized (deploy/qwen3_omni_moe.yaml
-# explains the keys). Loading merges, in order: the base file, its `platforms:<platform>` block, then each
-# overlay (a file naming its parent as `base:`) with its own platform block. Validation turns every
-# mistake into one ProfileError that names the key. Triton-agnostic: render.py maps a Profile to configs.
+# documents every key). Loading merges, in order: the base file, its `platforms:<platform>` block, then each
+# overlay (a file naming its parent as `base:`) with its own platform block. The merged mapping becomes the
+# dataclasses below, each checking its own fields in __post_init__, so every mistake is one ProfileError that
+# names the key. Triton-agnostic: render.py maps a Profile to model configs.
 from __future__ import annotations
 
 import os
 import shutil
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import yaml
@@ -15,36 +16,75 @@ import yaml
 from omnistage.core.errors import OmniError
 from omnistage.core.sampling import SamplingParams
 from omnistage.launch.triton_env import REPO_ROOT
+from omnistage.models.media import MediaLimits
 
 BASE_PROFILE = REPO_ROOT / "deploy" / "qwen3_omni_moe.yaml"
 PLATFORMS = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
 ENGINE_STAGES = ("thinker", "talker")  # KV-cache engines; sessions are pinned to one replica
 STAGES = (*ENGINE_STAGES, "code2wav", "omni_ensemble")
-_PLACED = {"devices", "replicas", "memory_fraction"}
-_KEYS = {
-    "thinker": _PLACED | {"max_batch_size", "max_seq_len", "max_queue", "max_prefills_per_step", "max_prefill_tokens",
-                          "sampling", "kv_cache_bytes", "kv_cache_memory_fraction"},  # fmt: skip
-    "code2wav": _PLACED | {"max_batch_size"},
-    "omni_ensemble": {"replicas", "max_inflight", "max_queue", "max_audio_seconds", "max_image_pixels", "max_media_items"},
-}
-_KEYS["talker"] = set(_KEYS["thinker"])
-_KEYS["thinker"] |= {"prefix_cache_bytes"}
 _TOP_KEYS = {"base", "description", "platform", "dtype", "model", "stages", "chunks", "platforms"}
-_CHUNK_KEYS = {"first_chunk_frames", "chunk_frames", "left_context_frames", "light_first_chunk_frames",
-               "light_load_requests"}
 
 
 class ProfileError(ValueError):
     pass
 
 
+def _int(where: str, value, low: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ProfileError(f"{where} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def _fraction(where: str, value) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1):
+        raise ProfileError(f"{where} must be in (0, 1], got {value!r}")
+
+
 @dataclass(frozen=True)
 class StageProfile:
+    """Placement and capacity of one stage. Engine stages (thinker, talker) need max_batch_size and
+    max_seq_len; prefix_cache_bytes is the thinker's; omni_ensemble is placed on the CPU (no devices) and
+    takes the request limits (max_inflight, media)."""
+
     name: str
     replicas: int = 1
     devices: tuple[int, ...] = (0,)
-    settings: dict = field(default_factory=dict)  # the stage's other keys, validated
+    max_batch_size: int | None = None
+    max_seq_len: int | None = None
+    max_queue: int | None = None
+    memory_fraction: float | None = None
+    kv_cache_bytes: int | None = None
+    prefix_cache_bytes: int | None = None
+    sampling: dict = field(default_factory=dict)
+    max_inflight: int | None = None
+    media: dict = field(default_factory=dict)  # MediaLimits fields set by the profile
+
+    def __post_init__(self):
+        where = f"stages.{self.name}"
+        _int(f"{where}.replicas", self.replicas)
+        for d in self.devices:
+            _int(f"{where}.devices[]", d, low=0)
+        if len(set(self.devices)) != len(self.devices):
+            raise ProfileError(f"{where}.devices lists a GPU twice: {list(self.devices)}")
+        if self.replicas % len(self.devices):
+            raise ProfileError(f"{where}: {self.replicas} replicas cannot be spread evenly over GPUs {list(self.devices)}")
+        for key in ("max_batch_size", "max_seq_len", "max_queue", "kv_cache_bytes", "max_inflight"):
+            if getattr(self, key) is not None:
+                _int(f"{where}.{key}", getattr(self, key))
+        if self.prefix_cache_bytes is not None:
+            _int(f"{where}.prefix_cache_bytes", self.prefix_cache_bytes, low=0)
+        _fraction(f"{where}.memory_fraction", self.memory_fraction)
+        if self.name in ENGINE_STAGES:
+            for key in ("max_batch_size", "max_seq_len"):
+                if getattr(self, key) is None:
+                    raise ProfileError(f"{where}.{key} is required")
+            _check_sampling(where, self.sampling, self.max_seq_len)
+        defaults = MediaLimits()
+        for key, value in self.media.items():
+            want = type(getattr(defaults, key))
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0 or want(value) != value:
+                raise ProfileError(f"{where}.{key} must be a positive {want.__name__}, got {value!r}")
 
     def replica_names(self) -> list[str]:
         return replica_names(self.name, self.replicas)
@@ -55,14 +95,57 @@ class StageProfile:
         return [d for d in self.devices for _ in range(per_device)]
 
 
+# the keys each stage takes (the others are refused by name)
+_PLACED = {"devices", "replicas", "memory_fraction"}
+_ENGINE = _PLACED | {"max_batch_size", "max_seq_len", "max_queue", "kv_cache_bytes", "sampling"}
+_MEDIA = {f.name for f in fields(MediaLimits)}
+_KEYS = {
+    "thinker": _ENGINE | {"prefix_cache_bytes"},
+    "talker": _ENGINE,
+    "code2wav": _PLACED | {"max_batch_size"},
+    "omni_ensemble": {"replicas", "max_inflight", "max_queue"} | _MEDIA,
+}
+
+
+@dataclass(frozen=True)
+class ChunkProfile:
+    """How a talker stream is cut into Code2Wav chunks, in codec frames (12.5 per second)."""
+
+    first_chunk_frames: int = 4
+    chunk_frames: int = 25
+    light_first_chunk_frames: int | None = None  # while at most light_load_requests requests are in flight
+    light_load_requests: int = 1
+
+    def check(self, talker_seq_len: int) -> None:
+        _int("chunks.light_load_requests", self.light_load_requests)
+        sized = ["first_chunk_frames", "chunk_frames"]
+        if self.light_first_chunk_frames is not None:  # null: no light-load schedule
+            sized.append("light_first_chunk_frames")
+        for key in sized:
+            value = _int(f"chunks.{key}", getattr(self, key))
+            # a chunk is cut once that many frames exist; a talker slot never holds more than max_seq_len
+            if value > talker_seq_len:
+                raise ProfileError(f"chunks.{key} ({value}) is longer than any talker stream can be "
+                                   f"(stages.talker.max_seq_len {talker_seq_len}): no audio before the end")  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Profile:
     platform: str
     dtype: str
     stages: dict[str, StageProfile]
-    chunks: dict[str, int | None]
+    chunks: ChunkProfile
     model: str | None = None
     sources: tuple[Path, ...] = ()  # files merged, base first
+
+    def __post_init__(self):
+        if self.platform not in PLATFORMS:
+            raise ProfileError(f"platform must be one of {', '.join(PLATFORMS)}, not {self.platform!r}")
+        if self.dtype not in DTYPES:
+            raise ProfileError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        self.chunks.check(self.stages["talker"].max_seq_len)
+        if self.platform == "cuda":
+            _check_memory(self.stages)
 
 
 def replica_names(stage: str, replicas: int) -> list[str]:
@@ -97,7 +180,7 @@ def load_profile(path: Path | str = BASE_PROFILE, platform: str | None = None, g
     for doc in chain:
         delta = (doc.get("platforms") or {}).get(platform) or {}
         merged = _merge(_merge(merged, {k: v for k, v in doc.items() if k != "platforms"}), delta)
-    return _validate(merged, platform, gpu_count, tuple(d["__file__"] for d in chain))
+    return _build(merged, platform, gpu_count, tuple(d["__file__"] for d in chain))
 
 
 def _chain(path: Path, seen: tuple[Path, ...] = ()) -> list[dict]:
@@ -130,76 +213,51 @@ def _merge(base: dict, delta: dict) -> dict:
     return out
 
 
-def _validate(raw: dict, platform: str, gpu_count: int | None, sources: tuple[Path, ...]) -> Profile:
-    raw.pop("__file__", None)
-    dtype = raw.get("dtype") or ("bfloat16" if platform == "cuda" else "float32")
-    if dtype not in DTYPES:
-        raise ProfileError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+def _build(raw: dict, platform: str, gpu_count: int | None, sources: tuple[Path, ...]) -> Profile:
     stages_raw = raw.get("stages") or {}
     unknown = set(stages_raw) - set(STAGES)
     if unknown:
         raise ProfileError(f"unknown stage(s) {', '.join(sorted(unknown))}; the stages are {', '.join(STAGES)}")
     stages = {name: _stage(name, stages_raw.get(name) or {}, platform, gpu_count) for name in STAGES}
-    chunks = _chunks(raw.get("chunks") or {}, stages["talker"].settings["max_seq_len"])
-    if platform == "cuda":
-        _check_memory(stages)
+    chunks_raw = raw.get("chunks") or {}
+    if not isinstance(chunks_raw, dict):
+        raise ProfileError(f"chunks must be a mapping, got {chunks_raw!r}")
+    valid = {f.name for f in fields(ChunkProfile)}
+    if set(chunks_raw) - valid:
+        raise ProfileError(f"chunks: unknown key(s) {', '.join(sorted(set(chunks_raw) - valid))}; "
+                           f"valid: {', '.join(sorted(valid))}")  # fmt: skip
     model = raw.get("model")
-    return Profile(platform, dtype, stages, chunks, str(model) if model is not None else None, sources)
-
-
-def _int(where: str, value, low: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ProfileError(f"{where} must be an integer >= {low}, got {value!r}")
-    return value
+    dtype = raw.get("dtype") or ("bfloat16" if platform == "cuda" else "float32")
+    return Profile(platform, dtype, stages, ChunkProfile(**chunks_raw), str(model) if model is not None else None,
+                   sources)  # fmt: skip
 
 
 def _stage(name: str, raw: dict, platform: str, gpu_count: int | None) -> StageProfile:
+    where = f"stages.{name}"
     if not isinstance(raw, dict):
-        raise ProfileError(f"stages.{name} must be a mapping, got {raw!r}")
+        raise ProfileError(f"{where} must be a mapping, got {raw!r}")
     unknown = set(raw) - _KEYS[name]
     if unknown:
-        raise ProfileError(f"stages.{name}: unknown key(s) {', '.join(sorted(unknown))}; valid: {', '.join(sorted(_KEYS[name]))}")
-    where = f"stages.{name}"
-    replicas = _int(f"{where}.replicas", raw.get("replicas", 1))
-    settings = {k: v for k, v in raw.items() if k not in ("replicas", "devices")}
-    devices: tuple[int, ...] = (0,)
-    if "devices" in _KEYS[name] and platform == "cuda":  # on the CPU, devices say nothing
-        devices = tuple(_int(f"{where}.devices[]", d, low=0) for d in (raw.get("devices") or [0]))
-        if len(set(devices)) != len(devices):
-            raise ProfileError(f"{where}.devices lists a GPU twice: {list(devices)}")
+        raise ProfileError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; valid: {', '.join(sorted(_KEYS[name]))}")
+    values = {k: v for k, v in raw.items() if v is not None and k not in _MEDIA}
+    values["media"] = {k: v for k, v in raw.items() if v is not None and k in _MEDIA}
+    values["devices"] = (0,)
+    if "devices" in raw and platform == "cuda":  # on the CPU, devices say nothing
+        devices = [0] if raw["devices"] is None else raw["devices"]
+        if not isinstance(devices, list) or not devices:
+            raise ProfileError(f"{where}.devices must be a list of GPU indices, got {devices!r}")
+        values["devices"] = tuple(devices)
+        for d in devices:
+            _int(f"{where}.devices[]", d, low=0)
         if gpu_count is not None and max(devices) >= gpu_count:
             raise ProfileError(f"{where}.devices: GPU {max(devices)} is out of range, {gpu_count} GPU(s) visible"
                                + (f" (0-{gpu_count - 1})" if gpu_count else ""))  # fmt: skip
-        if replicas % len(devices):
-            raise ProfileError(f"{where}: {replicas} replicas cannot be spread evenly over GPUs {list(devices)}")
-    for key in ("max_batch_size", "max_seq_len", "max_queue", "max_prefills_per_step", "max_prefill_tokens",
-                "max_inflight"):  # fmt: skip
-        if key in settings:
-            _int(f"{where}.{key}", settings[key])
-    if name in ENGINE_STAGES:
-        for key in ("max_batch_size", "max_seq_len"):
-            if key not in settings:
-                raise ProfileError(f"{where}.{key} is required")
-        if settings.get("max_prefills_per_step", 1) > settings["max_batch_size"]:
-            raise ProfileError(f"{where}.max_prefills_per_step exceeds max_batch_size ({settings['max_batch_size']})")
-        settings["sampling"] = _sampling(where, settings.get("sampling") or {}, settings["max_seq_len"])
-    for key in ("memory_fraction", "kv_cache_memory_fraction"):
-        fraction = settings.get(key)
-        if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
-                                     or not 0 < fraction <= 1):  # fmt: skip
-            raise ProfileError(f"{where}.{key} must be in (0, 1], got {fraction!r}")
-    if settings.get("prefix_cache_bytes") is not None:
-        _int(f"{where}.prefix_cache_bytes", settings["prefix_cache_bytes"], low=0)
-    if settings.get("kv_cache_bytes") is not None:
-        _int(f"{where}.kv_cache_bytes", settings["kv_cache_bytes"])
-        if settings.get("kv_cache_memory_fraction") is not None:
-            raise ProfileError(f"{where}: give kv_cache_bytes or kv_cache_memory_fraction, not both")
-    return StageProfile(name, replicas, devices, settings)
+    if "sampling" in values and not isinstance(values["sampling"], dict):
+        raise ProfileError(f"{where}.sampling must be a mapping, got {values['sampling']!r}")
+    return StageProfile(name, **values)
 
 
-def _sampling(where: str, raw: dict, max_seq_len: int) -> dict:
-    if not isinstance(raw, dict):
-        raise ProfileError(f"{where}.sampling must be a mapping, got {raw!r}")
+def _check_sampling(where: str, raw: dict, max_seq_len: int) -> None:
     values = {"max_tokens": max(1, max_seq_len // 2), **raw}  # the stages' own default is at most this
     if "stop_token_ids" in values:
         values["stop_token_ids"] = tuple(values["stop_token_ids"])
@@ -209,39 +267,14 @@ def _sampling(where: str, raw: dict, max_seq_len: int) -> dict:
         raise ProfileError(f"{where}.sampling: {e}".replace("SamplingParams.__init__() ", "")) from None
     except OmniError as e:
         raise ProfileError(f"{where}.sampling: {e}") from None
-    return dict(raw)
-
-
-def _chunks(raw: dict, talker_seq_len: int) -> dict[str, int | None]:
-    unknown = set(raw) - _CHUNK_KEYS
-    if unknown:
-        raise ProfileError(f"chunks: unknown key(s) {', '.join(sorted(unknown))}; valid: {', '.join(sorted(_CHUNK_KEYS))}")
-    chunks = {"first_chunk_frames": 4, "chunk_frames": 25, "left_context_frames": None,
-              "light_first_chunk_frames": None, "light_load_requests": 1, **raw}  # fmt: skip
-    _int("chunks.light_load_requests", chunks["light_load_requests"])
-    sized = ["first_chunk_frames", "chunk_frames"]
-    if chunks["light_first_chunk_frames"] is not None:  # null: no light-load schedule
-        sized.append("light_first_chunk_frames")
-    for key in sized:
-        _int(f"chunks.{key}", chunks[key])
-        # a chunk is cut once that many frames exist; a talker slot never holds more than max_seq_len
-        if chunks[key] > talker_seq_len:
-            raise ProfileError(f"chunks.{key} ({chunks[key]}) is longer than any talker stream can be "
-                               f"(stages.talker.max_seq_len {talker_seq_len}): no audio before the end")  # fmt: skip
-    if chunks["left_context_frames"] is not None:
-        # a later chunk re-emits the previous chunk's held-back tail from this context, so 0 cannot work;
-        # less than the checkpoint's conv reach is refused by code2wav when it loads (not exact)
-        _int("chunks.left_context_frames", chunks["left_context_frames"])
-    return chunks
 
 
 def _check_memory(stages: dict[str, StageProfile]) -> None:
     per_gpu: dict[int, list[tuple[str, float]]] = {}
     for stage in stages.values():
-        fraction = stage.settings.get("memory_fraction")
-        if fraction is not None and "devices" in _KEYS[stage.name]:
+        if stage.memory_fraction is not None:
             for gpu in stage.replica_devices():
-                per_gpu.setdefault(gpu, []).append((stage.name, float(fraction)))
+                per_gpu.setdefault(gpu, []).append((stage.name, float(stage.memory_fraction)))
     for gpu, parts in sorted(per_gpu.items()):
         total = sum(f for _, f in parts)
         if total > 1.0 + 1e-9:

@@ -59,61 +59,50 @@ def profile_spec(profile: Profile, model_path: str | None = None) -> dict[str, M
         raise ValueError("no model: pass one, or set `model:` in the profile")
     cuda = profile.platform == "cuda"
     common = {"model_path": absolute_model_path(model_path), "device": profile.platform, "dtype": profile.dtype}
+    chunks = profile.chunks
     spec: dict[str, ModelSpec] = {}
-    for stage in (*ENGINE_STAGES, "code2wav"):
+    for stage in ENGINE_STAGES:
         plan = profile.stages[stage]
-        params = {**common, **_stage_parameters(plan.settings)}
-        if stage == "code2wav":  # max_batch_size is the engine's, not Triton's (see ModelSpec)
-            if "max_batch_size" in params:
-                params["max_batch_windows"] = params.pop("max_batch_size")
-            if profile.chunks["left_context_frames"] is not None:
-                params["left_context_frames"] = str(profile.chunks["left_context_frames"])
-            # the lengths of new streams' first chunks: code2wav's first lane decodes those (CUDA graphs on
-            # cuda), the other chunks go to its main worker
-            firsts = {profile.chunks[k] for k in ("first_chunk_frames", "light_first_chunk_frames")} - {None}
-            params["first_chunk_frames"] = ",".join(map(str, sorted(firsts)))
-            params["chunk_frames"] = str(profile.chunks["chunk_frames"])  # the later chunks' largest size
-            per_gpu = plan.replicas // len(plan.devices)
-            place = {"kind": "KIND_GPU", "gpus": plan.devices, "instances": per_gpu} if cuda else {"instances": plan.replicas}
-            spec[stage] = ModelSpec(parameters=params, **place)
-            continue
+        params = {**common, **_parameters(plan, ("max_batch_size", "max_seq_len", "max_queue", "memory_fraction",
+                                                 "kv_cache_bytes", "prefix_cache_bytes"))}  # fmt: skip
+        if plan.sampling:
+            params["sampling_defaults"] = json.dumps(plan.sampling, sort_keys=True)
         for name, gpu in zip(plan.replica_names(), plan.replica_devices()):
             place = {"kind": "KIND_GPU", "gpus": (gpu,)} if cuda else {}
             spec[name] = ModelSpec(parameters=dict(params), source=stage, contract=CONTRACTS[stage], **place)
+    plan = profile.stages["code2wav"]
+    # max_batch_size is the engine's, not Triton's (see ModelSpec); the first lane decodes new streams' first
+    # chunks of these lengths (CUDA graphs on cuda), the main worker the others, of up to chunk_frames
+    firsts = {chunks.first_chunk_frames, chunks.light_first_chunk_frames} - {None}
+    params = {**common, **_parameters(plan, ("memory_fraction",)), "max_batch_windows": str(plan.max_batch_size or 64),
+              "first_chunk_frames": ",".join(map(str, sorted(firsts))), "chunk_frames": str(chunks.chunk_frames)}  # fmt: skip
+    per_gpu = plan.replicas // len(plan.devices)
+    place = {"kind": "KIND_GPU", "gpus": plan.devices, "instances": per_gpu} if cuda else {"instances": plan.replicas}
+    spec["code2wav"] = ModelSpec(parameters=params, **place)
     omni = profile.stages["omni_ensemble"]
     spec["omni_ensemble"] = ModelSpec(
         instances=omni.replicas,
         parameters={
             **common,
-            "first_chunk_frames": str(profile.chunks["first_chunk_frames"]),
-            "chunk_frames": str(profile.chunks["chunk_frames"]),
+            "first_chunk_frames": str(chunks.first_chunk_frames),
+            "chunk_frames": str(chunks.chunk_frames),
             # a smaller first chunk while the server is nearly idle (core/chunking.py ChunkPolicy); unset: off
-            **({"light_first_chunk_frames": str(profile.chunks["light_first_chunk_frames"]),
-                "light_load_requests": str(profile.chunks["light_load_requests"])}
-               if profile.chunks["light_first_chunk_frames"] is not None else {}),
-            "max_inflight": str(omni.settings.get("max_inflight", 128)),
-            "max_queue": str(omni.settings.get("max_queue", 256)),
+            **({"light_first_chunk_frames": str(chunks.light_first_chunk_frames),
+                "light_load_requests": str(chunks.light_load_requests)}
+               if chunks.light_first_chunk_frames is not None else {}),
+            "max_inflight": str(omni.max_inflight or 128),
+            "max_queue": str(omni.max_queue or 256),
             # request media limits (omnistage.models.media.MediaLimits); unset: its defaults
-            **{k: str(omni.settings[k]) for k in ("max_audio_seconds", "max_image_pixels", "max_media_items")
-               if omni.settings.get(k) is not None},
+            **{k: str(v) for k, v in omni.media.items()},
             **{f"{s}_models": ",".join(profile.stages[s].replica_names()) for s in ENGINE_STAGES},
         },
     )
     return spec
 
 
-def _stage_parameters(settings: dict) -> dict[str, str]:
-    out = {}
-    for key, value in settings.items():
-        if value is None or value == {}:
-            continue  # unset: the model's own default
-        if key == "sampling":
-            out["sampling_defaults"] = json.dumps(value, sort_keys=True)
-        elif isinstance(value, bool):
-            out[key] = "true" if value else "false"
-        else:
-            out[key] = str(value)
-    return out
+def _parameters(plan, keys: tuple[str, ...]) -> dict[str, str]:
+    """The stage's values of `keys` as config parameters; unset ones are left to the model's own default."""
+    return {key: str(getattr(plan, key)) for key in keys if getattr(plan, key) is not None}
 
 
 def absolute_model_path(model_path: str) -> str:

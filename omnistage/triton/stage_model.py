@@ -13,7 +13,7 @@ import torch
 from ..core.engine import StageEngine
 from ..core.errors import PROBE_ACTION, BadRequestError, OmniError
 from ..core.sampling import SamplingParams
-from ..core.scheduler import Scheduler, Sequence
+from ..core.scheduler import MAX_PREFILL_TOKENS, MAX_PREFILLS_PER_STEP, Scheduler, Sequence
 from ..models import experts, fused
 from ..models.checkpoint import load_config, load_stage
 from ..stages.kv_budget import kv_budget_bytes, kv_bytes_per_slot, plan_slots
@@ -71,7 +71,7 @@ class StageModel:
         max_batch_size = int(self.params.get("max_batch_size", 8))
         text_config = getattr(self.config, f"{self.STAGE}_config").text_config
         self.kv = plan_slots(max_batch_size, kv_bytes_per_slot(text_config, self.max_seq_len, self.dtype),
-                             kv_budget_bytes(self.params, self.device))  # fmt: skip
+                             kv_budget_bytes(self.params))  # fmt: skip
         self.max_slots = self.kv.slots
         if self.max_slots < max_batch_size:
             log.warning("[%s] the KV budget of %.0f MiB holds %d of max_batch_size %d slots of %d tokens",
@@ -80,7 +80,7 @@ class StageModel:
         # on CUDA the decode steps and the static prefills replay as graphs, and the fused kernels replace
         # transformers' elementwise ops: both are the measured path there (perf/README.md); the CPU runs eager
         self.cuda_graphs = self.device.type == "cuda"
-        self.max_prefills = int(self.params.get("max_prefills_per_step", 4))
+        self.max_prefills = min(MAX_PREFILLS_PER_STEP, self.max_slots)
         if self.device.type == "cuda":
             log.info("[%s] fused kernels installed: %s", self.STAGE, fused.install(model))
         # a deploy profile's sampling defaults, over the stage's built-in ones (validated when rendered)
@@ -89,10 +89,8 @@ class StageModel:
         if hasattr(runner, "capture_graphs"):  # before serving: capture needs the device to itself
             runner.capture_graphs()
         self.responder = Responder(self.STAGE, self.encode, self._cancel)
-        # tokens of the prompts prefilled in one step (a long prompt still goes alone); 0 / absent: no budget
-        max_prefill_tokens = int(self.params.get("max_prefill_tokens") or 0) or None
         scheduler = Scheduler(self.max_slots, self.max_prefills, int(self.params.get("max_queue", 1024)),
-                              max_prefill_tokens)  # fmt: skip
+                              MAX_PREFILL_TOKENS)  # fmt: skip
         self.engine = StageEngine(self.STAGE, runner, scheduler, self.responder.emit)
         self.responder.start()
         self.engine.start()

@@ -40,7 +40,6 @@ def test_base_profile_is_the_default_layout(platform):
     omni = spec["omni_ensemble"].parameters
     # first audio after 1 frame on cuda (CPU tests count the 4-frame first chunk); no light-load schedule
     first = "1" if cuda else "4"
-    assert spec["thinker"].parameters["max_prefill_tokens"] == spec["talker"].parameters["max_prefill_tokens"] == "16384"
     assert spec["code2wav"].parameters.get("first_chunk_frames") == ("1" if cuda else "4")
     assert (omni["first_chunk_frames"], omni["chunk_frames"], omni["max_inflight"]) == (first, "25", "128")
     assert (omni.get("light_first_chunk_frames"), omni.get("light_load_requests")) == (None, None)
@@ -80,20 +79,21 @@ def test_overlay_wins_over_the_base_platform_block(tmp_path):
     path = overlay(tmp_path, """\
         stages: {thinker: {max_batch_size: 32, memory_fraction: 0.5,
                            sampling: {temperature: 0.7, stop_token_ids: [1, 2]}},
-                 talker: {kv_cache_memory_fraction: 0.6}}
-        chunks: {first_chunk_frames: 2, left_context_frames: 12}
+                 talker: {kv_cache_bytes: 1000000}, omni_ensemble: {max_media_items: 4}}
+        chunks: {first_chunk_frames: 2}
         platforms: {cpu: {stages: {talker: {max_queue: 7}}}}
     """)
     cuda = render.profile_spec(load_profile(path, "cuda"), MODEL)
     thinker = cuda["thinker"].parameters
     assert thinker["max_batch_size"] == "32" and thinker["max_seq_len"] == "4096"  # overlay, then cuda block
     assert thinker["memory_fraction"] == "0.5"
-    assert "kv_cache_bytes" not in thinker and "kv_cache_memory_fraction" not in thinker  # null: no budget
+    assert "kv_cache_bytes" not in thinker  # null: no budget
     assert json.loads(thinker["sampling_defaults"]) == {"temperature": 0.7, "stop_token_ids": [1, 2]}
     assert cuda["talker"].parameters["max_queue"] == "1024"
-    assert cuda["talker"].parameters["kv_cache_memory_fraction"] == "0.6"
+    assert cuda["talker"].parameters["kv_cache_bytes"] == "1000000"
     assert cuda["omni_ensemble"].parameters["first_chunk_frames"] == "2"
-    assert cuda["code2wav"].parameters["left_context_frames"] == "12"
+    assert cuda["code2wav"].parameters["first_chunk_frames"] == "2"
+    assert cuda["omni_ensemble"].parameters["max_media_items"] == "4"
     assert render.profile_spec(load_profile(path, "cpu"), MODEL)["talker"].parameters["max_queue"] == "7"
 
 
@@ -106,24 +106,26 @@ def test_overlay_wins_over_the_base_platform_block(tmp_path):
         ("stages: {talker: {devices: [0, 1], replicas: 3}}", "3 replicas cannot be spread evenly over GPUs [0, 1]"),
         ("stages: {code2wav: {devices: [1, 1]}}", "lists a GPU twice"),
         ("stages: {thinker: {replicas: 0}}", "stages.thinker.replicas must be an integer >= 1, got 0"),
-        ("stages: {thinker: {max_batch_size: 2, max_prefills_per_step: 4}}", "max_prefills_per_step exceeds"),
         ("stages: {thinker: {cuda_graphs: true}}", "stages.thinker: unknown key(s) cuda_graphs"),
-        ("stages: {talker: {max_prefill_tokens: 0}}", "talker.max_prefill_tokens must be an integer >= 1"),
+        ("stages: {talker: {max_prefill_tokens: 16384}}", "stages.talker: unknown key(s) max_prefill_tokens"),
+        ("stages: {talker: {max_queue: 0}}", "stages.talker.max_queue must be an integer >= 1, got 0"),
+        ("stages: {thinker: {max_seq_len: null}}", "stages.thinker.max_seq_len is required"),
+        ("stages: {thinker: {devices: 0}}", "stages.thinker.devices must be a list of GPU indices"),
+        ("stages: {talker: {prefix_cache_bytes: 1}}", "stages.talker: unknown key(s) prefix_cache_bytes"),
+        ("stages: {omni_ensemble: {max_audio_seconds: -1}}", "stages.omni_ensemble.max_audio_seconds must be a positive"),
+        ("stages: {omni_ensemble: {max_media_items: 2.5}}", "stages.omni_ensemble.max_media_items must be a positive int"),
+        ("stages: {omni_ensemble: {max_inflight: 0}}", "stages.omni_ensemble.max_inflight must be an integer >= 1"),
         ("stages: {talker: {sampling: {temprature: 0.5}}}", "stages.talker.sampling: got an unexpected keyword argument 'temprature'"),
         ("stages: {talker: {sampling: {top_p: 0}}}", "stages.talker.sampling: top_p must be in (0, 1]"),
         ("chunks: {chunk_frames: 0}", "chunks.chunk_frames must be an integer >= 1, got 0"),
         ("chunks: {chunk_frames: 5000}", "chunks.chunk_frames (5000) is longer than any talker stream can be"),
-        ("chunks: {left_context_frames: 0}", "chunks.left_context_frames must be an integer >= 1"),
-        ("chunks: {left_context: 3}", "chunks: unknown key(s) left_context"),
+        ("chunks: {left_context_frames: 3}", "chunks: unknown key(s) left_context_frames"),
         ("chunks: {light_first_chunk_frames: 0}", "chunks.light_first_chunk_frames must be an integer >= 1, got 0"),
         ("chunks: {light_load_requests: 0}", "chunks.light_load_requests must be an integer >= 1, got 0"),
         ("stages: {thinker: {memory_fraction: 0.8}, talker: {memory_fraction: 0.3}}",
          "GPU 0: memory_fraction of its stage instances adds up to 1.1 (thinker 0.8, talker 0.3)"),
-        ("stages: {talker: {kv_cache_memory_fraction: 1.5}}",
-         "stages.talker.kv_cache_memory_fraction must be in (0, 1]"),
+        ("stages: {talker: {memory_fraction: 1.5}}", "stages.talker.memory_fraction must be in (0, 1]"),
         ("stages: {thinker: {kv_cache_bytes: 0}}", "stages.thinker.kv_cache_bytes must be an integer >= 1"),
-        ("stages: {thinker: {kv_cache_bytes: 1000, kv_cache_memory_fraction: 0.5}}",
-         "stages.thinker: give kv_cache_bytes or kv_cache_memory_fraction, not both"),
         ("stages: {code2wav: {kv_cache_bytes: 1000}}", "stages.code2wav: unknown key(s) kv_cache_bytes"),
         ("platforms: {tpu: {}}", "unknown platform(s) tpu"),
         ("dtype: int8", "dtype must be one of"),
