@@ -21,7 +21,8 @@ from omnistage.models.checkpoint import load_config, load_stage
 from omnistage.models.fused import install as fused_install
 from omnistage.stages.code2wav import Code2WavRunner
 from omnistage.stages.talker import TalkerPrompt, TalkerRunner
-from omnistage.stages.thinker import TalkerConditioning, ThinkerPrompt, ThinkerRunner
+from omnistage.stages.conditioning import TalkerConditioning
+from omnistage.stages.thinker import ThinkerPrompt, ThinkerRunner
 
 BATCHES = (1, 16, 64)
 

@@ -1,11 +1,10 @@
 # TalkerRunner: codec frames from the thinker's conditioning, one frame per decode step for every ready
-# request. A request's text arrives in pieces while the thinker is still running (async chunk). Frames
-# leave in host memory, copied at the step's own sync (see stages/thinker.py). A frame
+# request. A request's text arrives in pieces while the thinker is still running (async chunk). A frame
 # takes two parts: the talker reads frame k-1 back with reply-token row k-1 and picks frame k's codebook 0,
 # then the code predictor completes frame k. A step does both, in that order, so frame k goes out as soon
 # as row k-1 is in, and the sequence then waits for row k: the audio runs one reply token ahead of the
-# thinker instead of behind it. Frame 0's codebook 0 comes from the
-# prefill, which completes that frame in the same step.
+# thinker instead of behind it. Frame 0's codebook 0 comes from the prefill, which completes that frame in
+# the same step. Frames leave in host memory, copied at the step's own sync (see stages/thinker.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -17,12 +16,9 @@ from ..core.engine import StepResult
 from ..core.errors import BadRequestError
 from ..core.scheduler import Sequence
 from .code_predictor import CodePredictor, StaticCodePredictor
+from .conditioning import TalkerConditioning
 from .host_copy import sync_current_stream, to_device, to_host
-from .kv_cache import SlotKVCache
-from .sampler import Sampler
-from .static_decode import StaticDecoder
-from .static_prefill import StaticPrefill
-from .thinker import TalkerConditioning
+from .runner import DecoderRunner
 
 
 @dataclass
@@ -68,31 +64,23 @@ class _SlotState:
     unfed: bool = False  # frame `frames` is complete and sent, but not yet read back with its text row
 
 
-class TalkerRunner:
+class TalkerRunner(DecoderRunner):
+    STAGE = "talker"
+
     def __init__(self, model, config, *, max_slots: int, max_seq_len: int, device, dtype, seed: int = 0,
                  cuda_graphs: bool = False, max_prefills: int = 16):  # fmt: skip
-        self.model, self.config, self.device, self.dtype = (model, config, torch.device(device), dtype)
         tc = config.talker_config
         text = tc.text_config
-        self.text_config = text
-        self.max_seq_len = max_seq_len
+        super().__init__(model, config, text, max_slots=max_slots, max_seq_len=max_seq_len, device=device,
+                         dtype=dtype, seed=seed, cuda_graphs=cuda_graphs, max_prefills=max_prefills,
+                         head=model.codec_head, embed=None)  # fmt: skip
         # transformers' talker reads config.audio_config for audio prompts' MRoPE, which only the thinker has
         if not hasattr(model.config, "audio_config"):
             model.config.audio_config = config.thinker_config.audio_config
-        self.cache = SlotKVCache(
-            text.num_hidden_layers, max_slots, text.num_key_value_heads, max_seq_len, text.head_dim, dtype, self.device
-        )
-        self.slots: list[_SlotState | None] = [None] * max_slots
         self.hidden = torch.zeros(max_slots, text.hidden_size, dtype=dtype, device=self.device)  # last normed hidden
         self.codec_sums = torch.zeros_like(self.hidden)  # each unfed frame's summed codebook embeddings
         self.c0 = torch.zeros(max_slots, dtype=torch.long, device=self.device)  # next frame's codebook 0
-        self.sampler = Sampler(self.device, seed)
         self.predictor = CodePredictor(model, self.device, dtype)
-        self.decoder = StaticDecoder("talker", model.model, self.cache, model.codec_head, text.vocab_size, None,
-                                     cuda_graphs=cuda_graphs)  # fmt: skip
-        # text-only prompts of up to 512 rows (W1's are ~160) prefill from static buffers (graphs on CUDA)
-        self.static_prefill = StaticPrefill("talker", model.model, self.cache, max_rows=min(max_prefills, max_slots),
-                                            max_tokens=512, cuda_graphs=cuda_graphs)  # fmt: skip
         # with graphs requested, residual codebooks are picked in-graph (on CPU the same code runs eagerly);
         # without, per-request generators keep seeded sampling reproducible
         self.static_predictor = (
@@ -129,11 +117,6 @@ class TalkerRunner:
         # text: tts_eos, then tts_pad), so a sequence with an unfed frame waits for that row
         return not state.unfed or seq.payload.text_end or state.frames < len(seq.payload.text)
 
-    def release(self, seq: Sequence) -> None:
-        if 0 <= seq.slot < len(self.slots):
-            self.slots[seq.slot] = None
-        self.sampler.release(seq.request_id)
-
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> list[StepResult]:
         results = self._prefill_batch(seqs)
@@ -150,8 +133,7 @@ class TalkerRunner:
 
     @torch.inference_mode()
     def capture_graphs(self) -> None:
-        self.decoder.capture_all()
-        self.static_prefill.capture_all()
+        super().capture_graphs()
         if self.static_predictor is not None:
             self.static_predictor.capture_all()
 
@@ -307,7 +289,7 @@ class TalkerRunner:
         slots = to_device([s.slot for s in seqs], self.device)
         # rows of occupied slots that are not stepping (waiting for text) write at their next free position
         self.decoder.embeds[slots, 0] = self.codec_sums[slots] + self._text_inputs(seqs)
-        states = self.slots[: 1 + max(i for i, s in enumerate(self.slots) if s is not None)]
+        states = self._step_states()
         self.decoder.step([st.length if st else 0 for st in states], [st.rope_delta if st else 0 for st in states])
         self.hidden[slots] = self.decoder.hidden_out[slots]
         picked = self._pick_c0(self.decoder.logits_out[slots], seqs)

@@ -12,12 +12,10 @@ from ..core.engine import StepResult
 from ..core.errors import BadRequestError
 from ..core.scheduler import Sequence
 from .chunk_prefill import ChunkPrefill
+from .conditioning import TalkerConditioning
 from .host_copy import outputs_to_host, to_device, to_host
-from .kv_cache import SlotKVCache
 from .prefix_cache import PrefixCache
-from .sampler import Sampler
-from .static_decode import StaticDecoder
-from .static_prefill import StaticPrefill
+from .runner import DecoderRunner
 
 
 @dataclass
@@ -32,14 +30,6 @@ class ThinkerPrompt:
     @property
     def is_text_only(self) -> bool:
         return self.pixel_values is None and self.input_features is None
-
-
-@dataclass
-class TalkerConditioning:
-    user_rows: torch.Tensor  # [Lu, D] layer-0 embeddings, accept-layer hidden states on multimodal rows
-    user_is_mm: torch.Tensor  # [Lu] bool
-    user_ids: torch.Tensor  # [Lu] long
-    special_rows: torch.Tensor  # [6, D]: <|im_start|>, assistant, \n, tts_bos, tts_eos, tts_pad
 
 
 @dataclass
@@ -66,27 +56,18 @@ class _SlotState:
     last_token: int
 
 
-class ThinkerRunner:
+class ThinkerRunner(DecoderRunner):
+    STAGE = "thinker"
+
     def __init__(self, model, config, *, max_slots: int, max_seq_len: int, device, dtype, seed: int = 0,
                  cuda_graphs: bool = False, max_prefills: int = 16, prefix_cache_bytes: int = 0):  # fmt: skip
-        self.model, self.config, self.device, self.dtype = (model, config, torch.device(device), dtype)
-        text = config.thinker_config.text_config
-        self.text_config = text
-        self.max_seq_len = max_seq_len
-        self.cache = SlotKVCache(
-            text.num_hidden_layers, max_slots, text.num_key_value_heads, max_seq_len, text.head_dim, dtype, self.device
-        )
-        self.slots: list[_SlotState | None] = [None] * max_slots
-        self.decoder = StaticDecoder("thinker", model.model, self.cache, model.lm_head, text.vocab_size,
-                                     model.get_input_embeddings(), cuda_graphs=cuda_graphs)  # fmt: skip
-        # text-only prompts of up to 512 tokens (W1's are ~150) prefill from static buffers (graphs on CUDA)
-        self.static_prefill = StaticPrefill("thinker", model.model, self.cache, max_rows=min(max_prefills, max_slots),
-                                            max_tokens=512, cuda_graphs=cuda_graphs)  # fmt: skip
+        super().__init__(model, config, config.thinker_config.text_config, max_slots=max_slots,
+                         max_seq_len=max_seq_len, device=device, dtype=dtype, seed=seed, cuda_graphs=cuda_graphs,
+                         max_prefills=max_prefills, head=model.lm_head, embed=model.get_input_embeddings())  # fmt: skip
         # text-only prompts that start like earlier ones take the kept prefix's K/V and prefill only the rest
         self.prefix = PrefixCache(self.cache, prefix_cache_bytes) if prefix_cache_bytes else None
         self.chunk_prefill = (ChunkPrefill("thinker", model.model, self.cache, max_rows=min(max_prefills, max_slots),
                                            cuda_graphs=cuda_graphs) if self.prefix else None)  # fmt: skip
-        self.sampler = Sampler(self.device, seed)
         self.eos_ids = {config.im_end_token_id, 151643}  # <|im_end|>, <|endoftext|>
         self.accept_layer = config.talker_config.accept_hidden_layer
         t = config.thinker_config
@@ -108,14 +89,6 @@ class ThinkerRunner:
                 f"prompt ({length} tokens) + max_tokens ({seq.params.max_tokens}) exceeds the context "
                 f"limit of {self.max_seq_len} tokens"
             )
-
-    def is_ready(self, seq: Sequence) -> bool:
-        return True
-
-    def release(self, seq: Sequence) -> None:
-        if 0 <= seq.slot < len(self.slots):
-            self.slots[seq.slot] = None
-        self.sampler.release(seq.request_id)
 
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> list[StepResult]:
@@ -143,8 +116,7 @@ class ThinkerRunner:
 
     @torch.inference_mode()
     def capture_graphs(self) -> None:
-        self.decoder.capture_all()
-        self.static_prefill.capture_all()
+        super().capture_graphs()
         if self.chunk_prefill is not None:
             self.chunk_prefill.capture_all()
 
@@ -155,7 +127,7 @@ class ThinkerRunner:
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> list[StepResult]:
         # every occupied slot up to the highest takes part (a just-prefilled one too), see StaticDecoder.step
-        states = self.slots[: 1 + max(i for i, s in enumerate(self.slots) if s is not None)]
+        states = self._step_states()
         self.decoder.step([s.length if s else 0 for s in states], [s.rope_delta if s else 0 for s in states],
                           [s.last_token if s else 0 for s in states])  # fmt: skip
         slots = to_device([s.slot for s in seqs], self.device)

@@ -9,8 +9,9 @@ from dataclasses import replace
 from ..core.errors import BadRequestError
 from ..core.sampling import SamplingParams, coerce_parameter, sampling_from_parameters
 from ..core.scheduler import Sequence
+from .conditioning import TalkerConditioning
 from .talker import TalkerOutput, TalkerPrompt
-from .thinker import TalkerConditioning, ThinkerOutput, ThinkerPrompt
+from .thinker import ThinkerOutput, ThinkerPrompt
 
 Tensors = dict  # name -> torch.Tensor (or str for TYPE_STRING outputs)
 

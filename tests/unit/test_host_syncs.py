@@ -10,7 +10,7 @@ from omnistage.core.sampling import SamplingParams
 from omnistage.models import fused
 from omnistage.models.checkpoint import load_config, load_stage
 from omnistage.stages.talker import TalkerPrompt, TalkerRunner
-from omnistage.stages.thinker import TalkerConditioning
+from omnistage.stages.conditioning import TalkerConditioning
 
 from .test_stage_oracle import running
 

@@ -1,0 +1,62 @@
+# DecoderRunner: what the thinker and talker runners share. Each owns a transformers decoder stack on its
+# device, a static KV cache of max_slots slots with one state per occupied slot, a sampler, and the two
+# static paths that replay as CUDA graphs on cuda (one decode step over every occupied slot, and the
+# prefill of text-only prompts); off cuda the same code runs eagerly. A runner adds its stage's prompts,
+# outputs and step logic (prefill, decode) on top.
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..core.scheduler import Sequence
+from .kv_cache import SlotKVCache
+from .sampler import Sampler
+from .static_decode import StaticDecoder
+from .static_prefill import StaticPrefill
+
+# Text-only prompts of up to this many tokens prefill from static buffers (W1's are ~150 thinker tokens,
+# ~160 talker rows); longer ones run eager.
+STATIC_PREFILL_TOKENS = 512
+
+
+class DecoderRunner:
+    STAGE = ""  # thinker | talker: names the CUDA graph banks
+
+    def __init__(self, model, config, text_config, *, max_slots: int, max_seq_len: int, device, dtype, seed: int,
+                 cuda_graphs: bool, max_prefills: int, head: Callable[[torch.Tensor], torch.Tensor],
+                 embed: Callable[[torch.Tensor], torch.Tensor] | None):  # fmt: skip
+        """head: [rows, D] -> [rows, vocab] logits; embed: token ids -> input rows, None where the stage
+        feeds input embeddings itself (the talker)."""
+        self.model, self.config, self.device, self.dtype = model, config, torch.device(device), dtype
+        self.text_config = text_config
+        self.max_seq_len = max_seq_len
+        t = text_config
+        self.cache = SlotKVCache(t.num_hidden_layers, max_slots, t.num_key_value_heads, max_seq_len, t.head_dim, dtype,
+                                 self.device)  # fmt: skip
+        self.slots: list = [None] * max_slots  # each occupied slot's state (the runner's own dataclass)
+        self.sampler = Sampler(self.device, seed)
+        self.decoder = StaticDecoder(self.STAGE, model.model, self.cache, head, t.vocab_size, embed,
+                                     cuda_graphs=cuda_graphs)  # fmt: skip
+        self.static_prefill = StaticPrefill(self.STAGE, model.model, self.cache, max_rows=min(max_prefills, max_slots),
+                                            max_tokens=STATIC_PREFILL_TOKENS, cuda_graphs=cuda_graphs)  # fmt: skip
+
+    # ---- engine hooks -------------------------------------------------------------------------------------
+    def is_ready(self, seq: Sequence) -> bool:
+        return True
+
+    def release(self, seq: Sequence) -> None:
+        if 0 <= seq.slot < len(self.slots):
+            self.slots[seq.slot] = None
+        self.sampler.release(seq.request_id)
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        """Captures every graph bucket before serving (capture needs the device to itself)."""
+        self.decoder.capture_all()
+        self.static_prefill.capture_all()
+
+    # ---- shared internals ---------------------------------------------------------------------------------
+    def _step_states(self) -> list:
+        """The slot states a decode step covers: every slot up to the highest occupied one (None: free)."""
+        return self.slots[: 1 + max(i for i, s in enumerate(self.slots) if s is not None)]
