@@ -1,9 +1,11 @@
 # Renders a Triton model repository: config.pbtxt generated from the tensor contracts in
 # omnistage.core.protocol plus a per-model deployment spec (from a deploy profile, deploy/*.yaml), next
-# to a copy of each model's version dir.
+# to a copy of each model's version dir. The checked-in model_repository/ is the base profile on the cpu
+# platform with the tiny checkpoint (checkpoints/tiny, relative to the repository), rendered in place.
 #
 #   python -m omnistage.launch.render --model checkpoints/tiny --device cpu --out .run/model_repository
 #   python -m omnistage.launch.render --profile deploy/overlays/reference_3gpu.yaml --model <ckpt> --out <repo>
+#   python -m omnistage.launch.render --checked-in      (rewrites model_repository/*/config.pbtxt)
 from __future__ import annotations
 
 import argparse
@@ -19,6 +21,10 @@ from omnistage.launch.profile import (
 from omnistage.launch.triton_env import REPO_ROOT
 
 KINDS = ("KIND_CPU", "KIND_GPU")
+MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+# the checked-in repository's checkpoint, relative to the repository root (models resolve it there, and a
+# launcher's render writes an absolute path instead)
+CHECKED_IN_MODEL = "checkpoints/tiny"
 
 
 @dataclass
@@ -48,17 +54,41 @@ def default_spec(model_path: str, device: str) -> dict[str, ModelSpec]:
     return profile_spec(load_profile(BASE_PROFILE, device), model_path)
 
 
-def profile_spec(profile: Profile, model_path: str | None = None) -> dict[str, ModelSpec]:
+def checked_in_spec() -> dict[str, ModelSpec]:
+    """What model_repository/ holds: the base profile on the cpu platform over the tiny checkpoint."""
+    return profile_spec(load_profile(BASE_PROFILE, "cpu"), CHECKED_IN_MODEL, resolve_model=False)
+
+
+def checked_in_configs() -> dict[str, str]:
+    """Model name -> the text of its config.pbtxt in model_repository/."""
+    header = ("# Rendered from deploy/qwen3_omni_moe.yaml (platform cpu) by `python -m omnistage.launch.render "
+              "--checked-in`:\n# change the profile and render again rather than editing this file.\n")  # fmt: skip
+    return {name: header + render_config(name, spec) for name, spec in checked_in_spec().items()}
+
+
+def write_checked_in(repo: Path = MODEL_REPOSITORY) -> list[Path]:
+    """Writes each model's config.pbtxt of checked_in_spec() beside its version dir, in place."""
+    written = []
+    for name, text in checked_in_configs().items():
+        path = repo / name / "config.pbtxt"
+        path.write_text(text)
+        written.append(path)
+    return written
+
+
+def profile_spec(profile: Profile, model_path: str | None = None, resolve_model: bool = True) -> dict[str, ModelSpec]:
     """Model name -> ModelSpec for a deploy profile. Thinker and talker replicas are separate models
     (`talker`, `talker_1`, ...), one instance each, because their requests are stateful sessions (start,
     append, abort) and a BLS call cannot pick an instance; omni_ensemble pins each session to one of them
     (their names go to it as parameters). Code2Wav keeps its stream state in the tensors, so its replicas
-    are instances of one model, and Triton hands each chunk to a free one."""
+    are instances of one model, and Triton hands each chunk to a free one. resolve_model: the checkpoint
+    path made absolute against the caller's working directory (else kept as given)."""
     model_path = model_path or profile.model
     if not model_path:
         raise ValueError("no model: pass one, or set `model:` in the profile")
     cuda = profile.platform == "cuda"
-    common = {"model_path": absolute_model_path(model_path), "device": profile.platform, "dtype": profile.dtype}
+    model_path = absolute_model_path(model_path) if resolve_model else str(model_path)
+    common = {"model_path": model_path, "device": profile.platform, "dtype": profile.dtype}
     chunks = profile.chunks
     spec: dict[str, ModelSpec] = {}
     for stage in ENGINE_STAGES:
@@ -198,10 +228,18 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="render the omnistage model repository from a deploy profile")
     ap.add_argument("--model", default=None, help="checkpoint dir or dummy:<config.json> (default: the profile's)")
     add_profile_args(ap)
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--src", type=Path, default=REPO_ROOT / "model_repository", help="dir of <model>/1/model.py")
+    ap.add_argument("--out", type=Path, help="the repository to write (replaced as a whole)")
+    ap.add_argument("--src", type=Path, default=MODEL_REPOSITORY, help="dir of <model>/1/model.py")
     ap.add_argument("--link", action="store_true", help="symlink the version dirs' files instead of copying")
+    ap.add_argument("--checked-in", action="store_true",
+                    help="rewrite model_repository/*/config.pbtxt from the base profile (cpu, checkpoints/tiny)")
     args = ap.parse_args(argv)
+    if args.checked_in:
+        for path in write_checked_in():
+            print(path)
+        return
+    if args.out is None:
+        ap.error("--out is required (or --checked-in)")
     _, spec = spec_from_args(args)
     out = render_repository(args.src, args.out, spec, link=args.link)
     print(out)

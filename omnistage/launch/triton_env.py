@@ -4,6 +4,12 @@
 # Two sources: a prepared machine sets TRITONSERVER (binary) and TRITON_BACKENDS (backends dir);
 # otherwise both come from the nvidia-pytriton wheel, which ships tritonserver 2.51 but keeps one
 # Python backend stub per Python version aside, under python_backend_stubs/3.X/.
+#
+# `python -m omnistage.launch.triton_env` prints that environment as shell exports, for running
+# tritonserver by hand over the checked-in repository (from the repository root):
+#   eval "$(.venv/bin/python -m omnistage.launch.triton_env)"
+#   "$TRITONSERVER" --model-repository=model_repository --backend-directory="$TRITON_BACKENDS" \
+#       --backend-config=python,thread-pool-size=512
 from __future__ import annotations
 
 import os
@@ -122,3 +128,20 @@ def server_env(install: TritonInstall, base: dict[str, str] | None = None) -> di
     # read) or through the server's working directory, which is sys.path[0] ("") in the stub.
     env.setdefault("PYTHONUNBUFFERED", "1")  # model prints reach the server log as they happen
     return env
+
+
+def shell_exports(run_dir: Path = REPO_ROOT / ".run" / "triton") -> str:
+    """The launcher's environment as `export` lines: the binary, a backends dir with this Python's stub
+    (prepared under run_dir), and the PATH / LD_LIBRARY_PATH the stub needs."""
+    import shlex
+
+    install = locate_triton()
+    backends = prepare_backends(install, run_dir)
+    env = server_env(install)
+    values = {"TRITONSERVER": str(install.server), "TRITON_BACKENDS": str(backends), "PATH": env["PATH"],
+              "LD_LIBRARY_PATH": env["LD_LIBRARY_PATH"], "PYTHONUNBUFFERED": env["PYTHONUNBUFFERED"]}  # fmt: skip
+    return "".join(f"export {k}={shlex.quote(v)}\n" for k, v in values.items())
+
+
+if __name__ == "__main__":
+    print(shell_exports(), end="")

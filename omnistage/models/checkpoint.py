@@ -8,6 +8,9 @@ import torch
 
 STAGES = ("thinker", "talker", "code2wav")
 DUMMY_PREFIX = "dummy:"
+# a relative checkpoint path (model_repository/'s default, checkpoints/tiny) is relative to the repository,
+# not to the working directory of whichever process reads it
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _stage_class(stage: str):
@@ -25,6 +28,16 @@ def _stage_class(stage: str):
 
 def is_dummy(source) -> bool:
     return str(source).startswith(DUMMY_PREFIX)
+
+
+def resolve_checkpoint(source: str) -> str:
+    """A checkpoint dir or dummy:<config.json> with a relative path made absolute against the repository
+    root (`dummy:tiny` names the built-in tiny config and stays as it is)."""
+    prefix = DUMMY_PREFIX if is_dummy(source) else ""
+    path = str(source)[len(prefix):]
+    if (prefix and path == "tiny") or Path(path).is_absolute():
+        return str(source)
+    return prefix + str(REPO_ROOT / path)
 
 
 def load_config(source):

@@ -15,7 +15,7 @@ from ..core.errors import PROBE_ACTION, BadRequestError, OmniError
 from ..core.sampling import SamplingParams
 from ..core.scheduler import MAX_PREFILL_TOKENS, MAX_PREFILLS_PER_STEP, Scheduler, Sequence
 from ..models import experts, fused
-from ..models.checkpoint import load_config, load_stage
+from ..models.checkpoint import load_config, load_stage, resolve_checkpoint
 from ..stages.kv_budget import kv_budget_bytes, kv_bytes_per_slot, plan_slots
 from .logs import setup_logging, stop_fault_reports
 from .metrics import StageMetrics
@@ -26,8 +26,12 @@ log = logging.getLogger(__name__)
 
 
 def model_parameters(args) -> dict[str, str]:
+    """The model's config parameters; a relative model_path is resolved against the repository root."""
     config = json.loads(args["model_config"])
-    return {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+    params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+    if params.get("model_path"):
+        params["model_path"] = resolve_checkpoint(params["model_path"])
+    return params
 
 
 def instance_device(args, params: dict[str, str]) -> torch.device:

@@ -184,3 +184,13 @@ def test_generate_runs_on_tiny_checkpoint(tiny_dir, full_model):
         assert ids.shape == (1, inputs["input_ids"].shape[1] + 4)
         assert wav.dim() == 3 and wav.shape[-1] > 0 and torch.isfinite(wav).all()
     assert "audio_config" not in full_model.talker.config.__dict__
+
+
+def test_a_relative_checkpoint_path_is_relative_to_the_repository():
+    from omnistage.launch.triton_env import REPO_ROOT
+    from omnistage.models.checkpoint import resolve_checkpoint
+
+    assert resolve_checkpoint("checkpoints/tiny") == str(REPO_ROOT / "checkpoints" / "tiny")
+    assert resolve_checkpoint("dummy:perf/x.json") == f"dummy:{REPO_ROOT / 'perf' / 'x.json'}"
+    assert resolve_checkpoint("/abs/ckpt") == "/abs/ckpt"
+    assert resolve_checkpoint("dummy:tiny") == "dummy:tiny"  # the built-in tiny config, not a path
