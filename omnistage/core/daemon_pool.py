@@ -1,5 +1,5 @@
 # Calls run on reused daemon threads. omni_ensemble serves each request on threads of its own (reading a
-# stage stream blocks), and used to start three per request. Thread.start() waits until the new thread has
+# stage stream blocks), three per request. Thread.start() waits until the new thread has
 # run, which under a busy GIL (~190 request threads in one orchestrator at 64 W1 streams on the H200) is a
 # wait for its turn: execute() paid it per request while the requests behind it queued in Triton. Here a
 # call goes to an idle thread through a queue, and a thread is started only when none is idle. The threads

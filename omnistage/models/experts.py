@@ -1,13 +1,13 @@
-# Experts implementations registered with transformers' ExpertsInterface (profile key experts_implementation).
+# Experts implementations registered with transformers' ExpertsInterface; GPU stages load gather_or_grouped.
 #
 # "lean_grouped_mm": transformers' grouped_mm computation (torch._grouped_mm over all experts' weights with
 # per-expert offsets) without its expert-parallel sentinel handling, which costs three full passes of
-# masked_fill, a clamp and an inverse permutation per layer. Where the stage's fused_kernels are on (CUDA),
+# masked_fill, a clamp and an inverse permutation per layer. Where the fused kernels are installed (CUDA),
 # silu(gate) * up is one kernel, and so is the way back to the tokens (unsort, weighting, sum over k).
 # The same ops on the same values in the same order: the same output bit for bit with transformers' two ops
 # for the gate, within a bf16 rounding of silu's exp with the fused kernel (tests/unit/test_experts.py).
 # On the H200 a thinker chunk prefill of 16 W1 suffixes spent ~13 of its 43 ms of kernels in those
-# elementwise passes (perf/README.md, 2026-12-04 second session).
+# elementwise passes (perf/README.md).
 #
 # "gather_or_grouped": for decode steps of any size. A step of one or two tokens needs only their top-k
 # experts' weights. For few (token, expert) pairs the weights of exactly those pairs are gathered and
@@ -15,7 +15,7 @@
 # epilogues); beyond GATHER_MAX_PAIRS lean_grouped_mm runs. The choice depends on shapes only, so each
 # CUDA-graph bucket captures one path. On the H200 a lone talker frame (20 MoE layers, 6 of 128 experts of
 # 2.4 MB each) went from 4.0 to 3.2 ms for its LM step: ~200 fewer kernels than grouped_mm's sort,
-# histogram, scan and grouped-GEMM setup (perf/README.md, 2026-12-04 fourth session).
+# histogram, scan and grouped-GEMM setup (perf/README.md).
 from __future__ import annotations
 
 import torch
@@ -48,7 +48,7 @@ def gather_or_grouped_experts_forward(
 def gathered_experts_forward(
     self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
-    """A few (token, expert) pairs: each pair's weights read in place by gemv where fused_kernels is on, else
+    """A few (token, expert) pairs: each pair's weights read in place by gemv where the fused kernels are installed, else
     gathered and multiplied in one bmm as transformers' batched_mm does."""
     if self.has_bias or not self.has_gate:  # not Qwen3-Omni's experts: transformers' own path
         return batched_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
@@ -78,7 +78,7 @@ def _combine_pairs(down: torch.Tensor, top_k_weights: torch.Tensor, dtype) -> to
 
 
 def _fused_epilogues(self: torch.nn.Module, gate_up: torch.Tensor) -> bool:
-    """Whether silu(gate) * up and the way back run as Triton kernels: where fused_kernels asked for them
+    """Whether silu(gate) * up and the way back run as Triton kernels: where the fused kernels are installed
     (fused_projections.install sets the flag) and the activation is silu."""
     return (getattr(self, "fused_epilogues", False) and fused_projections.fused_tensor(gate_up)
             and self.config.hidden_act == "silu")  # fmt: skip

@@ -1,6 +1,7 @@
-# One-row matmuls (a lone request's decode step) as one Triton kernel that streams the weight once. cuBLAS runs them as GEMMs tiled for many rows: on the H200 a lone talker frame's 336 such
-# projections ran at ~1-1.6 TB/s, two thirds of the frame's kernel time (perf/README.md, 2026-12-04 fourth
-# session). With expert ids, each row reads its own expert's weight in place, where the gathered path
+# One-row matmuls (a lone request's decode step) as one Triton kernel that streams the weight once. cuBLAS
+# runs them as GEMMs tiled for many rows: on the H200 a lone talker frame's 336 such projections ran at
+# ~1-1.6 TB/s, two thirds of the frame's kernel time (perf/README.md). With expert ids, each row reads its
+# own expert's weight in place, where the gathered path
 # (experts.py) first copies the picked experts' weights and then multiplies them.
 #
 # Each program computes BLOCK_N outputs of one row, summing over K in float32 and rounding once to the
@@ -86,4 +87,4 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return gemv(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
 
 
-enabled = fused_ops.available()  # part of fused_kernels
+enabled = fused_ops.available()  # installed with the other fused kernels (models/fused.py)

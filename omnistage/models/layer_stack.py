@@ -1,10 +1,10 @@
 # A decoder stack's layers as transformers' decoder layers run them (input norm, attention, residual add,
 # post-attention norm, MLP, residual add; the same for the thinker's, talker's and code predictor's
 # layers), but with each residual add fused into the RMSNorm that follows it: the post-attention norm, the
-# next layer's input norm, or the stack's final norm. Where the norms are fused_ops' kernels (CUDA,
-# fused_kernels on) the add and the norm are one kernel that rounds as the two ops do; elsewhere the same
+# next layer's input norm, or the stack's final norm. Where the norms are fused_ops' kernels (CUDA),
+# the add and the norm are one kernel that rounds as the two ops do; elsewhere the same
 # two ops run. A lone talker frame (20 talker layers, 75 code-predictor layer passes) ran ~190 such adds
-# at ~2-3 us each when the GPU was mostly idle between them (perf/README.md, 2026-12-04 fourth session).
+# at ~2-3 us each when the GPU was mostly idle between them (perf/README.md).
 from __future__ import annotations
 
 import torch

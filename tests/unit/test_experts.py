@@ -89,7 +89,7 @@ def test_experts_with_the_fused_epilogues(monkeypatch, device, path):
     monkeypatch.setattr(gemv, "gemv", lambda *a, **kw: gemv_silu.append(kw.get("silu_mul")) or real_gemv(*a, **kw))
     model = load_stage("dummy:tiny", "thinker", dtype=torch.bfloat16, seed=3, experts_implementation=experts.NAME)
     module = _experts_modules(model)[0].to(device)
-    assert not getattr(module, "fused_epilogues", False)  # only where fused_kernels installed it
+    assert not getattr(module, "fused_epilogues", False)  # only where the fused kernels installed it
     fused_projections.install(model)
     assert module.fused_epilogues
     tokens = 16 if path == "grouped" else 1  # 4 pairs per token (_routed): grouped beyond GATHER_MAX_PAIRS
