@@ -13,7 +13,7 @@ from openai_frontend.errors import install_error_handlers
 from openai_frontend.metrics import FrontendMetrics
 from openai_frontend.middleware import ApiKeyGuard, BodyLimit, RequestAccounting
 from openai_frontend.omni_client import OmniClient
-from openai_frontend.routers import chat, metrics, speech, system, unsupported
+from openai_frontend.routers import chat, metrics, realtime, speech, system, unsupported
 from openai_frontend.settings import FrontendSettings
 
 DEMO_DIR = Path(__file__).parent / "static"  # the browser demo; it calls only the public API
@@ -42,7 +42,7 @@ def create_app(
     app.state.settings = settings
     app.state.metrics = FrontendMetrics()
     install_error_handlers(app)
-    for router in (system.router, metrics.router, chat.router, speech.router, unsupported.router):
+    for router in (system.router, metrics.router, chat.router, speech.router, realtime.router, unsupported.router):
         app.include_router(router)
     app.add_api_route("/", _to_demo, include_in_schema=False)
     app.add_api_route("/demo", _to_demo, include_in_schema=False)

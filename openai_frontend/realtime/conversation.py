@@ -1,0 +1,168 @@
+# A session's conversation: its items in order (user audio and text, assistant transcript or text,
+# system text), what events show of them, and the `omni_ensemble` messages they make as a prompt.
+# User audio is kept as the model hears it (16 kHz pcm16); an assistant item keeps its transcript piece
+# by piece with the token count at each piece, so a truncation at audio_end_ms keeps the text that was
+# spoken by then (the talker speaks one reply token per codec frame).
+from __future__ import annotations
+
+import base64
+import binascii
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from openai_frontend.realtime.audio import InputAudio
+from openai_frontend.realtime.events import EventError, field as get, new_id
+
+FRAME_MS = 80  # one codec frame (12.5 Hz): the talker's time for one reply token
+
+
+@dataclass
+class Item:
+    role: str  # user | assistant | system
+    id: str = field(default_factory=lambda: new_id("item"))
+    status: str = "completed"
+    texts: list[str] = field(default_factory=list)  # user / system text parts
+    audio: bytes = b""  # user: 16 kHz pcm16
+    images: list[str] = field(default_factory=list)  # user: image URLs (data:)
+    pieces: list[tuple[int, str]] = field(default_factory=list)  # assistant: (reply tokens so far, text)
+    audio_out: bool = False  # assistant: spoken (output_audio + transcript) rather than output_text
+    audio_ms: float = 0.0  # assistant: audio produced
+    order: list[str] = field(default_factory=list)  # user content part kinds in the client's order
+
+    @property
+    def text(self) -> str:
+        return "".join(t for _, t in self.pieces)
+
+    def public(self) -> dict[str, Any]:
+        if self.role == "assistant":
+            kind = {"type": "output_audio", "transcript": self.text} if self.audio_out else \
+                   {"type": "output_text", "text": self.text}  # fmt: skip
+            content = [kind]
+        else:
+            texts, images = iter(self.texts), iter(self.images)
+            content = []
+            for kind in self.order:
+                if kind == "input_text":
+                    content.append({"type": "input_text", "text": next(texts)})
+                elif kind == "input_image":
+                    content.append({"type": "input_image", "image_url": next(images)})
+                else:  # the audio itself is not echoed back; there is no input transcription
+                    content.append({"type": "input_audio", "transcript": None})
+        return {"id": self.id, "object": "realtime.item", "type": "message", "role": self.role,
+                "status": self.status, "content": content}  # fmt: skip
+
+    def truncate(self, audio_end_ms: int) -> None:
+        """Keep the audio up to audio_end_ms and the transcript of the tokens spoken by then."""
+        self.audio_ms = min(self.audio_ms, float(audio_end_ms))
+        spoken = -(-audio_end_ms // FRAME_MS)
+        self.pieces = [(n, t) for n, t in self.pieces if n <= spoken]
+        self.status = "incomplete"
+
+    def message(self) -> dict[str, Any] | None:
+        """This item as one omni_ensemble message; None when nothing of it is left."""
+        if self.role == "assistant":
+            return {"role": "assistant", "content": self.text} if self.text else None
+        if self.role == "system":
+            return {"role": "system", "content": "".join(self.texts)}
+        parts, texts, images = [], iter(self.texts), iter(self.images)
+        for kind in self.order:
+            if kind == "input_text":
+                parts.append({"type": "text", "text": next(texts)})
+            elif kind == "input_image":
+                parts.append({"type": "image_url", "image_url": {"url": next(images)}})
+            else:
+                data = base64.b64encode(self.audio).decode()
+                parts.append({"type": "input_audio", "input_audio": {"data": data, "format": "pcm"}})
+        return {"role": "user", "content": parts}
+
+
+def audio_item(pcm16_16k: bytes) -> Item:
+    return Item(role="user", audio=pcm16_16k, order=["input_audio"])
+
+
+def item_from_client(item: Any, input_format: str) -> Item:
+    """conversation.item.create's `item` as an Item; EventError names the bad field."""
+    if not isinstance(item, dict):
+        raise EventError("'item' must be an object", code="invalid_type", param="item")
+    if item.get("type", "message") != "message":
+        raise EventError("only message items are supported (no function calls)", code="unsupported",
+                         param="item.type")  # fmt: skip
+    role = item.get("role")
+    if role not in ("user", "assistant", "system"):
+        raise EventError("item.role must be user, assistant or system", param="item.role")
+    content = get(item, "content", list, where="item.")
+    out = Item(role=role, status="completed")
+    if isinstance(item.get("id"), str) and item["id"]:
+        out.id = item["id"][:64]
+    allowed = {"user": ("input_text", "input_audio", "input_image"), "system": ("input_text",),
+               "assistant": ("output_text", "output_audio", "text")}[role]  # fmt: skip
+    for i, part in enumerate(content):
+        where = f"item.content[{i}]."
+        if not isinstance(part, dict) or part.get("type") not in allowed:
+            raise EventError(f"item.content[{i}].type must be one of {', '.join(allowed)} for a {role} item",
+                             param=f"item.content[{i}].type")  # fmt: skip
+        kind = part["type"]
+        if kind == "input_text":
+            out.texts.append(get(part, "text", str, where=where))
+        elif kind == "input_image":
+            url = get(part, "image_url", str, where=where)
+            if not url.startswith("data:image/"):
+                raise EventError("image_url must be a data:image/... URL", param=f"{where}image_url")
+            out.images.append(url)
+        elif kind == "input_audio":
+            out.audio += _client_audio(get(part, "audio", str, where=where), input_format, f"{where}audio")
+        else:  # assistant text or transcript (audio the client sends for an assistant item is not needed)
+            text = get(part, "transcript" if kind == "output_audio" else "text", str, where=where)
+            out.pieces.append((len(out.pieces) + 1, text))
+            out.audio_out = out.audio_out or kind == "output_audio"
+        out.order.append(kind)
+    if not content:
+        raise EventError("item.content must not be empty", param="item.content")
+    return out
+
+
+def _client_audio(data: str, input_format: str, param: str) -> bytes:
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise EventError(f"{param} is not valid base64", code="invalid_base64", param=param) from None
+    samples = InputAudio(input_format).feed(raw)
+    return np.rint(np.clip(samples, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
+
+
+class Conversation:
+    def __init__(self) -> None:
+        self.items: list[Item] = []
+
+    def add(self, item: Item, previous_item_id: str | None = None) -> str | None:
+        """Insert after previous_item_id (at the end when None); returns the id of the item before it."""
+        if any(i.id == item.id for i in self.items):
+            raise EventError(f"item id {item.id!r} already exists", code="item_exists", param="item.id")
+        if previous_item_id is None:
+            before = self.items[-1].id if self.items else None
+            self.items.append(item)
+            return before
+        if previous_item_id == "root":
+            self.items.insert(0, item)
+            return None
+        self.items.insert(self.index(previous_item_id, "previous_item_id") + 1, item)
+        return previous_item_id
+
+    def index(self, item_id: str, param: str = "item_id") -> int:
+        for i, item in enumerate(self.items):
+            if item.id == item_id:
+                return i
+        raise EventError(f"no item with id {item_id!r}", code="item_not_found", param=param)
+
+    def get(self, item_id: str) -> Item:
+        return self.items[self.index(item_id)]
+
+    def delete(self, item_id: str) -> None:
+        del self.items[self.index(item_id)]
+
+    def messages(self, instructions: str) -> list[dict[str, Any]]:
+        out = [{"role": "system", "content": instructions}] if instructions else []
+        out += [m for m in (item.message() for item in self.items) if m is not None]
+        return out

@@ -1,0 +1,168 @@
+# One realtime response: one `omni_ensemble` request whose prompt is the conversation so far, streamed as
+# the GA response events (created, output item, content part, audio / transcript or text deltas, done).
+# Cancelling the task that runs it (response.cancel, barge-in, the client leaving) closes the backend
+# stream, which cancels the Triton request and frees every stage; the events then end with status
+# "cancelled" and the item keeps what was produced.
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from openai_frontend.errors import describe
+from openai_frontend.metrics import RequestMeter
+from openai_frontend.omni_client import OmniClient
+from openai_frontend.realtime.audio import OutputAudio
+from openai_frontend.realtime.conversation import Item
+from openai_frontend.realtime.events import new_id
+from openai_frontend.realtime.session import SessionConfig
+
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+_STAGE_PREFIX = ("", "talker_")  # sampling_params_list index -> omni_ensemble parameter prefix
+
+
+@dataclass
+class ResponsePlan:
+    messages: list[dict[str, Any]]
+    config: SessionConfig  # the session's, with this response's overrides applied
+    id: str = field(default_factory=lambda: new_id("resp"))
+    metadata: dict[str, str] | None = None
+    into_conversation: bool = True  # False: conversation "none", an out-of-band response
+
+    def parameters(self) -> dict[str, Any]:
+        c = self.config
+        params: dict[str, Any] = {"modalities": "text,audio" if c.audio_out else "text"}
+        if c.audio_out:
+            params["speaker"] = c.voice
+        for prefix, stage in zip(_STAGE_PREFIX, c.sampling_params_list or ()):
+            params.update({prefix + k: v for k, v in (stage or {}).items()})
+        if c.max_output_tokens != "inf":
+            params["max_tokens"] = c.max_output_tokens
+        return params
+
+
+@dataclass
+class Outcome:
+    status: str = "in_progress"  # completed | cancelled | incomplete | failed
+    reason: str | None = None  # turn_detected | client_cancelled | max_output_tokens
+    error: dict[str, Any] | None = None
+    usage: dict[str, Any] | None = None
+
+
+class Response:
+    def __init__(self, plan: ResponsePlan, send: Send, meter: RequestMeter | None = None):
+        self.plan, self.send, self.meter = plan, send, meter
+        self.item = Item(role="assistant", status="in_progress", audio_out=plan.config.audio_out)
+        self.outcome = Outcome()
+        self.cancel_reason = "client_cancelled"  # what a cancellation of the task means; set by who cancels
+        self.first_audio_at: float | None = None  # perf_counter of the first audio delta sent
+
+    def _ids(self) -> dict[str, Any]:
+        return {"response_id": self.plan.id, "item_id": self.item.id, "output_index": 0, "content_index": 0}
+
+    def public(self) -> dict[str, Any]:
+        c, o = self.plan.config, self.outcome
+        details = None if o.status in ("in_progress", "completed") else \
+            {"type": o.status, "reason": o.reason, "error": o.error}  # fmt: skip
+        return {
+            "object": "realtime.response", "id": self.plan.id, "status": o.status, "status_details": details,
+            "output": [self.item.public()] if o.status != "in_progress" else [],
+            "conversation_id": "auto" if self.plan.into_conversation else None,
+            "output_modalities": list(c.output_modalities), "max_output_tokens": c.max_output_tokens,
+            "audio": {"output": {"format": {"type": c.output_format}, "voice": c.voice}},
+            "usage": o.usage, "metadata": self.plan.metadata,
+        }  # fmt: skip
+
+    async def run(self, client: OmniClient, on_item: Callable[[Item], Awaitable[None]]) -> Outcome:
+        """Stream the response; `on_item` adds the assistant item to the conversation (and says so)."""
+        await self.send({"type": "response.created", "response": self.public()})
+        await self.send({"type": "response.output_item.added", "response_id": self.plan.id, "output_index": 0,
+                         "item": self.item.public()})  # fmt: skip
+        await on_item(self.item)
+        part = {"type": "audio", "transcript": ""} if self.item.audio_out else {"type": "text", "text": ""}
+        await self.send({"type": "response.content_part.added", **self._ids(), "part": part})
+        try:
+            await self._stream(client)
+        except asyncio.CancelledError:  # the task was cancelled on purpose: it ends here, with its events
+            self.outcome.status, self.outcome.reason = "cancelled", self.cancel_reason
+        except Exception as exc:  # noqa: BLE001 - the backend's error goes to the client in response.done
+            status, body = describe(exc)
+            self.outcome.status = "failed"
+            self.outcome.error = {"type": body["error"]["type"], "code": str(body["error"]["code"] or status),
+                                  "message": body["error"]["message"]}  # fmt: skip
+        await self._finish()
+        return self.outcome
+
+    async def _stream(self, client: OmniClient) -> None:
+        out = OutputAudio(self.plan.config.output_format) if self.item.audio_out else None
+        kind = "response.output_audio_transcript.delta" if out else "response.output_text.delta"
+        tokens = 0
+        if self.meter is not None:
+            self.meter.start()
+        chunks = client.stream(self.plan.messages, self.plan.parameters(), request_id=self.plan.id)
+        async with aclosing(chunks):
+            if self.meter is not None:
+                self.meter.submitted()
+            async for chunk in chunks:
+                tokens += len(chunk.token_ids)
+                if self.meter is not None:
+                    self.meter.tokens(len(chunk.token_ids))
+                if chunk.text:
+                    self.item.pieces.append((tokens, chunk.text))
+                    await self.send({"type": kind, **self._ids(), "delta": chunk.text})
+                if out is not None and (chunk.audio is not None or chunk.is_final):
+                    data = out.encode(chunk.audio if chunk.audio is not None else [], last=chunk.is_final)
+                    if data:
+                        await self._audio(data, out)
+                if chunk.is_final:
+                    self.outcome.usage = usage(chunk.usage, tokens)
+                    if self.meter is not None:
+                        self.meter.finish(chunk.usage)
+                    length = chunk.finish_reason == "length" and self.plan.config.max_output_tokens != "inf"
+                    self.outcome.status = "incomplete" if length else "completed"
+                    self.outcome.reason = "max_output_tokens" if length else None
+                    return
+
+    async def _audio(self, data: bytes, out: OutputAudio) -> None:
+        if self.first_audio_at is None:
+            self.first_audio_at = time.perf_counter()
+        if self.meter is not None:
+            self.meter.audio(int(out.bytes_to_ms(len(data)) * 24))
+        self.item.audio_ms += out.bytes_to_ms(len(data))
+        await self.send({"type": "response.output_audio.delta", **self._ids(), "delta": base64.b64encode(data).decode()})
+
+    async def _finish(self) -> None:
+        if self.meter is not None:
+            self.meter.close()
+        ids, text = self._ids(), self.item.text
+        if self.item.audio_out:
+            await self.send({"type": "response.output_audio.done", **ids})
+            await self.send({"type": "response.output_audio_transcript.done", **ids, "transcript": text})
+            part = {"type": "audio", "transcript": text}
+        else:
+            await self.send({"type": "response.output_text.done", **ids, "text": text})
+            part = {"type": "text", "text": text}
+        await self.send({"type": "response.content_part.done", **ids, "part": part})
+        self.item.status = "completed" if self.outcome.status == "completed" else "incomplete"
+        await self.send({"type": "response.output_item.done", "response_id": self.plan.id, "output_index": 0,
+                         "item": self.item.public()})  # fmt: skip
+        if self.plan.into_conversation:
+            await self.send({"type": "conversation.item.done", "item": self.item.public()})
+        await self.send({"type": "response.done", "response": self.public()})
+
+
+def usage(reported: dict[str, Any] | None, tokens_seen: int) -> dict[str, Any]:
+    reported = reported or {}
+    prompt = int(reported.get("prompt_tokens", 0))
+    text = int(reported.get("completion_tokens", tokens_seen))
+    frames = int(reported.get("audio_frames", 0))
+    return {
+        "total_tokens": prompt + text + frames, "input_tokens": prompt, "output_tokens": text + frames,
+        "input_token_details": {"cached_tokens": int(reported.get("cached_tokens", 0)), "text_tokens": prompt,
+                                "audio_tokens": 0, "image_tokens": 0},
+        "output_token_details": {"text_tokens": text, "audio_tokens": frames},
+    }  # fmt: skip
