@@ -10,6 +10,7 @@ import uvicorn
 from omnistage.core.protocol import OMNI
 
 from openai_frontend.app import create_app
+from openai_frontend.realtime.connection import RealtimeLimits
 from openai_frontend.settings import DEFAULT_VOICES, MiB, RESPONSE_STYLES, FrontendSettings
 from openai_frontend.stage_watchdog import StageWatchdog
 from openai_frontend.triton_client import TritonOmniClient
@@ -47,6 +48,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-reload", action="store_true",
                    help="probe, but do not reload a model whose stub died (reloading needs Triton's "
                         "--model-control-mode=explicit)")
+    limits = RealtimeLimits()
+    p.add_argument("--realtime-max-sessions", type=int, default=limits.max_sessions,
+                   help="open /v1/realtime sessions; one more gets an error event and a close")
+    p.add_argument("--realtime-idle-timeout", type=float, default=limits.idle_timeout_s,
+                   help="seconds a realtime session may send nothing (with no response running) before it is closed")
+    p.add_argument("--realtime-max-buffered-audio", type=float, default=limits.max_buffered_audio_s,
+                   help="seconds of uncommitted input audio a realtime session may hold")
+    p.add_argument("--realtime-max-conversation-tokens", type=int, default=limits.max_conversation_tokens,
+                   help="tokens a realtime conversation may reach (prompt + reply) before it is closed")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT, seconds in-flight requests get to finish before they are cancelled")
     return p.parse_args(argv)
@@ -82,6 +92,12 @@ def main(argv: list[str] | None = None) -> None:
 
     client = client_for(urls, make, args.probe_interval)
     app = create_app(client, settings)
+    try:
+        app.state.realtime_limits = RealtimeLimits(args.realtime_max_sessions, args.realtime_idle_timeout,
+                                                   args.realtime_max_buffered_audio,
+                                                   args.realtime_max_conversation_tokens)  # fmt: skip
+    except ValueError as exc:
+        raise SystemExit(f"python -m openai_frontend: {exc}") from None
     # uvicorn's graceful shutdown: stop accepting, let in-flight requests (streams included) finish for up
     # to the timeout, then cancel them (which cancels their Triton requests)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,

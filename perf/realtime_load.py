@@ -17,7 +17,7 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -220,6 +220,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--utterance", help="24 kHz mono s16 WAV (default: 1.5 s of synthesized voiced speech)")
     ap.add_argument("--turn-timeout", type=float, default=30.0)
+    ap.add_argument("--warmup", type=int, default=2, help="turns of one session before the levels (0: none)")
     ap.add_argument("--api-key")
     ap.add_argument("--out", type=Path, default=Path("realtime_load.json"))
     return ap.parse_args(argv)
@@ -240,6 +241,9 @@ def main(argv=None) -> int:
         url = server.api_url
     results = {"utterance_s": len(utterance) / 2 / RATE, "turns_per_session": args.turns, "levels": []}
     try:
+        if args.warmup:  # first requests pay for lazy initialisation (allocations, kernels): kept apart
+            results["warmup"] = asyncio.run(run_level(ws_url(url, None), 1, args.warmup, utterance, args.turn_timeout,
+                                                      args.api_key))  # fmt: skip
         for n in args.sessions:
             print(f"[realtime_load] {n} sessions x {args.turns} turns", flush=True)
             level = asyncio.run(run_level(ws_url(url, None), n, args.turns, utterance, args.turn_timeout, args.api_key))

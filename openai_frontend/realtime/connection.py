@@ -19,18 +19,16 @@ from typing import Any
 from openai_frontend.metrics import FrontendMetrics, RequestMeter
 from openai_frontend.omni_client import OmniClient
 from openai_frontend.realtime import events as ev
-from openai_frontend.realtime.audio import MODEL_INPUT_RATE, InputAudio, float_to_pcm16
 from openai_frontend.realtime.conversation import Conversation, Item, audio_item, item_from_client
 from openai_frontend.realtime.events import EventError, error_event, field as get, new_id
+from openai_frontend.realtime.input_buffer import SAMPLES_PER_MS, InputBuffer
 from openai_frontend.realtime.response import Response, ResponsePlan
 from openai_frontend.realtime.session import SessionConfig, max_output_tokens, voice, _modalities
-from openai_frontend.realtime.vad import TurnDetector
 from openai_frontend.settings import FrontendSettings
 
 log = logging.getLogger("openai_frontend.realtime")
 
 MIN_COMMIT_MS = 100  # OpenAI's floor for a committed buffer; shorter audio gives the encoder nothing to read
-SAMPLES_PER_MS = MODEL_INPUT_RATE // 1000
 
 
 @dataclass(frozen=True)
@@ -41,6 +39,10 @@ class RealtimeLimits:
     idle_timeout_s: float = 600.0  # no client event and no response running for this long
     max_buffered_audio_s: float = 120.0  # input audio not yet committed
     max_conversation_tokens: int = 16384  # prompt + reply tokens of the last response
+
+    def __post_init__(self) -> None:
+        if min(self.max_sessions, self.idle_timeout_s, self.max_buffered_audio_s, self.max_conversation_tokens) <= 0:
+            raise ValueError("realtime limits must be positive")
 
 
 class RealtimeConnection:
@@ -53,11 +55,7 @@ class RealtimeConnection:
         self.id = new_id("sess")
         self.config = SessionConfig.default(settings)
         self.conversation = Conversation()
-        self.input = InputAudio(self.config.input_format)
-        self.vad = self._detector()
-        self.buffer = bytearray()  # uncommitted input: 16 kHz pcm16
-        self.buffer_start = 0  # session sample index of buffer[0]
-        self.fed = 0  # 16 kHz samples received in the session
+        self.input = InputBuffer(self.config.input_format, self.config.turn_detection, limits.max_buffered_audio_s)
         self.speech_item_id: str | None = None  # the user item a detected turn will become
         self.response: Response | None = None
         self.response_task: asyncio.Task | None = None
@@ -119,52 +117,24 @@ class RealtimeConnection:
 
     # ---- session and input audio -----------------------------------------------------------------------
     async def on_session_update(self, event: dict[str, Any]) -> None:
-        new = self.config.updated(get(event, "session", dict), self.settings)
-        if new.input_format != self.config.input_format:
-            self.input = InputAudio(new.input_format)
-        turn_changed = new.turn_detection != self.config.turn_detection
-        self.config = new
-        if turn_changed:
-            self.vad = self._detector()
+        self.config = self.config.updated(get(event, "session", dict), self.settings)
+        self.input.reconfigure(self.config.input_format, self.config.turn_detection)
         await self.send({"type": "session.updated", "session": self.config.public(self.id)})
-
-    def _detector(self) -> TurnDetector | None:
-        td = self.config.turn_detection
-        if td is None:
-            return None
-        return TurnDetector(td["threshold"], td["prefix_padding_ms"], td["silence_duration_ms"])
 
     async def on_input_audio_buffer_append(self, event: dict[str, Any]) -> None:
         try:
             raw = base64.b64decode(get(event, "audio", str), validate=True)
         except (binascii.Error, ValueError):
             raise EventError("audio is not valid base64", code="invalid_base64", param="audio") from None
-        samples = self.input.feed(raw)
-        start = self.fed
-        self.fed += samples.size
-        self.buffer += float_to_pcm16(samples).tobytes()
-        if len(self.buffer) / 2 / MODEL_INPUT_RATE > self.limits.max_buffered_audio_s:
-            raise EventError(f"more than {self.limits.max_buffered_audio_s:g} s of uncommitted input audio; "
-                             "commit or clear the buffer sooner", code="input_audio_buffer_too_large",
-                             param="audio", close=True)  # fmt: skip
-        if self.vad is None:
-            return
-        for turn in self.vad.feed(samples):
+        for turn in self.input.append(raw):
             if turn.kind == "speech_started":
                 await self._speech_started(turn.audio_ms)
             else:
                 await self._speech_stopped(turn.audio_ms)
-        if not self.vad.speaking:  # between turns only the prefix padding (and the start window) is kept
-            keep = (self.config.turn_detection["prefix_padding_ms"] + 200) * SAMPLES_PER_MS
-            self._drop_before(max(self.buffer_start, self.fed - keep, start - keep))
-
-    def _drop_before(self, sample: int) -> None:
-        if sample > self.buffer_start:
-            del self.buffer[: 2 * (sample - self.buffer_start)]
-            self.buffer_start = sample
+        self.input.trim_idle()
 
     async def _speech_started(self, audio_start_ms: int) -> None:
-        self._drop_before(audio_start_ms * SAMPLES_PER_MS)
+        self.input.drop_before(audio_start_ms * SAMPLES_PER_MS)
         self.speech_item_id = new_id("item")
         await self.send({"type": "input_audio_buffer.speech_started", "audio_start_ms": audio_start_ms,
                          "item_id": self.speech_item_id})  # fmt: skip
@@ -172,13 +142,9 @@ class RealtimeConnection:
             await self.cancel_response("turn_detected")
 
     async def _speech_stopped(self, audio_end_ms: int) -> None:
-        item_id = self.speech_item_id or new_id("item")
+        item_id, self.speech_item_id = self.speech_item_id or new_id("item"), None
         await self.send({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": audio_end_ms, "item_id": item_id})
-        end = max(0, audio_end_ms * SAMPLES_PER_MS - self.buffer_start)
-        await self._commit(bytes(self.buffer[: 2 * end]), item_id)
-        del self.buffer[: 2 * end]
-        self.buffer_start += end
-        self.speech_item_id = None
+        await self._commit(self.input.take_until(audio_end_ms), item_id)
         if self.config.turn_detection["create_response"] and self.response_task is None:
             await self.start_response(ResponsePlan(self._messages(), self.config))
 
@@ -191,21 +157,15 @@ class RealtimeConnection:
         await self.send({"type": "conversation.item.done", "previous_item_id": previous, "item": item.public()})
 
     async def on_input_audio_buffer_commit(self, event: dict[str, Any]) -> None:
-        tail = self.input.flush()  # a client commit ends the utterance: the resampler's delay belongs to it
-        self.fed += tail.size
-        self.buffer += float_to_pcm16(tail).tobytes()
-        if len(self.buffer) // 2 < MIN_COMMIT_MS * SAMPLES_PER_MS:
-            raise EventError(f"buffer too small: {len(self.buffer) // 2 // SAMPLES_PER_MS} ms of audio, at least "
+        pcm = self.input.take_all()  # a client commit ends the utterance: the resampler's delay belongs to it
+        if len(pcm) // 2 < MIN_COMMIT_MS * SAMPLES_PER_MS:
+            raise EventError(f"buffer too small: {len(pcm) // 2 // SAMPLES_PER_MS} ms of audio, at least "
                              f"{MIN_COMMIT_MS} ms are needed", code="input_audio_buffer_commit_empty")  # fmt: skip
-        pcm = bytes(self.buffer)
-        self.buffer_start += len(self.buffer) // 2
-        self.buffer.clear()
-        await self._commit(pcm, self.speech_item_id or new_id("item"))
-        self.speech_item_id = None
+        item_id, self.speech_item_id = self.speech_item_id or new_id("item"), None
+        await self._commit(pcm, item_id)
 
     async def on_input_audio_buffer_clear(self, event: dict[str, Any]) -> None:
-        self.buffer_start += len(self.buffer) // 2
-        self.buffer.clear()
+        self.input.clear()
         await self.send({"type": "input_audio_buffer.cleared"})
 
     # ---- conversation items ----------------------------------------------------------------------------

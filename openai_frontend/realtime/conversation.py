@@ -128,7 +128,8 @@ def _client_audio(data: str, input_format: str, param: str) -> bytes:
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
         raise EventError(f"{param} is not valid base64", code="invalid_base64", param=param) from None
-    samples = InputAudio(input_format).feed(raw)
+    audio = InputAudio(input_format)
+    samples = np.concatenate([audio.feed(raw), audio.flush()])
     return np.rint(np.clip(samples, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
 
 
