@@ -83,7 +83,7 @@ function metricsLine() {
   return parts.join(" · ");
 }
 
-function addMessage(role, text) {
+export function addMessage(role, text) {
   const el = document.createElement("div");
   el.className = `message ${role}`;
   const textEl = document.createElement("div");

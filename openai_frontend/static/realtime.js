@@ -3,6 +3,7 @@
 // as it arrives, and when the user starts speaking over it the playback stops at once and the server is
 // told how much was heard (conversation.item.truncate), so the next turn's prompt holds only that.
 import { PcmPlayer, bytesToBase64 } from "./audio.js";
+import { addMessage } from "./demo.js";
 
 const RATE = 24000; // audio/pcm in both directions
 const SEND_MS = 100; // microphone audio per append event
@@ -99,13 +100,13 @@ class TalkSession {
         break;
       case "input_audio_buffer.speech_stopped":
         talk.speechStopped += 1;
-        addBubble("user", "🎤 (spoken)");
+        addMessage("user", "🎤 (spoken)");
         break;
       case "response.created":
         talk.status = "answering";
         talk.transcript = "";
         this.player.reset();
-        this.bubble = addBubble("assistant", "");
+        this.bubble = addMessage("assistant", "").text;
         break;
       case "response.output_item.added":
         this.playing = { itemId: event.item.id };
@@ -126,7 +127,7 @@ class TalkSession {
         break;
       case "error":
         talk.error = event.error.message;
-        if (this.bubble === null) addBubble("assistant error", event.error.message);
+        if (this.bubble === null) addMessage("assistant error", event.error.message);
         break;
     }
     publish();
@@ -162,18 +163,6 @@ function sessionConfig() {
   const talker = positive("speech-frames") ? { max_tokens: positive("speech-frames") } : null;
   if (thinker || talker) config.sampling_params_list = [thinker, talker];
   return config;
-}
-
-function addBubble(role, text) {
-  const el = document.createElement("div");
-  el.className = `message ${role}`;
-  const textEl = document.createElement("div");
-  textEl.className = "text";
-  textEl.textContent = text;
-  el.append(textEl);
-  $("log").append(el);
-  el.scrollIntoView({ block: "end" });
-  return textEl;
 }
 
 function publish() {

@@ -9,12 +9,11 @@ import wave
 import numpy as np
 import pytest
 
-from openai_frontend.app import create_app
 from perf.realtime_load import speech_like
 
-from ..api.fake_omni import FakeOmniClient, Script, Step, tone
-from ..api.servers import ThreadedUvicorn
+from ..api.fake_omni import Script, Step, tone
 from .conftest import CHROMIUM, CHROMIUM_ARGS
+from .test_demo_page import fake, server  # noqa: F401  (fixtures: the frontend over a scripted backend)
 
 MIC_RATE = 48000
 
@@ -30,17 +29,6 @@ def mic_wav() -> bytes:
         w.setframerate(MIC_RATE)
         w.writeframes(np.rint(samples * 32767).astype("<i2").tobytes())
     return buf.getvalue()
-
-
-@pytest.fixture(scope="module")
-def fake():
-    return FakeOmniClient()
-
-
-@pytest.fixture(scope="module")
-def server(fake):
-    with ThreadedUvicorn(create_app(fake, default_voice="ethan", model_name="qwen3-omni")) as srv:
-        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +48,8 @@ def talk_state(page) -> dict:
     return page.evaluate("() => JSON.parse(JSON.stringify(talkState))")
 
 
-def test_talk_hears_a_turn_plays_the_answer_and_is_interrupted(browser, server, fake, tmp_path):
+def test_talk_hears_a_turn_plays_the_answer_and_is_interrupted(browser, server, fake, tmp_path):  # noqa: F811
+    fake.reset()
     # an answer that keeps talking: 1 s of speech, then the backend holds the response open
     fake.script = Script(steps=[Step("Hel", audio=tone(12000)), Step("lo", audio=tone(12000), delay_s=0.1)], hang=True)
     page = browser.new_page()
