@@ -7,6 +7,8 @@ import base64
 
 import numpy as np
 import openai
+from openai.types.realtime import RealtimeServerEvent
+from pydantic import TypeAdapter
 
 from openai_frontend.app import create_app
 from openai_frontend.realtime.connection import RealtimeLimits
@@ -17,6 +19,7 @@ from .servers import ThreadedUvicorn
 
 KEY = "sk-test-realtime"
 WAIT_S = 20
+SERVER_EVENT = TypeAdapter(RealtimeServerEvent)
 
 
 def serve(client, limits: RealtimeLimits | None = None, api_key: str | None = KEY) -> ThreadedUvicorn:
@@ -30,10 +33,13 @@ def sdk(url: str, key: str = KEY) -> openai.AsyncOpenAI:
 
 
 async def until(conn, kind: str, seen: list | None = None, timeout: float = WAIT_S):
-    """Events up to and including the first of type `kind` (each appended to `seen` too)."""
+    """Events up to and including the first of type `kind` (each appended to `seen` too). Each event is
+    validated against the SDK's server event types first (the SDK itself builds them without checks)."""
     async with asyncio.timeout(timeout):
         while True:
-            event = await conn.recv()
+            raw = await conn.recv_bytes()
+            SERVER_EVENT.validate_json(raw)
+            event = conn.parse_event(raw)
             if seen is not None:
                 seen.append(event)
             if event.type == kind:
