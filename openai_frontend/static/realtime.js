@@ -92,11 +92,17 @@ class TalkSession {
     return Math.max(0, Math.round(1000 * Math.min(p.scheduledSeconds, p.ctx.currentTime - p.firstStart)));
   }
 
+  // an answer still on the speaker (or still arriving): speech now interrupts it
+  stillPlaying() {
+    const p = this.player;
+    return talk.status === "answering" || (p.firstStart !== null && p.ctx && p.ctx.currentTime < p.nextStart);
+  }
+
   onEvent(event) {
     switch (event.type) {
       case "input_audio_buffer.speech_started":
         talk.speechStarted += 1;
-        if (this.playing) this.bargeIn();
+        if (this.playing && this.stillPlaying()) this.bargeIn();
         break;
       case "input_audio_buffer.speech_stopped":
         talk.speechStopped += 1;
