@@ -1,8 +1,8 @@
 # Session audio: what a client appends (24 kHz pcm16, or 8 kHz G.711 mu-law / A-law) turned into the
 # model's 16 kHz input, and the 24 kHz speech the pipeline streams turned into the session's output format.
 # Resampling is soxr's streaming resampler, one per session and direction, so chunk edges leave no seams.
-# G.711 is table-driven (ITU-T G.711, the same segment tables as the C reference): the stdlib `audioop`
-# that once did this is gone from Python 3.13.
+# G.711 is table-driven (ITU-T G.711, the same segment tables as the C reference), in numpy: Python 3.13
+# has no `audioop`.
 from __future__ import annotations
 
 import numpy as np
