@@ -125,7 +125,7 @@ async def run_session(url: str, utterance: bytes, turns: int, turn_timeout: floa
                     background = asyncio.create_task(quiet(stop))
                     try:
                         await asyncio.wait_for(_listen(events, mic, turn), turn_timeout)
-                    except TimeoutError:
+                    except asyncio.TimeoutError:
                         turn.status = "failed: timeout"
                     finally:
                         stop.set()

@@ -93,7 +93,7 @@ class RealtimeConnection:
             while not self.closed:
                 try:
                     raw = await asyncio.wait_for(receive(), self.limits.idle_timeout_s)
-                except TimeoutError:
+                except asyncio.TimeoutError:  # the builtin only from Python 3.11 on
                     if self.response_task is not None:
                         continue
                     await self.fail(EventError(f"session idle for {self.limits.idle_timeout_s:g} s; closing",
