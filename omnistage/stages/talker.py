@@ -7,7 +7,7 @@
 # the same step. Frames leave in host memory, copied at the step's own sync (see stages/thinker.py).
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
@@ -16,24 +16,9 @@ from ..core.engine import StepResult
 from ..core.errors import BadRequestError
 from ..core.scheduler import Sequence
 from .code_predictor import CodePredictor, StaticCodePredictor
-from .conditioning import TalkerConditioning
 from .host_copy import sync_current_stream, to_device, to_host
 from .runner import DecoderRunner
-
-
-@dataclass
-class TalkerPrompt:
-    cond: TalkerConditioning
-    speaker_id: int
-    text: list[torch.Tensor] = field(default_factory=list)  # thinker rows [D] to speak, first one included
-    text_end: bool = False  # no more rows will come
-    image_grid_thw: torch.Tensor | None = None
-    audio_feature_lengths: torch.Tensor | None = None
-
-    def append(self, rows: torch.Tensor | None, end: bool) -> None:
-        if rows is not None and rows.numel():
-            self.text.extend(rows.unbind(0))
-        self.text_end = self.text_end or end
+from .talker_prompt import PromptBuilder, PromptRows, TalkerPrompt
 
 
 @dataclass
@@ -42,16 +27,6 @@ class TalkerOutput:
 
     def merge(self, later: TalkerOutput) -> TalkerOutput:
         return TalkerOutput(torch.cat([self.codes, later.codes]))
-
-
-@dataclass
-class _Prompt:
-    embeds: torch.Tensor  # [L, D]
-    positions: torch.Tensor  # [3, L] MRoPE position ids
-    rope_delta: int
-    tts_eos: torch.Tensor  # [D]
-    tts_pad: torch.Tensor  # [D]
-    text_only: bool  # positions are 0..L-1 in every MRoPE section
 
 
 @dataclass
@@ -90,10 +65,7 @@ class TalkerRunner(DecoderRunner):
         self.suppress = torch.zeros(text.vocab_size, dtype=torch.bool, device=self.device)
         self.suppress[text.vocab_size - 1024 :] = True  # codec specials are never sampled, except EOS
         self.suppress[self.eos] = False
-        self.codec_prefix = [tc.codec_nothink_id, tc.codec_think_bos_id, tc.codec_think_eos_id]
-        self.codec_suffix = [tc.codec_pad_id, tc.codec_bos_id]
-        self.tts_pad_id = config.tts_pad_token_id
-        self.positions = torch.arange(max_seq_len, device=self.device)  # a text-only prompt's are a prefix
+        self.prompts = PromptBuilder(model, config, self.device, dtype, max_seq_len)
 
     # ---- engine hooks -------------------------------------------------------------------------------------
     def prompt_tokens(self, seq: Sequence) -> int:
@@ -167,76 +139,8 @@ class TalkerRunner(DecoderRunner):
         return StepResult(seq, TalkerOutput(codes), "length" if state.frames >= seq.params.max_tokens else None)
 
     # ---- internals ----------------------------------------------------------------------------------------
-    def _media_prompt(self, seq: Sequence) -> _Prompt:
-        """The talker prompt rows generate() builds for a prompt with images or audio: user turn (media rows
-        through hidden_projection, the rest through text_projection), assistant header + tts specials over the
-        codec prefix (nothink, think bos/eos, speaker, pad, bos), the first reply row; MRoPE positions from
-        get_rope_index. Text-only prompts take _text_only_prompts."""
-        p: TalkerPrompt = seq.payload
-        t = self.model
-        cond = p.cond
-        user = to_device(cond.user_rows, self.device).to(self.dtype)
-        is_mm = to_device(cond.user_is_mm, self.device)
-        user_part = torch.empty(user.shape[0], self.text_config.hidden_size, dtype=self.dtype, device=self.device)
-        if is_mm.any():
-            user_part[is_mm] = t.hidden_projection(user[is_mm])
-        user_part[~is_mm] = t.text_projection(user[~is_mm])
-        special = t.text_projection(to_device(cond.special_rows, self.device).to(self.dtype))  # [6, D]
-        first_text = t.text_projection(to_device(p.text[0], self.device).to(self.dtype)[None])
-        embeds = torch.cat([user_part, self._assistant_rows(special[None], first_text[None], [seq])[0]])  # [L, D]
-        tts_eos, tts_pad = special[4], special[5]
-        ids = torch.cat([cond.user_ids.to(self.device), torch.full((9,), self.tts_pad_id, device=self.device)])[None]
-        positions, deltas = t.get_rope_index(
-            ids, _opt(p.image_grid_thw, self.device), None, torch.ones_like(ids), False,
-            _opt(p.audio_feature_lengths, self.device), None,
-        )  # fmt: skip
-        return _Prompt(embeds, positions[:, 0], int(deltas.reshape(-1)[0]), tts_eos, tts_pad, False)
-
-    def _prompts(self, seqs: list[Sequence]) -> list[_Prompt]:
-        """Every sequence's prompt rows: text-only prompts together (_text_only_prompts), media ones one by one."""
-        plain = [s for s in seqs if s.payload.image_grid_thw is None and s.payload.audio_feature_lengths is None]
-        batched = dict(zip(map(id, plain), self._text_only_prompts(plain))) if plain else {}
-        return [batched[id(s)] if id(s) in batched else self._media_prompt(s) for s in seqs]
-
-    def _text_only_prompts(self, seqs: list[Sequence]) -> list[_Prompt]:
-        """The talker prompt rows generate() builds for text-only prompts (user turn through text_projection,
-        assistant header + tts specials over the codec prefix: nothink, think bos/eos, speaker, pad, bos; the
-        first reply row; MRoPE positions 0..L-1), all prompts in one pass: every row to project goes to the
-        device in one copy and through text_projection once, the codec ids through the embedding once, and the
-        9 assistant rows of all prompts are summed in one op. Prompt by prompt that was ~15 small ops each: a
-        16-prompt step spent ~15 ms of host time on them on the H200, beside ~22 ms of kernels (perf/README.md)."""
-        t, n = self.model, len(seqs)
-        conds = [s.payload.cond for s in seqs]
-        lengths = [c.user_rows.shape[0] for c in conds]
-        firsts = [s.payload.text[0][None] for s in seqs]
-        pieces = [c.user_rows for c in conds] + [c.special_rows for c in conds] + firsts
-        if all(p.device.type == "cpu" for p in pieces):
-            rows = to_device(torch.cat(pieces), self.device)  # one copy
-        else:
-            rows = torch.cat([to_device(p, self.device) for p in pieces])
-        users, special, first_text = t.text_projection(rows.to(self.dtype)).split([sum(lengths), 6 * n, n])
-        special, first_text = special.view(n, 6, -1), first_text.view(n, 1, -1)
-        assistant = self._assistant_rows(special, first_text, seqs)
-        prompts = []
-        for i, (user, length) in enumerate(zip(users.split(lengths), lengths)):
-            positions = self.positions[: length + 9].expand(3, -1)  # no media: 0..L-1 in every section, delta 0
-            embeds = torch.cat([user, assistant[i]])
-            prompts.append(_Prompt(embeds, positions, 0, special[i, 4], special[i, 5], True))
-        return prompts
-
-    def _assistant_rows(self, special: torch.Tensor, first_text: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """The 9 rows after each user turn, [n, 9, D]: on the text side the header, 4 tts_pad, tts_bos and the
-        first reply row; on the codec side nothing under the header, then the codec prefix with the speaker.
-        special [n, 6, D] (projected header x3, tts bos/eos/pad), first_text [n, 1, D]."""
-        header, tts_bos, tts_pad = special[:, :3], special[:, 3:4], special[:, 5:6]
-        codec_ids = to_device([self.codec_prefix + [s.payload.speaker_id] + self.codec_suffix for s in seqs],
-                              self.device)  # fmt: skip
-        text_side = torch.cat([header, tts_pad.expand(-1, 4, -1), tts_bos, first_text], dim=1)
-        codec_side = torch.cat([torch.zeros_like(header), self.model.get_input_embeddings()(codec_ids)], dim=1)
-        return text_side + codec_side
-
     def _prefill_batch(self, seqs: list[Sequence]) -> list[StepResult]:
-        prompts = self._prompts(seqs)
+        prompts = self.prompts.build(seqs)
         lengths = [p.embeds.shape[0] for p in prompts]
         if all(p.text_only for p in prompts) and self.static_prefill.fits(len(seqs), max(lengths)):
             hidden = self.static_prefill.run([p.embeds for p in prompts], [s.slot for s in seqs])
@@ -252,7 +156,7 @@ class TalkerRunner(DecoderRunner):
             results.append(self._accept(seq, token))
         return results
 
-    def _prefill_eager(self, seqs: list[Sequence], prompts: list[_Prompt], lengths: list[int]) -> torch.Tensor:
+    def _prefill_eager(self, seqs: list[Sequence], prompts: list[PromptRows], lengths: list[int]) -> torch.Tensor:
         """One transformers forward for all prompts of the step (any media), right-padded (causal attention
         never looks right, so each row's first L_i positions are its own prompt's); a lone prompt runs
         unpadded, as generate(). Loads the slots' K/V and returns each prompt's last hidden state [n, D]."""
@@ -341,6 +245,3 @@ class TalkerRunner(DecoderRunner):
                 rows[i] = self.sampler.draw(logits[i], 1.0, 50, 0.8, self.sampler.generator(s.request_id, s.params))
         return rows
 
-
-def _opt(t: torch.Tensor | None, device) -> torch.Tensor | None:
-    return None if t is None else t.to(device)
