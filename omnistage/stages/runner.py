@@ -9,7 +9,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..core.scheduler import Sequence
+from ..core.sampling import SamplingParams
+from ..core.scheduler import Sequence, SeqStatus
 from .kv_cache import SlotKVCache
 from .sampler import Sampler
 from .static_decode import StaticDecoder
@@ -18,6 +19,8 @@ from .static_prefill import StaticPrefill
 # Text-only prompts of up to this many tokens prefill from static buffers (W1's are ~150 thinker tokens,
 # ~160 talker rows); longer ones run eager.
 STATIC_PREFILL_TOKENS = 512
+# Decode steps of the synthetic request a runner serves while it loads (warm_up).
+WARM_UP_STEPS = 3
 
 
 class DecoderRunner:
@@ -55,6 +58,26 @@ class DecoderRunner:
         """Captures every graph bucket before serving (capture needs the device to itself)."""
         self.decoder.capture_all()
         self.static_prefill.capture_all()
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Serves one synthetic text-only request (prefill and WARM_UP_STEPS decode steps) in slot 0 and frees
+        it, before the stage reports ready: what the graph captures leave out (prompt projections, sampling,
+        the host copies of outputs) loads and compiles its kernels now, not on the first request served.
+        Leaves no trace: the slot and the request's sampler are freed, and its prompt is kept nowhere."""
+        seq = Sequence("warm-up", SamplingParams(max_tokens=WARM_UP_STEPS + 1, ignore_eos=True),
+                       self._warm_up_payload(), slot=0)  # fmt: skip
+        seq.status = SeqStatus.RUNNING
+        try:
+            results = self.prefill([seq])
+            while results[0].finish_reason is None and self.is_ready(seq):
+                results = self.decode([seq])
+        finally:
+            self.release(seq)
+
+    def _warm_up_payload(self):
+        """The synthetic request's prompt (the stage's payload type)."""
+        raise NotImplementedError
 
     # ---- shared internals ---------------------------------------------------------------------------------
     def _step_states(self) -> list:

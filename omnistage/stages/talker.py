@@ -17,7 +17,8 @@ from ..core.errors import BadRequestError
 from ..core.scheduler import Sequence
 from .code_predictor import CodePredictor, StaticCodePredictor
 from .host_copy import sync_current_stream, to_device, to_host
-from .runner import DecoderRunner
+from .conditioning import TalkerConditioning
+from .runner import WARM_UP_STEPS, DecoderRunner
 from .talker_prompt import PromptBuilder, PromptRows, TalkerPrompt
 
 
@@ -102,6 +103,14 @@ class TalkerRunner(DecoderRunner):
             for j, i in enumerate(going):
                 results[i] = self._frame_sent(results[i].seq, sent[j : j + 1])
         return results
+
+    def _warm_up_payload(self) -> TalkerPrompt:
+        """A text-only conditioning of 8 user rows and a reply of as many rows as the warm-up has steps."""
+        width = self.config.thinker_config.text_config.hidden_size  # the thinker's rows, before projection
+        cond = TalkerConditioning(torch.zeros(8, width), torch.zeros(8, dtype=torch.bool),
+                                  torch.full((8,), 1000, dtype=torch.long), torch.zeros(6, width))  # fmt: skip
+        speaker = next(iter(self.config.talker_config.speaker_id.values()))
+        return TalkerPrompt(cond, speaker, [torch.zeros(width)] * (WARM_UP_STEPS + 1), text_end=True)
 
     @torch.inference_mode()
     def capture_graphs(self) -> None:

@@ -114,6 +114,21 @@ class ThinkerRunner(DecoderRunner):
         outputs_to_host([r.output for r in results], self.device)
         return results
 
+    def _warm_up_payload(self) -> ThinkerPrompt:
+        """A short user turn and the assistant header, feeding a talker (its conditioning is built too)."""
+        c, newline, word = self.config, 198, 1000  # "\n" and an ordinary token of the Qwen vocabulary
+        ids = [c.im_start_token_id, c.user_token_id, newline, *[word] * 8, c.im_end_token_id, newline,
+               c.im_start_token_id, c.assistant_token_id, newline]  # fmt: skip
+        return ThinkerPrompt(torch.tensor(ids), export_talker=True)
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        prefix, self.prefix = self.prefix, None  # the synthetic prompt is not one to keep
+        try:
+            super().warm_up()
+        finally:
+            self.prefix = prefix
+
     @torch.inference_mode()
     def capture_graphs(self) -> None:
         super().capture_graphs()

@@ -90,8 +90,10 @@ class StageModel:
         # a deploy profile's sampling defaults, over the stage's built-in ones (validated when rendered)
         self.sampling_overrides = json.loads(self.params.get("sampling_defaults") or "{}")
         runner = self.build_runner(model)
-        if hasattr(runner, "capture_graphs"):  # before serving: capture needs the device to itself
-            runner.capture_graphs()
+        # before serving, so that ready means warm: capture needs the device to itself, and the warm-up
+        # request loads what the graphs leave out
+        runner.capture_graphs()
+        runner.warm_up()
         self.responder = Responder(self.STAGE, self.encode, self._cancel)
         scheduler = Scheduler(self.max_slots, self.max_prefills, int(self.params.get("max_queue", 1024)),
                               MAX_PREFILL_TOKENS)  # fmt: skip

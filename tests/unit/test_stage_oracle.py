@@ -162,3 +162,24 @@ def test_talker_eos_ends_the_stream_without_a_frame_for_it(hf_model, processor):
     stopped, reason = speak(eos=int(codes[k, 0]))
     assert reason == "stop"
     assert torch.equal(stopped, codes[:k])
+
+
+def test_a_warmed_up_runner_serves_as_a_fresh_one(hf_model, processor):
+    """warm_up (run while a stage loads, so that ready means warm) leaves no trace: every slot is free, the
+    thinker's prefix cache saw nothing, and the next request, in the slot the warm-up used, still equals
+    generate()."""
+    inputs = prepare_inputs(processor, oracle.messages("text"))
+    want_text, want_codes, _ = oracle.generate(hf_model, inputs, REPLY, FRAMES)
+    kw = dict(max_slots=4, max_seq_len=512, device="cpu", dtype=torch.float32)
+    thinker = ThinkerRunner(hf_model.thinker, hf_model.config, prefix_cache_bytes=1 << 20, **kw)
+    talker = TalkerRunner(hf_model.talker, hf_model.config, **kw)
+    thinker.warm_up()
+    talker.warm_up()
+    assert thinker.slots == talker.slots == [None] * 4
+    assert thinker.stats()["prefix_prompt_tokens"] == 0
+    prompt = ThinkerPrompt(inputs["input_ids"][0], export_talker=True)
+    out, _ = run_thinker(thinker, running("t", SamplingParams(max_tokens=REPLY), prompt, slot=0))
+    assert out.token_ids == want_text
+    tp = TalkerPrompt(out.talker, 2302, list(out.text_rows.unbind(0)), True)
+    codes, _ = run_talker(talker, running("a", SamplingParams(max_tokens=FRAMES, repetition_penalty=1.05), tp, 0))
+    assert torch.equal(codes, want_codes)
