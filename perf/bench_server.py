@@ -30,12 +30,12 @@ def bench_spec(
     instances: dict[str, int] | None = None,
 ) -> dict:
     """default_spec with `engine` parameters set on thinker and talker, `stages` per model, and instance
-    counts for the models that can have several (code2wav, omni_ensemble: thinker and talker sessions are
+    counts for the model that can have several (omni_ensemble: thinker, talker and code2wav sessions are
     pinned, their replicas are separate models)."""
     spec = default_spec(model, device)
     for name, count in (instances or {}).items():
-        if name not in ("code2wav", "omni_ensemble"):
-            raise ValueError(f"instances: {name} cannot have several instances (only code2wav, omni_ensemble)")
+        if name != "omni_ensemble":
+            raise ValueError(f"instances: {name} cannot have several instances (only omni_ensemble)")
         spec[name].instances = count
     for name in ENGINE_STAGES:
         spec[name].parameters.update({k: str(v) for k, v in (engine or {}).items()})

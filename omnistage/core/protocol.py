@@ -109,25 +109,25 @@ TALKER = ModelContract(
     },
 )
 
-# ---- code2wav: the new frames of one chunk + the stream's carried state in, final samples + new state out --
-# Exact streaming: the state (K/V of the pre-transformer's last window, the last conv-context rows and the
-# frame count) makes the concatenated chunks equal the full decode. The first chunk of a stream has no state.
-PAST_KV, PAST_HIDDEN, PAST_FRAMES = "past_kv", "past_hidden", "past_frames"
+# ---- code2wav: a stream's codec frames in, chunk by chunk; each chunk's final samples out -------------------
+# A stream is a session whose carried state (K/V of the pre-transformer's last window, the last conv-context
+# rows, the frame count) stays in the code2wav instance, so the chunks, concatenated, equal the full decode
+# while only frames and samples cross. One chunk at a time per session, each answered with one response:
+#   action=start  : the stream's first chunk (`codes`); opens the session
+#   action=append : its next chunk, sent once the previous one's audio is back
+#   end=true      : on the last chunk, which closes the session (an append may then carry no codes)
+#   action=abort  : closes the session; a chunk in flight ends with no audio; answered at once, empty
+# A start without a session is a stream of one chunk.
 CODE2WAV = ModelContract(
     name="code2wav",
     inputs=(
-        TensorSpec("codes", "TYPE_INT64", (-1, CODE_GROUPS)),  # [new frames, 16]
-        TensorSpec(PAST_KV, "TYPE_FP32", (-1, 2, -1, -1, -1), optional=True),  # [layers, k/v, heads, W, head_dim]
-        TensorSpec(PAST_HIDDEN, "TYPE_FP32", (-1, -1), optional=True),  # [C, hidden]
-        TensorSpec(PAST_FRAMES, "TYPE_INT64", (1,), optional=True),
+        # optional only so that an abort, or an end with no frames left, passes Triton's input check
+        TensorSpec("codes", "TYPE_INT64", (-1, CODE_GROUPS), optional=True),  # [new frames, 16]
     ),
     outputs=(
         TensorSpec("audio", "TYPE_FP32", (-1,)),  # 24 kHz mono samples that became final
-        TensorSpec(PAST_KV, "TYPE_FP32", (-1, 2, -1, -1, -1)),  # the state to send with the next chunk
-        TensorSpec(PAST_HIDDEN, "TYPE_FP32", (-1, -1)),
-        TensorSpec(PAST_FRAMES, "TYPE_INT64", (1,)),
     ),
-    parameters={BLS_TRANSPORT: "string"},
+    parameters={"session": "string", "action": "string", "end": "bool", BLS_TRANSPORT: "string"},
 )
 
 # ---- omni_ensemble: what users call -------------------------------------------------------------------------

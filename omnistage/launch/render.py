@@ -77,12 +77,11 @@ def write_checked_in(repo: Path = MODEL_REPOSITORY) -> list[Path]:
 
 
 def profile_spec(profile: Profile, model_path: str | None = None, resolve_model: bool = True) -> dict[str, ModelSpec]:
-    """Model name -> ModelSpec for a deploy profile. Thinker and talker replicas are separate models
-    (`talker`, `talker_1`, ...), one instance each, because their requests are stateful sessions (start,
-    append, abort) and a BLS call cannot pick an instance; omni_ensemble pins each session to one of them
-    (their names go to it as parameters). Code2Wav keeps its stream state in the tensors, so its replicas
-    are instances of one model, and Triton hands each chunk to a free one. resolve_model: the checkpoint
-    path made absolute against the caller's working directory (else kept as given)."""
+    """Model name -> ModelSpec for a deploy profile. Thinker, talker and code2wav replicas are separate
+    models (`talker`, `talker_1`, ...), one instance each, because their requests are stateful sessions
+    (start, append, abort) and a BLS call cannot pick an instance; omni_ensemble pins each session to one of
+    them (their names go to it as parameters). resolve_model: the checkpoint path made absolute against the
+    caller's working directory (else kept as given)."""
     model_path = model_path or profile.model
     if not model_path:
         raise ValueError("no model: pass one, or set `model:` in the profile")
@@ -102,13 +101,13 @@ def profile_spec(profile: Profile, model_path: str | None = None, resolve_model:
             spec[name] = ModelSpec(parameters=dict(params), source=stage, contract=CONTRACTS[stage], **place)
     plan = profile.stages["code2wav"]
     # max_batch_size is the engine's, not Triton's (see ModelSpec); the first lane decodes new streams' first
-    # chunks of these lengths (CUDA graphs on cuda), the main worker the others, of up to chunk_frames
+    # chunks of these lengths (CUDA graphs on cuda), the main lane the others, of up to chunk_frames
     firsts = {chunks.first_chunk_frames, chunks.light_first_chunk_frames} - {None}
     params = {**common, **_parameters(plan, ("memory_fraction",)), "max_batch_windows": str(plan.max_batch_size or 64),
               "first_chunk_frames": ",".join(map(str, sorted(firsts))), "chunk_frames": str(chunks.chunk_frames)}  # fmt: skip
-    per_gpu = plan.replicas // len(plan.devices)
-    place = {"kind": "KIND_GPU", "gpus": plan.devices, "instances": per_gpu} if cuda else {"instances": plan.replicas}
-    spec["code2wav"] = ModelSpec(parameters=params, **place)
+    for name, gpu in zip(plan.replica_names(), plan.replica_devices()):
+        place = {"kind": "KIND_GPU", "gpus": (gpu,)} if cuda else {}
+        spec[name] = ModelSpec(parameters=dict(params), source="code2wav", contract=CONTRACTS["code2wav"], **place)
     omni = profile.stages["omni_ensemble"]
     spec["omni_ensemble"] = ModelSpec(
         instances=omni.replicas,
@@ -124,7 +123,7 @@ def profile_spec(profile: Profile, model_path: str | None = None, resolve_model:
             "max_queue": str(omni.max_queue or 256),
             # request media limits (omnistage.models.media.MediaLimits); unset: its defaults
             **{k: str(v) for k, v in omni.media.items()},
-            **{f"{s}_models": ",".join(profile.stages[s].replica_names()) for s in ENGINE_STAGES},
+            **{f"{s}_models": ",".join(profile.stages[s].replica_names()) for s in (*ENGINE_STAGES, "code2wav")},
         },
     )
     return spec

@@ -9,9 +9,12 @@ from typing import Iterator
 
 import torch
 
+from ..core.chunking import ChunkSchedule
 from ..core.engine import StageEngine
+from ..core.errors import EngineError
 from ..core.scheduler import Scheduler
-from ..stages.code2wav import Code2WavRunner, state_from_tensors, state_to_tensors
+from ..stages.code2wav import Code2WavRunner
+from ..stages.code2wav_stage import Code2WavStage
 from ..stages.talker import TalkerRunner
 from ..stages.thinker import ThinkerRunner
 from ..stages.wire import (
@@ -36,14 +39,18 @@ class LocalStages:
             "thinker": StageEngine("thinker", ThinkerRunner(thinker, config, **kw), Scheduler(slots), self._emit("thinker")),
             "talker": StageEngine("talker", TalkerRunner(talker, config, **kw), Scheduler(slots), self._emit("talker")),
         }  # fmt: skip
-        self.code2wav_runner = Code2WavRunner(code2wav, torch.device(device), dtype)
-        self._code2wav_lock = threading.Lock()
+        # first chunks of the default schedule's length take the first lane, as served
+        runner = Code2WavRunner(code2wav, torch.device(device), dtype)
+        self.code2wav_stage = Code2WavStage(runner, self._emit("code2wav"),
+                                            first_chunk_frames=[ChunkSchedule().first_chunk_frames])  # fmt: skip
         for engine in self.engines.values():
             engine.start()
+        self.code2wav_stage.start()
 
     def close(self) -> None:
         for engine in self.engines.values():
             engine.stop()
+        self.code2wav_stage.stop()
 
     # ---- StageClient --------------------------------------------------------------------------------------
     def thinker(self, session: str, inputs: dict, parameters: dict) -> Iterator[dict]:
@@ -59,13 +66,24 @@ class LocalStages:
         self.engines["talker"].update(session, lambda seq: seq.payload.append(rows, end))
 
     def abort(self, stage: str, session: str) -> None:
-        self.engines[stage].abort(session)
+        (self.code2wav_stage if stage == "code2wav" else self.engines[stage]).abort(session)
 
-    def code2wav(self, codes: torch.Tensor, state: dict | None) -> tuple[torch.Tensor, dict]:
-        chunk = (codes, state_from_tensors(state) if state else None)
-        with self._code2wav_lock:  # one forward at a time, as one Triton instance would run
-            audio, new_state = self.code2wav_runner.decode([chunk])[0]
-        return audio.clone(), state_to_tensors(new_state)
+    def code2wav(self, session: str, codes: torch.Tensor | None, start: bool, end: bool) -> torch.Tensor:
+        stream: queue.SimpleQueue = queue.SimpleQueue()
+        key = ("code2wav", session)
+        with self._lock:
+            self._streams[key] = stream
+        try:
+            self.code2wav_stage.submit(session, codes, start=start, end=end)
+            output, _, error = stream.get()
+        finally:
+            with self._lock:
+                self._streams.pop(key, None)
+        if error is not None:
+            raise error
+        if output is None:
+            raise EngineError("code2wav returned no audio")
+        return torch.zeros(0) if output.audio is None else output.audio.clone()  # an end with no frames
 
     # ---- internals ----------------------------------------------------------------------------------------
     def _emit(self, stage: str):

@@ -1,7 +1,8 @@
-# Session-pinned routing over the replicas of one stage (thinker or talker), Triton-agnostic.
+# Session-pinned routing over the replicas of one stage (thinker, talker or code2wav), Triton-agnostic.
 #
 # A stage request is part of a session (talker: start, then appends, then maybe an abort; thinker: the
-# stream, then maybe an abort), and a stage replica keeps the session's state (KV slot, pending rows).
+# stream, then maybe an abort; code2wav: a stream's chunks, then maybe an abort), and a stage replica keeps
+# the session's state (KV slot, pending rows, Code2Wav's carried state).
 # A BLS call cannot choose an instance of a model, so each replica is its own model, and every call of
 # a session must reach the replica that holds it. New sessions go to the replica with the fewest sessions
 # pinned; ties rotate, so that a trickle of one request at a time is spread too.

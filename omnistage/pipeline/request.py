@@ -4,8 +4,8 @@
 #   talker thread : codec frames -> chunk windows -> code2wav queue
 #   code2wav thread: windows decoded in order -> audio chunks out
 # The talker starts on the thinker's first reply token (async chunk); frames are cut into chunks on the
-# schedule, and each chunk goes to code2wav with the state its predecessor returned (exact streaming),
-# so what is sent per chunk stays bounded however long the utterance.
+# schedule, and each chunk's frames go to the request's code2wav session, which keeps the stream's state
+# (exact streaming): only frames go out and samples come back, however long the utterance.
 from __future__ import annotations
 
 import functools
@@ -53,8 +53,9 @@ class StageClient(Protocol):
     def talker(self, session: str, inputs: dict, parameters: dict) -> Iterator[dict]: ...
     def talker_append(self, session: str, rows: torch.Tensor | None, end: bool) -> None: ...
     def abort(self, stage: str, session: str) -> None: ...
-    # one chunk of a stream: its new frames and the state the previous chunk returned (None at first)
-    def code2wav(self, codes: torch.Tensor, state: dict | None) -> tuple[torch.Tensor, dict]: ...
+    # one chunk of the session's stream, after the previous one's audio came back: its new frames (None: the
+    # end, with no frames left); start opens the session, end closes it. Returns the chunk's final samples.
+    def code2wav(self, session: str, codes: torch.Tensor | None, start: bool, end: bool) -> torch.Tensor: ...
 
 
 @dataclass
@@ -120,7 +121,7 @@ class OmniRequest:
         self._windows: queue.SimpleQueue = queue.SimpleQueue()
         self._frames: list[torch.Tensor] = []  # [16] long each, frames not yet sent to code2wav
         self._frames_sent = 0  # frames before self._frames[0]
-        self._code2wav_state: dict | None = None
+        self._code2wav_open = False  # the session's code2wav stream was started
         # handoff round trips, for usage and, through on_hop(name, seconds), for metrics
         self.hops = {name: HopTimer(functools.partial(on_hop, name) if on_hop else None)
                      for name in ("talker_append", "code2wav")}  # fmt: skip
@@ -227,10 +228,13 @@ class OmniRequest:
                     self.audio_frames += codes.shape[0]
                     for window in cutter.push(codes.shape[0]):
                         self._mark("first_chunk_cut")
-                        self._windows.put(window)
+                        self._windows.put((window, False))
             if not self.cancelled.is_set():
-                for window in cutter.finish():
-                    self._windows.put(window)
+                last = cutter.finish()  # (window, is it the stream's last); None: an end with no frames left
+                for i, window in enumerate(last):
+                    self._windows.put((window, i == len(last) - 1))
+                if not last and cutter.emitted:
+                    self._windows.put((None, True))
         except OmniError as e:
             self._fail(e)
         except Exception as e:
@@ -241,20 +245,24 @@ class OmniRequest:
 
     # ---- code2wav thread --------------------------------------------------------------------------------
     def _run_code2wav(self) -> None:
-        while (window := self._windows.get()) is not None:
+        while (item := self._windows.get()) is not None:
             if self.cancelled.is_set() or self.error is not None:
                 continue  # drain
-            self._guarded("code2wav", self._decode_window, window)
+            self._guarded("code2wav", self._decode_window, *item)
 
-    def _decode_window(self, window) -> None:
-        first = window.start - self._frames_sent
-        codes = torch.stack(self._frames[first : first + window.frames])
-        del self._frames[: first + window.frames]
-        self._frames_sent = window.end
+    def _decode_window(self, window, last: bool) -> None:
+        codes = None
+        if window is not None:
+            first = window.start - self._frames_sent
+            codes = torch.stack(self._frames[first : first + window.frames])
+            del self._frames[: first + window.frames]
+            self._frames_sent = window.end
+        start, self._code2wav_open = not self._code2wav_open, True
         with self.hops["code2wav"]:
-            audio, self._code2wav_state = self.stages.code2wav(codes, self._code2wav_state)
-        self.emit(OmniOutput(audio=audio.float().reshape(-1)), None, None)
-        self._mark("first_audio_sent")
+            audio = self.stages.code2wav(self.session, codes, start, last)
+        if audio.numel():
+            self.emit(OmniOutput(audio=audio.float().reshape(-1)), None, None)
+            self._mark("first_audio_sent")
 
     # ---- timeline ---------------------------------------------------------------------------------------
     def _ms(self) -> float:
@@ -282,7 +290,8 @@ class OmniRequest:
             self._abort_stages()
 
     def _abort_stages(self) -> None:
-        for stage, started in (("thinker", True), ("talker", self._talker_job is not None)):
+        started_stages = (("thinker", True), ("talker", self._talker_job is not None), ("code2wav", self._code2wav_open))
+        for stage, started in started_stages:
             if started:
                 try:
                     self.stages.abort(stage, self.session)

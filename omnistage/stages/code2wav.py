@@ -9,8 +9,9 @@
 # positions and the window mask are absolute). A chunk of n frames runs the transformer layers (transformers'
 # own modules) on the n new rows only, and the conv stack on C + n rows.
 #
-# The runner is stateless: callers hand the state in and get the new one back, so Triton can batch chunks of
-# many streams and run replicas. Chunks with equal (n, W, C') shapes run as one forward.
+# The runner keeps no state: its caller (code2wav_stage.py, where each stream's state stays resident) hands
+# the state in and gets the new one back, so chunks of many streams batch. Chunks with equal (n, W, C') shapes
+# run as one forward.
 from __future__ import annotations
 
 import contextlib
@@ -26,7 +27,6 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
 )
 
 from omnistage.core.errors import BadRequestError
-from omnistage.core.protocol import PAST_FRAMES, PAST_HIDDEN, PAST_KV
 
 # Frames of conv context kept beyond the derived reach: guards a mis-modelled layer, not needed when exact.
 CONTEXT_MARGIN_FRAMES = 1
@@ -57,25 +57,6 @@ class StreamState:
 
 ChunkIn = tuple[torch.Tensor, "StreamState | None"]  # codes [n, Q] int, state (None: a new stream)
 ChunkOut = tuple[torch.Tensor, StreamState]  # float32 [samples], state after the chunk
-
-
-def state_to_tensors(state: StreamState) -> dict[str, torch.Tensor]:
-    return {
-        PAST_KV: state.kv.float(),
-        PAST_HIDDEN: state.hidden.float(),
-        PAST_FRAMES: torch.tensor([state.position], dtype=torch.int64),
-    }
-
-
-def state_from_tensors(tensors: dict[str, torch.Tensor]) -> StreamState:
-    # Kept in fp32; decode() casts to the module's dtype (lossless for a state that came from it).
-    try:
-        frames = tensors[PAST_FRAMES]
-        if frames.numel() != 1 or frames.dtype.is_floating_point:
-            raise BadRequestError(f"{PAST_FRAMES} must be one integer, got {frames.dtype} {list(frames.shape)}")
-        return StreamState(tensors[PAST_KV], tensors[PAST_HIDDEN], int(frames.item()))
-    except KeyError as e:
-        raise BadRequestError(f"code2wav state lacks tensor {e}") from None
 
 
 def conv_reach_frames(module: torch.nn.Module, samples_per_frame: int, tail_samples: int) -> int:

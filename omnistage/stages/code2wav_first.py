@@ -18,14 +18,14 @@ class FirstChunkDecoder:
     `fit` and go to Code2WavRunner.decode_groups. Off CUDA, or without graphs, the same code runs eagerly."""
 
     def __init__(self, runner: Code2WavRunner, frames: int, max_batch: int, cuda_graphs: bool):
-        self.runner, self.frames = runner, frames
+        self.runner, self.frames, self.max_batch = runner, frames, max_batch
         self.buckets = batch_buckets(max_batch)
         self.codes = torch.zeros(max_batch, frames, runner.num_quantizers, dtype=torch.long, device=runner.device)
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # bucket -> wav, kv, hidden
         self.graphs = GraphBank(f"code2wav-first{frames}", runner.device, cuda_graphs)
 
     def fits(self, chunks: list[ChunkIn]) -> bool:
-        return 0 < len(chunks) <= self.buckets[-1] and all(
+        return 0 < len(chunks) <= self.max_batch and all(
             state is None and codes.shape[0] == self.frames for codes, state in chunks)  # fmt: skip
 
     @torch.inference_mode()

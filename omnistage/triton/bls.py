@@ -54,12 +54,12 @@ def _read(response, outputs: dict[str, TensorSpec]) -> dict:
 
 
 class BlsStageClient:
-    """replicas: stage -> model names of its replicas (thinker, talker; see pipeline/replicas.py).
+    """replicas: stage -> model names of its replicas (thinker, talker, code2wav; see pipeline/replicas.py).
     reaper: keeps each finished stream's iterator until the stub has let go of it (iterator_reaper.py)."""
 
     def __init__(self, reaper: IteratorReaper, replicas: dict[str, list[str]] | None = None):
         self.reaper = reaper
-        self.routers = {s: ReplicaRouter((replicas or {}).get(s) or [s]) for s in ("thinker", "talker")}
+        self.routers = {s: ReplicaRouter((replicas or {}).get(s) or [s]) for s in ("thinker", "talker", "code2wav")}
 
     def _stream(self, model: str, outputs, inputs: dict, parameters: dict) -> Iterator[dict]:
         request = pb_utils.InferenceRequest(
@@ -103,15 +103,16 @@ class BlsStageClient:
             for _ in self._stream(model, (), {}, {"session": session, "action": "abort"}):
                 pass
 
-    def code2wav(self, codes: torch.Tensor, state: dict | None) -> tuple[torch.Tensor, dict]:
-        # one model whatever the replicas: the state travels with the chunk, so any instance can decode it.
-        result = None
-        for out in self._stream("code2wav", CODE2WAV.outputs, {"codes": codes, **(state or {})}, {}):
-            if result is None:
-                result = out.pop("audio"), out
-        if result is None:
+    def code2wav(self, session: str, codes: torch.Tensor | None, start: bool, end: bool) -> torch.Tensor:
+        model = self.routers["code2wav"].pin(session)  # the replica that holds the stream's state
+        inputs = {"codes": codes} if codes is not None else {}
+        parameters = {"session": session, "action": "start" if start else "append", "end": end}
+        audio = None
+        for out in self._stream(model, CODE2WAV.outputs, inputs, parameters):
+            audio = out.get("audio", audio)
+        if audio is None and codes is not None:
             raise EngineError("code2wav returned no audio")
-        return result
+        return torch.zeros(0) if audio is None else audio  # an end with no frames has no samples
 
     def placement(self, session: str) -> dict[str, str]:
         """The replica of each stage that serves the session (reported in usage)."""

@@ -64,7 +64,8 @@ class OmniModel:
         # a session's stage calls all go to one replica; new sessions to the least loaded (pipeline/replicas.py)
         # finished stage streams wait here until the Responder's next cancellation query (iterator_reaper.py)
         self.reaper = IteratorReaper()
-        replicas = {s: params[f"{s}_models"].split(",") for s in ("thinker", "talker") if params.get(f"{s}_models")}
+        replicas = {s: params[f"{s}_models"].split(",") for s in ("thinker", "talker", "code2wav")
+                    if params.get(f"{s}_models")}
         self.stages = BlsStageClient(self.reaper, replicas)
         # At most max_inflight requests run: each holds up to ~3 of the server's Python-backend BLS threads
         # (--backend-config=python,thread-pool-size), and running out of them deadlocks every request at
@@ -92,7 +93,7 @@ class OmniModel:
             .counter("omni_ensemble_responses_total", "responses sent")
             .counter("omni_ensemble_response_delay_seconds_total", "summed seconds from an output's hand-over to the "
                      "response thread to its response sent (/ responses_total: the mean wait there)")
-            .gauge("omni_replica_sessions", "sessions pinned to each thinker / talker replica",
+            .gauge("omni_replica_sessions", "sessions pinned to each thinker / talker / code2wav replica",
                    [{"stage": s, "replica": r} for s, router in self.stages.routers.items() for r in router.replicas])
             .histogram("omni_handoff_latency_seconds", "round trip of one stage handoff: a talker append "
                        "(thinker rows in) or a Code2Wav chunk (codes in, audio out)", HANDOFF_BUCKETS,

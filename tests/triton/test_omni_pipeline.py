@@ -216,10 +216,12 @@ def test_disconnect_frees_slots_in_every_stage(triton_server):
         metrics = triton_server.metrics()
         return gauge(metrics, "omni_thinker_slots_in_use") + gauge(metrics, "omni_talker_slots_in_use")
 
-    wait_for(lambda: held_slots() >= 1, what="a held slot")
+    code2wav_sessions = lambda: gauge(triton_server.metrics(), "omni_code2wav_sessions")  # noqa: E731
+    wait_for(lambda: held_slots() >= 1 and code2wav_sessions() >= 1, what="a held slot and a code2wav session")
     stream.cancel()
     for stage in ("thinker", "talker"):
         wait_for(lambda: gauge(triton_server.metrics(), f"omni_{stage}_slots_in_use") == 0, what=f"{stage} slots")
+    wait_for(lambda: code2wav_sessions() == 0, what="the code2wav session (its state) freed")
     # freed by the abort, not by running out: 900 tokens take at least 900 thinker steps
     time.sleep(0.5)
     assert gauge(triton_server.metrics(), "omni_thinker_steps_total") - steps_before < 850
@@ -267,30 +269,47 @@ def test_bad_input_is_a_400_and_nothing_breaks(triton_server, messages, paramete
 
 
 def test_code2wav_turns_away_a_bad_chunk_alone(triton_server):
-    """Chunks sent together may share a decode; one with out-of-range codes gets its own 400 and the others
-    their audio (the value check runs in the worker, per batch, not in execute())."""
+    """Streams called directly: a chunk with out-of-range codes gets its own 400 and opens nothing; the
+    others get their audio, each stream's chunks decoded from the state the stage keeps for its session."""
     client = grpcclient.InferenceServerClient(triton_server.grpc_url)
     responses: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
     rng = np.random.default_rng(0)
-    good = rng.integers(0, 2048, size=(6, 16), dtype=np.int64)
-    chunks = {f"c{i}": good for i in range(6)}
-    chunks["bad"] = np.full((6, 16), 4096, dtype=np.int64)
-    for request_id, codes in chunks.items():
+    good = rng.integers(0, 2048, size=(12, 16), dtype=np.int64)
+
+    def send(session, codes, action, end, request_id):
         t = grpcclient.InferInput("codes", list(codes.shape), "INT64")
         t.set_data_from_numpy(codes)
-        client.async_stream_infer("code2wav", [t], request_id=request_id)
-    audio, errors = {}, {}
-    for _ in chunks:
-        result, error = responses.get(timeout=120)
-        if error is not None:
-            errors[str(error)] = error
-        else:
-            audio[result.get_response().id] = result.as_numpy("audio")
-    client.stop_stream()
-    client.close()
-    assert len(errors) == 1 and sorted(audio) == [f"c{i}" for i in range(6)], (list(errors), sorted(audio))
+        client.async_stream_infer("code2wav", [t], request_id=request_id,
+                                  parameters={"session": session, "action": action, "end": end})  # fmt: skip
+
+    def answers(n):
+        audio, errors = {}, {}
+        for _ in range(n):
+            result, error = responses.get(timeout=120)
+            if error is not None:
+                errors[str(error)] = error
+            else:
+                audio[result.get_response().id] = result.as_numpy("audio")
+        return audio, errors
+
+    for i in range(4):
+        send(f"direct-c{i}", good[:6], "start", False, f"c{i}")
+    send("direct-bad", np.full((6, 16), 4096, dtype=np.int64), "start", False, "bad")
+    first, errors = answers(5)
+    assert len(errors) == 1 and sorted(first) == [f"c{i}" for i in range(4)], (list(errors), sorted(first))
     message = next(iter(errors))
     assert "[400]" in message and "codes must be in [0, 2048)" in message and "4096" in message, message
-    assert all(a.shape == (6 * 1920 - 555,) for a in audio.values())
-    assert all(np.allclose(a, audio["c0"], atol=1e-5) for a in audio.values())  # same codes, same audio, batched or not
+    for i in range(4):
+        send(f"direct-c{i}", good[6:], "append", True, f"c{i}")
+    send("direct-bad", good[6:], "append", True, "bad")  # its start was refused: no session to append to
+    second, errors = answers(5)
+    client.stop_stream()
+    client.close()
+    message = next(iter(errors))
+    assert len(errors) == 1 and "[400]" in message and "no open code2wav session" in message, message
+    assert all(a.shape == (6 * 1920 - 555,) for a in first.values())
+    assert all(a.shape == (6 * 1920,) for a in second.values())
+    for i in range(4):  # same codes, same audio, batched or not
+        assert np.allclose(first[f"c{i}"], first["c0"], atol=1e-5) and np.allclose(second[f"c{i}"], second["c0"], atol=1e-5)
+    wait_for(lambda: gauge(triton_server.metrics(), "omni_code2wav_sessions") == 0, what="sessions closed by their end")

@@ -1,6 +1,6 @@
 # Stage replicas from a deploy profile on a real tritonserver (CPU, tiny checkpoint): two thinkers, two
-# talkers (separate models, sessions pinned by omni_ensemble) and two code2wav instances. Requests spread
-# over the replicas, every talker call of a request lands on its replica, outputs equal generate() (with
+# talkers and two code2wavs (separate models, sessions pinned by omni_ensemble). Requests spread over the
+# replicas, every talker and code2wav call of a request lands on its replica, outputs equal generate() (with
 # the talker greedy by the profile's sampling default), a cancelled request frees its slots on the replica
 # that held them, and omni_ensemble publishes its handoff / TTFP / RTF histograms. The talkers run with a
 # KV budget that holds 2 of their 8 slots.
@@ -22,7 +22,7 @@ from .conftest import RepoSpec
 from .omni_client import OmniStream
 from .test_omni_pipeline import FRAMES, GREEDY, REPLY, gauge, infer_count, wait_for
 
-REPLICAS = {"thinker": ["thinker", "thinker_1"], "talker": ["talker", "talker_1"]}
+REPLICAS = {"thinker": ["thinker", "thinker_1"], "talker": ["talker", "talker_1"], "code2wav": ["code2wav", "code2wav_1"]}
 TALKER_SLOTS = 2  # of max_batch_size 8 (the base profile's): what the talkers' KV budget holds
 
 
@@ -41,7 +41,7 @@ def repo_spec(tiny_checkpoint, tmp_path_factory):
                     f"kv_cache_bytes: {talker_kv_budget(tiny_checkpoint)}}}}}\n"
                     "chunks: {light_first_chunk_frames: 2}\n")  # fmt: skip
     spec = profile_spec(load_profile(path, "cpu"), str(tiny_checkpoint))
-    assert spec["code2wav"].instances == 2
+    assert spec["code2wav"].instances == spec["code2wav_1"].instances == 1
     # seven Python model processes load one after another on a 2-core machine
     return RepoSpec(models=spec, src=REPO_ROOT / "model_repository", ready_timeout_s=420)
 
@@ -73,6 +73,9 @@ def test_requests_spread_over_replicas_and_keep_their_talker(triton_server, hf_m
     for m in REPLICAS["talker"]:
         calls = [1 + r.usage["hops"].get("talker_append", {}).get("count", 0) for r in results]
         assert after[m] - before[m] == sum(c for c, p in zip(calls, placements) if p["talker"] == m)
+    for m in REPLICAS["code2wav"]:  # every chunk of a stream reached the replica that holds its state
+        calls = [r.usage["hops"]["code2wav"]["count"] for r in results]
+        assert after[m] - before[m] == sum(c for c, p in zip(calls, placements) if p["code2wav"] == m)
     metrics = triton_server.metrics()
     for m in models:
         assert float(re.search(rf'^nv_inference_count{{model="{m}",version="1"}} (\S+)$', metrics, re.M)[1]) > 0
@@ -99,9 +102,11 @@ def test_cancel_frees_the_slots_of_the_replicas_that_held_them(triton_server):
     wait_for(lambda: slots("talker") == 2 and slots("thinker") == 2, timeout=10, what="both sessions in the gauges")
     for s in streams:
         s.cancel()
-    wait_for(lambda: slots("talker") == 0 and slots("thinker") == 0, timeout=30, what="slots freed on every replica")
+    sessions = lambda: gauge(triton_server.metrics(), "omni_code2wav_sessions")  # noqa: E731
+    wait_for(lambda: slots("talker") == 0 and slots("thinker") == 0 and sessions() == 0, timeout=30,
+             what="slots and code2wav sessions freed on every replica")  # fmt: skip
     time.sleep(0.5)  # and nothing is re-admitted afterwards
-    assert slots("talker") == 0 and slots("thinker") == 0
+    assert slots("talker") == 0 and slots("thinker") == 0 and sessions() == 0
 
 
 def series(metrics: str, name: str, **labels) -> list[float]:
@@ -143,7 +148,7 @@ def test_orchestrator_publishes_handoff_ttfp_and_rtf(triton_server):
     assert 0 < delta("omni_audio_rtf_sum") <= elapsed / audio_seconds + 0.1
     assert delta("omni_handoff_latency_seconds_count", hop="code2wav") == chunks == 3
     assert delta("omni_handoff_latency_seconds_count", hop="talker_append") == r.usage["hops"]["talker_append"]["count"]
-    assert delta("omni_code2wav_chunks_total") == chunks  # summed over the code2wav instances
+    assert delta("omni_code2wav_chunks_total") == chunks  # summed over the code2wav replicas
     assert 1 <= delta("omni_code2wav_forwards_total") <= chunks  # 3 chunks of 3 shapes: 3 decodes of 1 forward
     assert 0 < delta("omni_code2wav_busy_seconds_total") < elapsed
     for stage in ("thinker", "talker"):  # busy time is within the request's time, on one of the two replicas
@@ -165,5 +170,5 @@ def test_orchestrator_publishes_handoff_ttfp_and_rtf(triton_server):
         assert delta("omni_milestone_seconds_count", milestone=milestone) == 1, milestone
         assert delta("omni_milestone_seconds_sum", milestone=milestone) == pytest.approx(ms / 1e3, abs=1e-3)
     sessions = series(after, "omni_replica_sessions")
-    assert len(sessions) == 4 and sum(sessions) == 0  # 2 stages x 2 replicas, all sessions released
+    assert len(sessions) == 6 and sum(sessions) == 0  # 3 stages x 2 replicas, all sessions released
     assert series(after, "omni_requests_in_flight") == [0]

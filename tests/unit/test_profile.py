@@ -52,25 +52,27 @@ def test_reference_layout_renders_replica_models_on_their_gpus():
     profile = load_profile(REFERENCE, gpu_count=3)
     assert profile.platform == "cuda"
     spec = render.profile_spec(profile, MODEL)
-    assert sorted(spec) == ["code2wav", "omni_ensemble", "talker", "talker_1", "thinker"]
+    assert sorted(spec) == ["code2wav", "code2wav_1", "omni_ensemble", "talker", "talker_1", "thinker"]
     configs = {name: parsed(name, s) for name, s in spec.items()}
     placement = {n: [(g.count, g.kind, list(g.gpus)) for g in c.instance_group] for n, c in configs.items()}
     gpu = model_config_pb2.ModelInstanceGroup.KIND_GPU
     assert placement["thinker"] == [(1, gpu, [0])]
     assert placement["talker"] == [(1, gpu, [1])] and placement["talker_1"] == [(1, gpu, [2])]
-    assert placement["code2wav"] == [(1, gpu, [1, 2])]  # Triton: `count` instances on each listed GPU
+    assert placement["code2wav"] == [(1, gpu, [1])] and placement["code2wav_1"] == [(1, gpu, [2])]
     for name, config in configs.items():  # a replica carries its stage's contract under its own name
         contract = CONTRACTS[name.split("_1")[0]]
         assert config.name == name and [i.name for i in config.input] == [t.name for t in contract.inputs]
     assert configs["omni_ensemble"].parameters["talker_models"].string_value == "talker,talker_1"
+    assert configs["omni_ensemble"].parameters["code2wav_models"].string_value == "code2wav,code2wav_1"
 
 
 def test_cpu_platform_keeps_replicas_and_drops_gpus(tmp_path):
     path = overlay(tmp_path, "stages: {thinker: {replicas: 2}, talker: {replicas: 3}, code2wav: {replicas: 2}}\n")
     spec = render.profile_spec(load_profile(path, "cpu"), MODEL)
-    assert sorted(spec) == ["code2wav", "omni_ensemble", "talker", "talker_1", "talker_2", "thinker", "thinker_1"]
-    assert all(s.kind == "KIND_CPU" and s.instances == 1 for n, s in spec.items() if n != "code2wav")
-    assert spec["code2wav"].instances == 2
+    assert sorted(spec) == ["code2wav", "code2wav_1", "omni_ensemble", "talker", "talker_1", "talker_2", "thinker",
+                            "thinker_1"]  # fmt: skip
+    assert all(s.kind == "KIND_CPU" and s.instances == 1 for s in spec.values())
+    assert spec["code2wav_1"].source == "code2wav"
     assert spec["talker_2"].source == "talker"
     assert spec["omni_ensemble"].parameters["thinker_models"] == "thinker,thinker_1"
 
@@ -170,7 +172,8 @@ def test_replica_names():
 def test_render_cli_writes_the_profile_and_rejects_a_bad_one(tmp_path, capsys):
     out = tmp_path / "repo"
     render.main(["--profile", str(REFERENCE), "--device", "cpu", "--model", MODEL, "--out", str(out)])
-    assert sorted(p.name for p in out.iterdir()) == ["code2wav", "omni_ensemble", "talker", "talker_1", "thinker"]
+    assert sorted(p.name for p in out.iterdir()) == ["code2wav", "code2wav_1", "omni_ensemble", "talker", "talker_1",
+                                                     "thinker"]  # fmt: skip
     assert (out / "talker_1" / "1" / "model.py").read_text() == (REPO_ROOT / "model_repository/talker/1/model.py").read_text()
     with pytest.raises(SystemExit, match="GPU 2 is out of range"):
         render.main(["--profile", str(REFERENCE), "--gpus", "2", "--model", MODEL, "--out", str(out)])
