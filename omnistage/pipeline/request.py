@@ -230,7 +230,9 @@ class OmniRequest:
                         self._mark("first_chunk_cut")
                         self._windows.put((window, False))
             if not self.cancelled.is_set():
-                last = cutter.finish()  # (window, is it the stream's last); None: an end with no frames left
+                # the code2wav thread takes (window, whether it is the stream's last); a window of None is the
+                # end alone, when the frames ended on a chunk's boundary
+                last = cutter.finish()
                 for i, window in enumerate(last):
                     self._windows.put((window, i == len(last) - 1))
                 if not last and cutter.emitted:
@@ -260,6 +262,9 @@ class OmniRequest:
         start, self._code2wav_open = not self._code2wav_open, True
         with self.hops["code2wav"]:
             audio = self.stages.code2wav(self.session, codes, start, last)
+        if (self.cancelled.is_set() or self.error is not None) and not last:
+            self.stages.abort("code2wav", self.session)  # ended while this chunk was out: its abort may be older
+            return
         if audio.numel():
             self.emit(OmniOutput(audio=audio.float().reshape(-1)), None, None)
             self._mark("first_audio_sent")
@@ -290,8 +295,8 @@ class OmniRequest:
             self._abort_stages()
 
     def _abort_stages(self) -> None:
-        started_stages = (("thinker", True), ("talker", self._talker_job is not None), ("code2wav", self._code2wav_open))
-        for stage, started in started_stages:
+        opened = {"thinker": True, "talker": self._talker_job is not None, "code2wav": self._code2wav_open}
+        for stage, started in opened.items():
             if started:
                 try:
                     self.stages.abort(stage, self.session)
