@@ -409,7 +409,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--w2-prompt-tokens", type=int, default=2500)
     ap.add_argument("--w2-reply-tokens", type=int, default=900, help="= codec frames")
     ap.add_argument("--instances", type=_instances, default={}, metavar="MODEL=N[,MODEL=N]",
-                    help="instance_group count per model, e.g. code2wav=2,omni_ensemble=2")  # fmt: skip
+                    help="instance_group count per model, e.g. omni_ensemble=2 (stage replicas: the profile)")  # fmt: skip
     ap.add_argument("--set", dest="stage_settings", type=stage_setting, action="append", default=[],
                     metavar="MODEL.KEY=VALUE", help="a model's config parameter, e.g. thinker.max_batch_size=32")  # fmt: skip
     ap.add_argument("--skip-baseline", action="store_true")
