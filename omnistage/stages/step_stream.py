@@ -1,5 +1,5 @@
 # A CUDA stream for work that must not queue behind another thread's kernels: Code2Wav's first lane decodes
-# new streams' first chunks on a high-priority stream of its own while its main worker's forwards run on
+# new streams' first chunks on a high-priority stream of its own while its main lane's forwards run on
 # the default stream.
 #
 # The price is ordering by hand: run() may first wait for what other threads queued on the default stream
