@@ -35,7 +35,7 @@ from omnistage.stages.thinker import ThinkerPrompt, ThinkerRunner
 from perf.stage_timing import decode_times, free, release, running, talker_prompts, thinker_prompts, timed
 
 BATCHES = (1, 64)
-PREFILLS = (1, 16)  # 16: the cuda profile's max_prefills_per_step
+PREFILLS = (1, 16)  # 16: a cohort of W1 prompts in one prefill step
 CODE2WAV_STREAMS = (1, 16, 64)
 
 
