@@ -62,7 +62,7 @@ class AudioEncoder:
         grid = torch.zeros(len(chunks), clips[0].shape[0], self.chunk, dtype=clips[0].dtype, device=clips[0].device)
         for i, piece in enumerate(chunks):
             grid[i, :, : piece.shape[1]] = piece
-        hidden = self._convs(grid.to(device, dtype, non_blocking=True), own)
+        hidden = self._convs(to_device(grid, device).to(dtype), own)
         # valid positions of each chunk, in clip order: [N, d_model]
         index = [c * self.chunk_tokens + j for c, n in enumerate(valid) for j in range(n)]
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, to_device(index, device))

@@ -14,6 +14,7 @@ from ..core.scheduler import Sequence
 from .chunk_prefill import ChunkPrefill
 from .conditioning import TalkerConditioning
 from .host_copy import outputs_to_host, to_device, to_host
+from .media_prefill import MediaPrefill
 from .prefix_cache import PrefixCache
 from .runner import DecoderRunner
 
@@ -64,6 +65,11 @@ class ThinkerRunner(DecoderRunner):
         super().__init__(model, config, config.thinker_config.text_config, max_slots=max_slots,
                          max_seq_len=max_seq_len, device=device, dtype=dtype, seed=seed, cuda_graphs=cuda_graphs,
                          max_prefills=max_prefills, head=model.lm_head, embed=model.get_input_embeddings())  # fmt: skip
+        # prompts with audio/image rows prefill batched, with the step's other fresh prompts
+        self.media_prefill = MediaPrefill(self.STAGE, model, self.cache, max_rows=self.static_prefill.max_rows,
+                                          max_tokens=self.static_prefill.max_tokens,
+                                          accept_layer=config.talker_config.accept_hidden_layer,
+                                          cuda_graphs=cuda_graphs)  # fmt: skip
         # text-only prompts that start like earlier ones take the kept prefix's K/V and prefill only the rest
         self.prefix = PrefixCache(self.cache, prefix_cache_bytes) if prefix_cache_bytes else None
         self.chunk_prefill = (ChunkPrefill("thinker", model.model, self.cache, max_rows=min(max_prefills, max_slots),
@@ -89,13 +95,16 @@ class ThinkerRunner(DecoderRunner):
                 f"prompt ({length} tokens) + max_tokens ({seq.params.max_tokens}) exceeds the context "
                 f"limit of {self.max_seq_len} tokens"
             )
+        if not seq.payload.is_text_only:
+            self.media_prefill.validate(seq.payload)
 
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> list[StepResult]:
-        """Every prompt of a step, one of three ways: text-only prompts that start with a kept prefix prefill
-        only the rest (ChunkPrefill), other text-only prompts that fit the static buffers together
-        (StaticPrefill); both are graph-replayed on CUDA. The rest (images, audio, long prompts) runs one by
-        one through transformers' own forward, eager."""
+        """Every prompt of a step, one of four ways: text-only prompts that start with a kept prefix prefill
+        only the rest (ChunkPrefill); prompts with audio/image rows that fit the static buffers, joined by the
+        step's other fresh prompts while rows remain, in one MediaPrefill forward; other text-only prompts
+        that fit the static buffers together (StaticPrefill); all graph-replayed on CUDA. The rest (long
+        prompts) runs one by one through transformers' own forward, eager."""
         text = [s for s in seqs if s.payload.is_text_only]
         # only prompts the chunk prefill could serve look up and keep prefixes (a 2500-token W2 prompt's
         # blocks would only push the shared ones out)
@@ -104,7 +113,12 @@ class ThinkerRunner(DecoderRunner):
         hits = self._chunk_hits(text, found)
         fresh = [s for s in text if all(s is not h for h in hits)
                  and s.payload.input_ids.numel() <= self.static_prefill.max_tokens][: self.static_prefill.max_rows]
+        mp = self.media_prefill
+        media = [s for s in seqs if not s.payload.is_text_only and self.prompt_tokens(s) <= mp.max_tokens][: mp.max_rows]
+        joined = media + fresh[: mp.max_rows - len(media)] if media else []
+        fresh = [s for s in fresh if all(s is not j for j in joined)]
         results = (self._prefill_static(hits, found) if hits else []) + (self._prefill_static(fresh) if fresh else [])
+        results += self._prefill_media(joined) if joined else []
         batched = {id(r.seq) for r in results}
         results += [self._prefill_eager(s) for s in seqs if id(s) not in batched]
         for seq in text:  # keep the blocks worth keeping (copied in stream order: after the prefill)
@@ -132,6 +146,10 @@ class ThinkerRunner(DecoderRunner):
     @torch.inference_mode()
     def capture_graphs(self) -> None:
         super().capture_graphs()
+        # the two prefills' graphs replay one at a time on one stream and leave their results in buffers
+        # outside the pool, so they can share one pool of intermediates instead of holding two
+        self.media_prefill.bank.pool = self.static_prefill.bank.pool
+        self.media_prefill.capture_all()
         if self.chunk_prefill is not None:
             self.chunk_prefill.capture_all()
 
@@ -213,11 +231,26 @@ class ThinkerRunner(DecoderRunner):
         return [self._prefilled_text(seq, e.shape[0], token, e, e, rows, i)
                 for i, (seq, e, token) in enumerate(zip(seqs, embeds, tokens.tolist()))]  # fmt: skip
 
-    def _prefilled_text(self, seq: Sequence, n: int, token: int, embeds, hidden, rows, i: int) -> StepResult:
-        """A text-only prompt of n tokens is in its slot and its first token picked: the slot's state, the
-        talker's conditioning when it feeds one (embeds / hidden: its rows, see _talker_conditioning), and
-        row i of `rows` (the first token's text row, or None)."""
-        self.slots[seq.slot] = _SlotState(n, 0, 0)
+    def _prefill_media(self, seqs: list[Sequence]) -> list[StepResult]:
+        """Prompts with audio/image rows, with the step's other fresh prompts, in one MediaPrefill forward
+        (stages/media_prefill.py); the talker's conditioning takes its rows from that forward's buffers."""
+        last, deltas = self.media_prefill.run([s.payload for s in seqs], [s.slot for s in seqs])
+        tokens = self._sample(self.model.lm_head(last), seqs)
+        rows = self._text_rows(tokens, seqs)
+        results = []
+        for i, (seq, token, delta) in enumerate(zip(seqs, tokens.tolist(), deltas)):
+            n = self.prompt_tokens(seq)
+            embeds = self.media_prefill.embeds_out(i, n).clone()  # a static buffer, rewritten by the next step
+            results.append(self._prefilled_text(seq, n, token, embeds, self.media_prefill.accept_out[i, :n], rows, i,
+                                                rope_delta=delta))  # fmt: skip
+        return results
+
+    def _prefilled_text(self, seq: Sequence, n: int, token: int, embeds, hidden, rows, i: int,
+                        rope_delta: int = 0) -> StepResult:  # fmt: skip
+        """A prompt of n tokens is in its slot and its first token picked: the slot's state, the talker's
+        conditioning when it feeds one (embeds / hidden: its rows, see _talker_conditioning), and row i of
+        `rows` (the first token's text row, or None)."""
+        self.slots[seq.slot] = _SlotState(n, rope_delta, 0)
         talker = tail = None
         if seq.payload.export_talker:
             talker, tail = self._talker_conditioning(seq.payload.input_ids, embeds, hidden)

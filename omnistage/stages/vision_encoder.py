@@ -34,7 +34,7 @@ class VisionEncoder:
         positions = get_vision_position_ids(grid_thw, self.merge)  # [patches, 2]: row, column
         frames = Segments(torch.repeat_interleave(grid_thw[:, 1] * grid_thw[:, 2], grid_thw[:, 0]).tolist(), device)
 
-        hidden = v.patch_embed(pixels.to(device, non_blocking=True))  # [patches, hidden]
+        hidden = v.patch_embed(to_device(pixels, device))  # [patches, hidden]
         taps, weights, positions = (to_device(t, device) for t in (taps, weights, positions))
         hidden = hidden + (v.pos_embed(taps) * weights[:, :, None]).sum(1).to(hidden.dtype)
         cos, sin = v.rotary_pos_emb(hidden, positions)

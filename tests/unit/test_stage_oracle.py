@@ -183,3 +183,37 @@ def test_a_warmed_up_runner_serves_as_a_fresh_one(hf_model, processor):
     tp = TalkerPrompt(out.talker, 2302, list(out.text_rows.unbind(0)), True)
     codes, _ = run_talker(talker, running("a", SamplingParams(max_tokens=FRAMES, repetition_penalty=1.05), tp, 0))
     assert torch.equal(codes, want_codes)
+
+
+def test_thinker_prefills_text_audio_and_image_prompts_in_one_batched_forward(hf_model, processor, monkeypatch):
+    """One thinker prefill of text, audio and image prompts (clips of different lengths), none through the
+    per-request eager forward, then their decode steps together and the talker on each: every prompt gets
+    the text tokens and codec codes generate() gives it alone."""
+    monkeypatch.setattr(ThinkerRunner, "_prefill_eager", lambda self, seq: pytest.fail("per-request prefill"))
+    longer_clip = {"type": "input_audio", "input_audio": {"data": oracle.wav_base64(seconds=2.3, seed=5), "format": "wav"}}
+    conversations = [oracle.messages("text"), oracle.messages("audio"), oracle.messages("image"),
+                     [oracle.SYSTEM, {"role": "user", "content": [longer_clip, {"type": "text", "text": "And this one?"}]}]]  # fmt: skip
+    kw = dict(max_slots=5, max_seq_len=512, device="cpu", dtype=torch.float32)
+    thinker = ThinkerRunner(hf_model.thinker, hf_model.config, **kw)
+    talker = TalkerRunner(hf_model.talker, hf_model.config, **kw)
+    inputs = [prepare_inputs(processor, c) for c in conversations]
+    seqs = [running(f"t{i}", SamplingParams(max_tokens=REPLY),
+                    ThinkerPrompt(x["input_ids"][0], x.get("pixel_values"), x.get("image_grid_thw"), x.get("input_features"),
+                                  x.get("feature_attention_mask"), export_talker=True), slot=i + 1)
+            for i, x in enumerate(inputs)]  # fmt: skip
+    outs, results = {}, thinker.prefill(seqs)
+    while True:
+        for r in results:
+            outs[r.seq.request_id] = outs[r.seq.request_id].merge(r.output) if r.seq.request_id in outs else r.output
+        going = [r.seq for r in results if r.finish_reason is None]
+        if not going:
+            break
+        results = thinker.decode(going)
+    for i, x in enumerate(inputs):
+        want_text, want_codes, _ = oracle.generate(hf_model, x, REPLY, FRAMES)
+        out = outs[f"t{i}"]
+        assert out.token_ids == want_text, i
+        lengths = x["feature_attention_mask"].sum(-1) if "feature_attention_mask" in x else None
+        tp = TalkerPrompt(out.talker, 2302, list(out.text_rows.unbind(0)), True, x.get("image_grid_thw"), lengths)
+        codes, _ = run_talker(talker, running(f"a{i}", SamplingParams(max_tokens=FRAMES, repetition_penalty=1.05), tp, 0))
+        assert torch.equal(codes, want_codes), i

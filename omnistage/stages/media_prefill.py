@@ -1,0 +1,151 @@
+# The thinker's prefill of a step's prompts with audio or image rows (and the text-only prompts of the same
+# step) in one forward from static buffers, replayed as a CUDA graph per (rows, tokens) bucket as
+# StaticPrefill does for text-only steps. What transformers' thinker forward does for one prompt, done for
+# all of them at once:
+# - every clip of the step through the audio encoder in one call, every image through the vision encoder
+#   in one call (audio_encoder.py, vision_encoder.py), their tokens scattered into the input embeddings
+#   at the prompts' audio / image placeholder positions;
+# - MRoPE positions per row from transformers' get_rope_index (host side, from the token ids and the
+#   media geometry), each row's rope delta kept for its decode steps;
+# - the vision encoder's deepstack features added to the residual stream at image positions after the
+#   first len(deepstack) layers (zero elsewhere, so the add is dense and the same work every replay);
+# - the residual stream entering layer accept_layer kept for the talker's conditioning on media rows.
+# Rows are right-padded to the bucket's tokens and padding rows repeat row 0 (see static_prefill.py).
+from __future__ import annotations
+
+import torch
+
+from ..models.layer_stack import run_layers
+from .audio_encoder import AudioEncoder
+from .cuda_graphs import GraphBank, batch_buckets, bucket_for
+from .host_copy import to_device
+from .kv_cache import SlotKVCache
+from .static_prefill import _SlotWriter, token_buckets
+
+
+class MediaPrefill:
+    def __init__(self, name: str, thinker, cache: SlotKVCache, *, max_rows: int, max_tokens: int,
+                 accept_layer: int, cuda_graphs: bool):  # fmt: skip
+        from .vision_encoder import VisionEncoder  # transformers' vision helpers: imported with the runner
+
+        self.thinker, self.text_model, self.cache = thinker, thinker.model, cache
+        self.audio, self.vision = AudioEncoder(thinker.audio_tower), VisionEncoder(thinker.visual)
+        c = thinker.config
+        self.audio_id, self.image_id = c.audio_token_id, c.image_token_id
+        deepstack = len(c.vision_config.deepstack_visual_indexes)
+        if accept_layer <= deepstack:
+            raise ValueError(f"accept layer {accept_layer} lies among the deepstack layers (first {deepstack})")
+        layers = len(self.text_model.layers)
+        # layer ranges between the points where the stream is touched: each deepstack add, the accept layer
+        cuts = sorted({*range(1, deepstack + 1), accept_layer, layers})
+        self.spans = list(zip([0] + cuts[:-1], cuts))
+        self.deepstack_count, self.accept_layer = deepstack, accept_layer
+        device, dtype = cache.k[0].device, cache.k[0].dtype
+        hidden = self.text_model.norm.weight.shape[0]
+        self.max_rows, self.max_tokens = max_rows, min(max_tokens, cache.max_len)
+        self.bank = GraphBank(f"{name}_media_prefill", device, cuda_graphs)
+        self.row_buckets = batch_buckets(max_rows) if self.bank.enabled else None
+        self.token_buckets = token_buckets(self.max_tokens) if self.bank.enabled else None
+        self.embeds = torch.zeros(max_rows, self.max_tokens, hidden, dtype=dtype, device=device)
+        self.positions = torch.zeros(3, max_rows, self.max_tokens, dtype=torch.long, device=device)
+        self.deepstack = torch.zeros(deepstack, max_rows, self.max_tokens, hidden, dtype=dtype, device=device)
+        self.index = torch.zeros(2, max_rows, dtype=torch.long, device=device)  # slots, last prompt position
+        self.hidden_out = torch.zeros(max_rows, hidden, dtype=dtype, device=device)
+        self.accept_out = torch.zeros(max_rows, self.max_tokens, hidden, dtype=dtype, device=device)
+
+    def fits(self, rows: int, tokens: int) -> bool:
+        return rows <= self.max_rows and tokens <= self.max_tokens
+
+    def shape_for(self, rows: int, tokens: int) -> tuple[int, int]:
+        if self.row_buckets is None:
+            return rows, tokens
+        return bucket_for(rows, self.row_buckets), bucket_for(tokens, self.token_buckets)
+
+    def run(self, prompts: list, slots: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """prompts: ThinkerPrompts (input_ids and media on the host); slots: where each one's K/V goes.
+        Returns the normed hidden state at each prompt's last position [n, D] and each prompt's rope delta.
+        After it, embeds_out(i) and accept_out[i] hold prompt i's input embeddings and accept-layer rows
+        (static buffers: read before the next run)."""
+        n, lengths = len(prompts), [int(p.input_ids.numel()) for p in prompts]
+        rows, tokens = self.shape_for(n, max(lengths))
+        ids = torch.zeros(rows, tokens, dtype=torch.long)
+        positions = torch.zeros(3, rows, tokens, dtype=torch.long)
+        deltas = []
+        for i, (p, length) in enumerate(zip(prompts, lengths)):
+            ids[i, :length] = p.input_ids
+            pos, delta = self._rope_index(p)
+            positions[:, i, :length] = pos  # past the prompt: 0, K/V overwritten by decode steps before read
+            deltas.append(delta)
+        ids[n:], positions[:, n:] = ids[:1], positions[:, :1]
+        embeds = self.embeds[:rows, :tokens]
+        embeds.copy_(self.thinker.get_input_embeddings()(to_device(ids, embeds.device)))
+        self._scatter_media(prompts, ids[:n])
+        self.positions[:, :rows, :tokens].copy_(to_device(positions, embeds.device))
+        if rows > n:
+            embeds[n:].copy_(embeds[:1].expand(rows - n, -1, -1))
+            self.deepstack[:, n:rows, :tokens].copy_(self.deepstack[:, :1, :tokens].expand(-1, rows - n, -1, -1))
+        index = [slots + slots[:1] * (rows - n), [x - 1 for x in lengths + lengths[:1] * (rows - n)]]
+        self.index[:, :rows].copy_(to_device(index, self.index.device))
+        self.bank.run((rows, tokens), lambda: self._run(rows, tokens))
+        return self.hidden_out[:n], deltas
+
+    def embeds_out(self, row: int, length: int) -> torch.Tensor:
+        return self.embeds[row, :length]
+
+    def capture_all(self) -> None:
+        """Captures every (rows, tokens) bucket while no slot is in use (they write into slot 0)."""
+        if not self.bank.enabled:
+            return
+        self.index.zero_()
+        keys = [(r, t) for r in self.row_buckets for t in self.token_buckets]
+        self.bank.capture_all(keys, lambda key: lambda: self._run(*key))
+
+    # ---- internals ----------------------------------------------------------------------------------------
+    def _rope_index(self, p) -> tuple[torch.Tensor, int]:
+        """MRoPE positions [3, L] and rope delta of one prompt, as transformers' forward computes them."""
+        ids = p.input_ids[None].cpu()
+        lengths = p.feature_attention_mask.sum(-1) if p.feature_attention_mask is not None else None
+        grid = p.image_grid_thw.cpu() if p.image_grid_thw is not None else None
+        pos, delta = self.thinker.get_rope_index(ids, grid, None, torch.ones_like(ids), False, lengths, None)
+        return pos[:, 0], int(delta.reshape(-1)[0])
+
+    def _scatter_media(self, prompts: list, ids: torch.Tensor) -> None:
+        """Encodes every clip and image of the prompts (one call per encoder) and writes their tokens into
+        self.embeds, the deepstack features into self.deepstack, at the placeholder positions of rows
+        0..n-1 (ids [n, tokens] on the host; the deepstack rows elsewhere are zero)."""
+        n, tokens = ids.shape
+        width = self.embeds.shape[1]
+        flat_rows = (torch.arange(n)[:, None] * width + torch.arange(tokens)[None]).reshape(-1)
+        flat_ids = ids.reshape(-1)
+        self.deepstack[:, :n, :tokens].zero_()
+        clips = [f[:, : int(m.sum())] for p in prompts if p.input_features is not None
+                 for f, m in zip(p.input_features, p.feature_attention_mask)]  # fmt: skip
+        if clips:
+            audio, _ = self.audio(clips)
+            where = to_device(flat_rows[flat_ids == self.audio_id], audio.device)
+            self.embeds.view(-1, self.embeds.shape[-1]).index_copy_(0, where, audio.to(self.embeds.dtype))
+        images = [p for p in prompts if p.pixel_values is not None]
+        if images:
+            pixels = torch.cat([p.pixel_values for p in images])
+            image, deepstack, _ = self.vision(pixels, torch.cat([p.image_grid_thw.cpu() for p in images]))
+            where = to_device(flat_rows[flat_ids == self.image_id], image.device)
+            self.embeds.view(-1, self.embeds.shape[-1]).index_copy_(0, where, image.to(self.embeds.dtype))
+            for layer, features in enumerate(deepstack):
+                self.deepstack[layer].view(-1, features.shape[-1]).index_copy_(0, where, features.to(self.embeds.dtype))
+
+    def _run(self, rows: int, tokens: int) -> None:
+        hidden = self.embeds[:rows, :tokens]
+        position_embeddings = self.text_model.rotary_emb(hidden, self.positions[:, :rows, :tokens])
+        writer = _SlotWriter(self.cache, self.index[0, :rows], tokens)
+        layers = self.text_model.layers
+        for start, end in self.spans:
+            if start == self.accept_layer:
+                self.accept_out[:rows, :tokens].copy_(hidden)
+            last = end == len(layers)
+            # no mask: sdpa runs causal over the new tokens
+            hidden = run_layers(layers[start:end], hidden, self.text_model.norm if last else None, attention_mask=None,
+                                position_embeddings=position_embeddings, past_key_values=writer)  # fmt: skip
+            if end <= self.deepstack_count:
+                hidden = hidden + self.deepstack[end - 1, :rows, :tokens]
+        last = hidden[torch.arange(rows, device=hidden.device), self.index[1, :rows]]  # [rows, D], normed
+        self.hidden_out[:rows].copy_(last)

@@ -1,0 +1,69 @@
+# The thinker's media prefill (stages/media_prefill.py): audio and image prompts prefilled together, padded to
+# a (rows, tokens) bucket, leave in each slot the K/V and return the last hidden state and accept-layer rows
+# that each prompt gets when prefilled alone, and touch no other slot; on CUDA, replayed graphs give what the
+# eager run gives.
+import pytest
+import torch
+
+from omnistage.models.processor import prepare_inputs
+from omnistage.stages.cuda_graphs import batch_buckets
+from omnistage.stages.kv_cache import SlotKVCache
+from omnistage.stages.media_prefill import MediaPrefill
+from omnistage.stages.static_prefill import token_buckets
+from omnistage.stages.thinker import ThinkerPrompt
+
+from .. import oracle
+
+
+def _prompts(processor) -> list[ThinkerPrompt]:
+    out = []
+    for kind in ("audio", "image"):
+        x = prepare_inputs(processor, oracle.messages(kind))
+        out.append(ThinkerPrompt(x["input_ids"][0], x.get("pixel_values"), x.get("image_grid_thw"),
+                                 x.get("input_features"), x.get("feature_attention_mask")))  # fmt: skip
+    return out
+
+
+def _prefill(thinker, prompts, slots, device="cpu", dtype=torch.float32, buckets=None, cuda_graphs=False):
+    cfg = thinker.config.text_config
+    cache = SlotKVCache(cfg.num_hidden_layers, 6, cfg.num_key_value_heads, 256, cfg.head_dim, dtype, device)
+    for k in cache.k + cache.v:
+        k.fill_(7.0)  # what was there before
+    prefill = MediaPrefill("test", thinker, cache, max_rows=4, max_tokens=128, accept_layer=3, cuda_graphs=cuda_graphs)
+    if buckets:
+        prefill.row_buckets, prefill.token_buckets = buckets
+    prefill.capture_all()
+    hidden, deltas = prefill.run(prompts, slots)
+    accept = [prefill.accept_out[i, : p.input_ids.numel()].clone() for i, p in enumerate(prompts)]
+    return hidden.clone(), deltas, accept, cache
+
+
+@torch.inference_mode()
+def test_media_prompts_padded_together_equal_each_prompt_alone(hf_model, processor):
+    prompts = _prompts(processor)
+    hidden, deltas, accept, cache = _prefill(hf_model.thinker, prompts, [4, 1], buckets=([4], [64, 128]))
+    for i, (prompt, slot) in enumerate(zip(prompts, [4, 1])):
+        h, d, a, own = _prefill(hf_model.thinker, [prompt], [slot])
+        n = prompt.input_ids.numel()
+        assert deltas[i] == d[0]
+        assert oracle.rel_error(hidden[i], h[0]) < 1e-5
+        assert oracle.rel_error(accept[i], a[0]) < 1e-5
+        for layer in range(len(cache.k)):
+            assert oracle.rel_error(cache.k[layer][slot, :, :n], own.k[layer][slot, :, :n]) < 1e-5
+    untouched = [s for s in range(6) if s not in (4, 1)]
+    assert all(bool((k[untouched] == 7.0).all()) for k in cache.k + cache.v)
+
+
+@pytest.mark.gpu
+@torch.inference_mode()
+def test_media_prefill_graphs_equal_eager_on_cuda(hf_model, processor):
+    import copy
+
+    thinker = copy.deepcopy(hf_model.thinker).to("cuda", torch.bfloat16)
+    prompts = _prompts(processor)
+    kw = dict(device="cuda", dtype=torch.bfloat16)
+    # the eager run at the graphs' bucket shapes: the same kernels on the same shapes
+    eager = _prefill(thinker, prompts, [4, 1], buckets=(batch_buckets(4), token_buckets(128)), **kw)
+    graphed = _prefill(thinker, prompts, [4, 1], cuda_graphs=True, **kw)
+    assert torch.equal(eager[0], graphed[0]) and eager[1] == graphed[1]
+    assert all(torch.equal(a, b) for a, b in zip(eager[2], graphed[2]))
