@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from ..core.errors import BadRequestError
 from ..models.layer_stack import run_layers
-from .audio_encoder import AudioEncoder
+from .audio_encoder import AudioEncoder, encoded_length
 from .cuda_graphs import GraphBank, batch_buckets, bucket_for
 from .host_copy import to_device
 from .kv_cache import SlotKVCache
@@ -52,6 +53,22 @@ class MediaPrefill:
         self.index = torch.zeros(2, max_rows, dtype=torch.long, device=device)  # slots, last prompt position
         self.hidden_out = torch.zeros(max_rows, hidden, dtype=dtype, device=device)
         self.accept_out = torch.zeros(max_rows, self.max_tokens, hidden, dtype=dtype, device=device)
+
+    def validate(self, p) -> None:
+        """A prompt whose placeholder counts differ from its media's token counts is the client's error (the
+        processor never makes one); found at admission, so it fails no other prompt of a step."""
+        ids = p.input_ids.cpu()
+        audio = 0
+        if p.input_features is not None:
+            n_window = self.audio.tower.config.n_window
+            audio = sum(encoded_length(int(m.sum()), n_window) for m in p.feature_attention_mask.cpu())
+        image = 0
+        if p.image_grid_thw is not None:
+            image = int((p.image_grid_thw.cpu().prod(-1) // self.vision.merge**2).sum())
+        for what, want, placeholder in (("audio", audio, self.audio_id), ("image", image, self.image_id)):
+            have = int((ids == placeholder).sum())
+            if have != want:
+                raise BadRequestError(f"prompt has {have} {what} placeholder tokens for {want} {what} tokens")
 
     def fits(self, rows: int, tokens: int) -> bool:
         return rows <= self.max_rows and tokens <= self.max_tokens
@@ -104,7 +121,7 @@ class MediaPrefill:
     def _rope_index(self, p) -> tuple[torch.Tensor, int]:
         """MRoPE positions [3, L] and rope delta of one prompt, as transformers' forward computes them."""
         ids = p.input_ids[None].cpu()
-        lengths = p.feature_attention_mask.sum(-1) if p.feature_attention_mask is not None else None
+        lengths = p.feature_attention_mask.cpu().sum(-1) if p.feature_attention_mask is not None else None
         grid = p.image_grid_thw.cpu() if p.image_grid_thw is not None else None
         pos, delta = self.thinker.get_rope_index(ids, grid, None, torch.ones_like(ids), False, lengths, None)
         return pos[:, 0], int(delta.reshape(-1)[0])

@@ -67,3 +67,20 @@ def test_media_prefill_graphs_equal_eager_on_cuda(hf_model, processor):
     graphed = _prefill(thinker, prompts, [4, 1], cuda_graphs=True, **kw)
     assert torch.equal(eager[0], graphed[0]) and eager[1] == graphed[1]
     assert all(torch.equal(a, b) for a, b in zip(eager[2], graphed[2]))
+
+
+def test_placeholder_counts_that_differ_from_the_media_are_refused(hf_model, processor):
+    from dataclasses import replace
+
+    from omnistage.core.errors import BadRequestError
+
+    cfg = hf_model.config.thinker_config.text_config
+    cache = SlotKVCache(cfg.num_hidden_layers, 2, cfg.num_key_value_heads, 256, cfg.head_dim, torch.float32, "cpu")
+    prefill = MediaPrefill("test", hf_model.thinker, cache, max_rows=2, max_tokens=128, accept_layer=3, cuda_graphs=False)
+    for prompt in _prompts(processor):
+        prefill.validate(prompt)  # as the processor makes them
+        placeholder = hf_model.config.thinker_config.audio_token_id if prompt.input_features is not None else \
+            hf_model.config.thinker_config.image_token_id  # fmt: skip
+        extra = replace(prompt, input_ids=torch.cat([prompt.input_ids, torch.tensor([placeholder])]))
+        with pytest.raises(BadRequestError, match="placeholder"):
+            prefill.validate(extra)
