@@ -18,18 +18,22 @@ import torch
 from ..core.errors import BadRequestError
 from ..models.layer_stack import run_layers
 from .audio_encoder import AudioEncoder, encoded_length
-from .cuda_graphs import GraphBank, batch_buckets, bucket_for
 from .host_copy import to_device
 from .kv_cache import SlotKVCache
-from .static_prefill import _SlotWriter, token_buckets
+from .static_prefill import StaticPrefill, _SlotWriter
 
 
-class MediaPrefill:
+class MediaPrefill(StaticPrefill):
+    """StaticPrefill's buffers, buckets and graphs, plus per-row MRoPE positions, deepstack rows, the
+    accept layer's rows and the media encoders."""
+
     def __init__(self, name: str, thinker, cache: SlotKVCache, *, max_rows: int, max_tokens: int,
                  accept_layer: int, cuda_graphs: bool):  # fmt: skip
         from .vision_encoder import VisionEncoder  # transformers' vision helpers: imported with the runner
 
-        self.thinker, self.text_model, self.cache = thinker, thinker.model, cache
+        super().__init__(f"{name}_media", thinker.model, cache, max_rows=max_rows, max_tokens=max_tokens,
+                         cuda_graphs=cuda_graphs)  # fmt: skip
+        self.thinker = thinker
         self.audio, self.vision = AudioEncoder(thinker.audio_tower), VisionEncoder(thinker.visual)
         c = thinker.config
         self.audio_id, self.image_id = c.audio_token_id, c.image_token_id
@@ -41,18 +45,11 @@ class MediaPrefill:
         cuts = sorted({*range(1, deepstack + 1), accept_layer, layers})
         self.spans = list(zip([0] + cuts[:-1], cuts))
         self.deepstack_count, self.accept_layer = deepstack, accept_layer
-        device, dtype = cache.k[0].device, cache.k[0].dtype
-        hidden = self.text_model.norm.weight.shape[0]
-        self.max_rows, self.max_tokens = max_rows, min(max_tokens, cache.max_len)
-        self.bank = GraphBank(f"{name}_media_prefill", device, cuda_graphs)
-        self.row_buckets = batch_buckets(max_rows) if self.bank.enabled else None
-        self.token_buckets = token_buckets(self.max_tokens) if self.bank.enabled else None
-        self.embeds = torch.zeros(max_rows, self.max_tokens, hidden, dtype=dtype, device=device)
-        self.positions = torch.zeros(3, max_rows, self.max_tokens, dtype=torch.long, device=device)
-        self.deepstack = torch.zeros(deepstack, max_rows, self.max_tokens, hidden, dtype=dtype, device=device)
-        self.index = torch.zeros(2, max_rows, dtype=torch.long, device=device)  # slots, last prompt position
-        self.hidden_out = torch.zeros(max_rows, hidden, dtype=dtype, device=device)
-        self.accept_out = torch.zeros(max_rows, self.max_tokens, hidden, dtype=dtype, device=device)
+        rows, tokens, hidden = self.embeds.shape
+        device, dtype = self.embeds.device, self.embeds.dtype
+        self.positions = torch.zeros(3, rows, tokens, dtype=torch.long, device=device)
+        self.deepstack = torch.zeros(deepstack, rows, tokens, hidden, dtype=dtype, device=device)
+        self.accept_out = torch.zeros(rows, tokens, hidden, dtype=dtype, device=device)
 
     def validate(self, p) -> None:
         """A prompt whose placeholder counts differ from its media's token counts is the client's error (the
@@ -69,14 +66,6 @@ class MediaPrefill:
             have = int((ids == placeholder).sum())
             if have != want:
                 raise BadRequestError(f"prompt has {have} {what} placeholder tokens for {want} {what} tokens")
-
-    def fits(self, rows: int, tokens: int) -> bool:
-        return rows <= self.max_rows and tokens <= self.max_tokens
-
-    def shape_for(self, rows: int, tokens: int) -> tuple[int, int]:
-        if self.row_buckets is None:
-            return rows, tokens
-        return bucket_for(rows, self.row_buckets), bucket_for(tokens, self.token_buckets)
 
     def run(self, prompts: list, slots: list[int]) -> tuple[torch.Tensor, list[int]]:
         """prompts: ThinkerPrompts (input_ids and media on the host); slots: where each one's K/V goes.
@@ -101,25 +90,22 @@ class MediaPrefill:
         if rows > n:
             embeds[n:].copy_(embeds[:1].expand(rows - n, -1, -1))
             self.deepstack[:, n:rows, :tokens].copy_(self.deepstack[:, :1, :tokens].expand(-1, rows - n, -1, -1))
-        index = [slots + slots[:1] * (rows - n), [x - 1 for x in lengths + lengths[:1] * (rows - n)]]
-        self.index[:, :rows].copy_(to_device(index, self.index.device))
+        index = to_device([slots + slots[:1] * (rows - n), [x - 1 for x in lengths + lengths[:1] * (rows - n)]],
+                          self.slots.device)  # fmt: skip
+        self.slots[:rows].copy_(index[0])
+        self.last[:rows].copy_(index[1])
         self.bank.run((rows, tokens), lambda: self._run(rows, tokens))
         return self.hidden_out[:n], deltas
 
     def embeds_out(self, row: int, length: int) -> torch.Tensor:
         return self.embeds[row, :length]
 
-    def capture_all(self) -> None:
-        """Captures every (rows, tokens) bucket while no slot is in use (they write into slot 0)."""
-        if not self.bank.enabled:
-            return
-        self.index.zero_()
-        keys = [(r, t) for r in self.row_buckets for t in self.token_buckets]
-        self.bank.capture_all(keys, lambda key: lambda: self._run(*key))
-
     # ---- internals ----------------------------------------------------------------------------------------
     def _rope_index(self, p) -> tuple[torch.Tensor, int]:
-        """MRoPE positions [3, L] and rope delta of one prompt, as transformers' forward computes them."""
+        """MRoPE positions [3, L] and rope delta of one prompt, as transformers' forward computes them (for a
+        text-only prompt 0..L-1 on every section, delta 0, without its per-token host loop)."""
+        if p.is_text_only:
+            return torch.arange(p.input_ids.numel()).expand(3, -1), 0
         ids = p.input_ids[None].cpu()
         lengths = p.feature_attention_mask.cpu().sum(-1) if p.feature_attention_mask is not None else None
         grid = p.image_grid_thw.cpu() if p.image_grid_thw is not None else None
@@ -153,7 +139,7 @@ class MediaPrefill:
     def _run(self, rows: int, tokens: int) -> None:
         hidden = self.embeds[:rows, :tokens]
         position_embeddings = self.text_model.rotary_emb(hidden, self.positions[:, :rows, :tokens])
-        writer = _SlotWriter(self.cache, self.index[0, :rows], tokens)
+        writer = _SlotWriter(self.cache, self.slots[:rows], tokens)
         layers = self.text_model.layers
         for start, end in self.spans:
             if start == self.accept_layer:
@@ -164,5 +150,5 @@ class MediaPrefill:
                                 position_embeddings=position_embeddings, past_key_values=writer)  # fmt: skip
             if end <= self.deepstack_count:
                 hidden = hidden + self.deepstack[end - 1, :rows, :tokens]
-        last = hidden[torch.arange(rows, device=hidden.device), self.index[1, :rows]]  # [rows, D], normed
+        last = hidden[torch.arange(rows, device=hidden.device), self.last[:rows]]  # [rows, D], normed
         self.hidden_out[:rows].copy_(last)
