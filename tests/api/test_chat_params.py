@@ -1,5 +1,7 @@
 # Request -> omni_ensemble parameters, without HTTP.
 import pytest
+
+from omnistage.core.errors import BadRequestError
 from pydantic import ValidationError
 
 from omnistage.core.protocol import OMNI
@@ -8,7 +10,7 @@ from openai_frontend.errors import FrontendError
 from openai_frontend.schemas import ChatCompletionRequest
 from openai_frontend.settings import FrontendSettings
 
-SETTINGS = FrontendSettings(model_name="qwen3-omni", default_voice="chelsie")
+SETTINGS = FrontendSettings(default_voice="chelsie")
 USER = [{"role": "user", "content": "hi"}]
 
 
@@ -94,10 +96,10 @@ def test_stream_options():
 ])
 def test_unknown_voice_lists_the_served_ones(body, param):
     settings = FrontendSettings(voices=("Ethan", "chelsie"))
-    with pytest.raises(FrontendError) as info:
+    with pytest.raises(BadRequestError) as info:
         plan_chat(ChatCompletionRequest.model_validate({"messages": USER, **body}), settings)
-    assert (info.value.status, info.value.param) == (400, param)
-    assert info.value.message.endswith("valid voices: ethan, chelsie")
+    assert (info.value.code, info.value.param, info.value.error_code) == (400, param, "invalid_voice")
+    assert str(info.value).endswith("valid voices: ethan, chelsie")
 
 
 def test_voices_come_from_the_settings():

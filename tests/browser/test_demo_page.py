@@ -25,7 +25,7 @@ def fake():
 
 @pytest.fixture(scope="module")
 def server(fake):
-    with ThreadedUvicorn(create_app(fake, default_voice="ethan", model_name="qwen3-omni")) as srv:
+    with ThreadedUvicorn(create_app(fake, default_voice="ethan")) as srv:
         yield srv
 
 
