@@ -80,7 +80,8 @@ def synthetic_export():
         "experiment": {"mode": "concurrency", "value": 1},
         "requests": [
             req(0, [(100, text), (300, audio), (900, audio), (950, final)]),
-            req(1000, [(120, text), (140, {"text": "", "token_ids": "", "audio": 0.3}), (600, final)]),
+            req(1000, [(120, text), (140, {"text": "", "token_ids": "", "audio": 0.3}), (200, {"audio": [0.0, 0.1]}),
+                       (600, final)]),
         ],
         "window_boundaries": [t0, t0 + 2000 * MS],
     }
@@ -97,7 +98,8 @@ def test_request_latencies():
     first = request_latencies(doc["experiments"][0]["requests"][0])
     assert first == {"first_response_ms": 100, "ttft_ms": 100, "ttfp_ms": 300, "e2e_ms": 950, "responses": 4}
     second = request_latencies(doc["experiments"][0]["requests"][1])
-    assert second["ttfp_ms"] == 140  # a one-element FP32 output is a bare number; "" is an empty tensor
+    # a bare number is how perf_analyzer writes an absent or empty output: audio only counts with samples
+    assert second["ttfp_ms"] == 200
     assert request_latencies(doc["experiments"][1]["requests"][1])["first_response_ms"] is None
 
 
@@ -106,7 +108,7 @@ def test_experiment_summaries_and_cli(tmp_path, capsys):
     c1, c2 = summarize_export(doc)
     assert (c1["mode"], c1["value"], c1["requests"], c1["answered"]) == ("concurrency", 1, 2, 2)
     assert c1["throughput_rps"] == pytest.approx(1.0)  # 2 requests finished inside a 2 s window
-    assert c1["ttfp_ms"]["mean"] == pytest.approx(220) and c1["first_response_ms"]["mean"] == pytest.approx(110)
+    assert c1["ttfp_ms"]["mean"] == pytest.approx(250) and c1["first_response_ms"]["mean"] == pytest.approx(110)
     assert c2["answered"] == 1 and c2["ttfp_ms"] is None
     assert c2["throughput_rps"] == pytest.approx(20.0)  # no windows: 1 answered over its 50 ms span
     path = tmp_path / "export.json"
