@@ -1,5 +1,6 @@
 # perf/: metric aggregation, comparisons and the perf_analyzer profile-export parser (pure logic, CPU).
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -152,3 +153,21 @@ def test_omni_metrics_keeps_labelled_series_by_label(tmp_path):
     assert got["omni_milestone_seconds_sum"] == [0.5, 9.25]
     assert got['omni_milestone_seconds_sum{milestone="end"}'] == [9.25]
     assert "nv_inference_count" not in got and not any(k.startswith("omni_milestone_seconds_bucket{") for k in got)
+
+
+def test_reader_on_a_recorded_export():
+    # perf.perf_analyzer.sweep against the tiny checkpoint on the CPU (perf_analyzer 2.51, omni_ensemble, W1,
+    # concurrency 2, 4 requests); each audio list trimmed to 4 samples to keep the file small. perf_analyzer
+    # wrote the audio of text-only responses as bare numbers (0.0 and garbage such as -4.9e31).
+    doc = json.loads((Path(__file__).parent / "fixtures" / "pa_omni_ensemble_w1_c2.json").read_text())
+    (experiment,) = doc["experiments"]
+    for request in experiment["requests"]:
+        outputs = request["response_outputs"]
+        first_audio = next(i for i, o in enumerate(outputs) if isinstance(o["audio"], list))
+        assert any(isinstance(o["audio"], float) for o in outputs[:first_audio])  # the trap is in the recording
+        got = request_latencies(request)
+        sent, stamps = request["timestamp"], request["response_timestamps"]
+        assert got["ttfp_ms"] == (stamps[first_audio] - sent) / 1e6 and got["ttfp_ms"] > got["ttft_ms"]
+    (summary,) = summarize_export(doc)
+    assert (summary["value"], summary["requests"], summary["answered"]) == (2, 4, 4)
+    assert summary["ttfp_ms"]["n"] == 4 and summary["ttfp_ms"]["mean"] > 2 * summary["ttft_ms"]["mean"]
