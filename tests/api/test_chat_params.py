@@ -6,7 +6,6 @@ from pydantic import ValidationError
 
 from omnistage.core.protocol import OMNI
 from openai_frontend.chat_params import plan_chat
-from openai_frontend.errors import FrontendError
 from openai_frontend.schemas import ChatCompletionRequest
 from openai_frontend.settings import FrontendSettings
 
