@@ -63,7 +63,9 @@ _WIRE = re.compile(r"^\[(\d{3})(?: param=(\S+))?(?: code=(\S+))?\]\s?(.*)$", re.
 def to_wire(error: Exception) -> str:
     if not isinstance(error, OmniError):
         return f"[500] {error}"
-    tags = "".join(f" {k}={v}" for k, v in (("param", error.param), ("code", error.error_code)) if v)
+    # a class's own code goes without saying (the reader restores it from the status)
+    code = vars(error).get("error_code")
+    tags = "".join(f" {k}={v}" for k, v in (("param", error.param), ("code", code)) if v)
     return f"[{error.code}{tags}] {error}"
 
 
