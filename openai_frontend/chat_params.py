@@ -1,7 +1,7 @@
-# A validated ChatCompletionRequest resolved into what one `omni_ensemble` request needs, all decided here
-# once: the model name the response carries, the voice, the messages as the prompt reads them (earlier
-# spoken replies resolved, tools rendered), the flat request parameters
-# (omnistage.core.protocol.OMNI.parameters) and how to shape the response.
+# The plan of one chat request: a parsed ChatCompletionRequest resolved into what one `omni_ensemble`
+# request needs, all decided here once: the model name the response carries, the voice, the messages as
+# the prompt reads them (earlier spoken replies resolved, tools rendered, media readied by media_inputs.py),
+# the flat request parameters (omnistage.core.protocol.OMNI.parameters) and how to shape the response.
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,6 +11,7 @@ from omnistage.core.voices import resolve_voice
 
 from openai_frontend.audio_store import AudioStore
 from openai_frontend.errors import FrontendError
+from openai_frontend.media_inputs import prepare_messages
 from openai_frontend.schemas import ChatCompletionRequest, ChatMessage, NamedToolChoice, Sampling
 from openai_frontend.settings import FrontendSettings
 from openai_frontend.tool_calls import prompt_messages
@@ -42,7 +43,7 @@ def served_model(requested: str | None, settings: FrontendSettings) -> str:
     return settings.model_for(requested)
 
 
-def plan_chat(req: ChatCompletionRequest, settings: FrontendSettings, audio: AudioStore | None = None) -> ChatPlan:
+async def plan_chat(req: ChatCompletionRequest, settings: FrontendSettings, audio: AudioStore | None = None) -> ChatPlan:
     model = served_model(req.model, settings)
     modalities = req.modalities or ["text", "audio"]  # vLLM-Omni's default: text and speech
     text_out, audio_out = "text" in modalities, "audio" in modalities
@@ -62,7 +63,7 @@ def plan_chat(req: ChatCompletionRequest, settings: FrontendSettings, audio: Aud
     tools = _offered_tools(req)
     return ChatPlan(
         model=model,
-        messages=prompt_messages(_resolve_audio(req.messages, audio), tools),
+        messages=await prepare_messages(prompt_messages(_resolve_audio(req.messages, audio), tools), settings),
         parameters=parameters,
         text_out=text_out,
         audio_out=audio_out,

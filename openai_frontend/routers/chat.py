@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -13,7 +12,6 @@ from openai_frontend import chat_service
 from openai_frontend.chat_params import plan_chat
 from openai_frontend.chat_render import ResponseIds
 from openai_frontend.errors import error_response
-from openai_frontend.media_inputs import prepare_messages
 from openai_frontend.metrics import RequestMeter
 from openai_frontend.schemas import ChatCompletionRequest
 from openai_frontend.sse import ClientDisconnected, SSEResponse, cancel_on_disconnect
@@ -24,8 +22,7 @@ router = APIRouter()
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     settings, client, store = request.app.state.settings, request.app.state.client, request.app.state.audio_store
-    plan = plan_chat(body, settings, store)
-    plan = replace(plan, messages=await prepare_messages(plan.messages, settings))
+    plan = await plan_chat(body, settings, store)
     ids = ResponseIds(model=plan.model)
     arrival = getattr(request.state, "arrival", None) or time.perf_counter()
     meter = RequestMeter(request.app.state.metrics, arrival, SAMPLE_RATE, request_id=ids.id)
