@@ -3,6 +3,7 @@
 # DEVICE=cuda make serve     models on GPU 0
 # make test                  the whole test suite
 # make browser               Debian's chromium for the browser tests (make test runs it)
+# make perf-analyzer         the venv's perf_analyzer made runnable; PA_URL=host:port sweeps a running server
 PYTHON ?= python3
 VENV ?= .venv
 DEVICE ?= cpu
@@ -17,7 +18,7 @@ TINY := checkpoints/tiny
 RUNTIME_STAMP := $(VENV)/.runtime-installed
 TEST_STAMP := $(VENV)/.test-installed
 
-.PHONY: serve test venv tiny browser clean-run
+.PHONY: serve test venv tiny browser perf-analyzer clean-run
 
 venv: $(RUNTIME_STAMP)
 
@@ -52,6 +53,18 @@ browser:
 	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends chromium chromium-driver; }
+
+# perf_analyzer 2.51 (tritonclient's wheel) links libb64.so.0d (Debian's libb64-0d) and libcudart.so.12
+# (the nvidia-cuda-runtime-cu12 wheel of requirements-test.txt, found by perf.perf_analyzer.sweep);
+# with PA_URL set, sweeps that server's omni_ensemble and stages into .run/pa (perf/perf_analyzer/README.md)
+PA_URL ?=
+PA_ARGS ?=
+perf-analyzer: $(TEST_STAMP)
+	@ldconfig -p | grep -q libb64.so.0d || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends libb64-0d; }
+	$(PY) -c "from perf.perf_analyzer.sweep import perf_analyzer; perf_analyzer(); print('perf_analyzer runs')"
+	$(if $(strip $(PA_URL)),$(PY) -m perf.perf_analyzer.sweep --url $(PA_URL) --out .run/pa $(PA_ARGS))
 
 test: $(TEST_STAMP) browser
 	$(PY) -m pytest $(PYTEST_ARGS) tests

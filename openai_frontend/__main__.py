@@ -8,10 +8,11 @@ import os
 import uvicorn
 
 from omnistage.core.protocol import OMNI
+from omnistage.core.voices import DEFAULT_VOICE
 
 from openai_frontend.app import create_app
 from openai_frontend.realtime.connection import RealtimeLimits
-from openai_frontend.settings import DEFAULT_VOICES, MiB, RESPONSE_STYLES, FrontendSettings
+from openai_frontend.settings import DEFAULT_VOICES, SERVED_MODEL_NAMES, MiB, RESPONSE_STYLES, FrontendSettings
 from openai_frontend.stage_watchdog import StageWatchdog
 from openai_frontend.triton_client import TritonOmniClient
 from openai_frontend.triton_pool import client_for
@@ -27,10 +28,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--triton-model", default=OMNI.name, help="Triton model to call")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8091)
-    p.add_argument("--model-name", default="qwen3-omni", help="model id clients send and see")
+    p.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
+                   help="a model id clients may send (repeat it for several; the first is the default); "
+                        f"default: {' and '.join(SERVED_MODEL_NAMES)}")
     p.add_argument("--voices", default=",".join(DEFAULT_VOICES),
                    help="comma-separated voices of the served checkpoint (its talker speaker table)")
-    p.add_argument("--default-voice", default="ethan", help="voice when a request names none")
+    p.add_argument("--default-voice", default=DEFAULT_VOICE, help="voice when a request names none")
     p.add_argument("--response-style", default="openai", choices=RESPONSE_STYLES,
                    help="response shape when a request does not set `response_style`")
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
@@ -40,6 +43,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="fetch http(s) image_url / audio_url URLs (off: only data: URLs are accepted)")
     p.add_argument("--remote-media-timeout", type=float, default=10.0, help="seconds per remote media fetch")
     p.add_argument("--remote-media-max-mb", type=float, default=20, help="size cap of one fetched media file")
+    p.add_argument("--audio-expiry-s", type=int, default=3600,
+                   help="a spoken reply's audio.id can be referred to by later requests for this long")
+    p.add_argument("--audio-keep", type=int, default=1024, help="at most this many spoken replies are kept")
+    p.add_argument("--audio-keep-mb", type=float, default=512, help="at most this much audio is kept")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.add_argument("--no-stage-probes", action="store_true",
                    help="readiness from Triton's model readiness only: no probe requests to every model, no "
@@ -65,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def settings_from_args(args: argparse.Namespace) -> FrontendSettings:
     try:
         return FrontendSettings(
-            model_name=args.model_name,
+            served_model_names=tuple(args.served_model_name or SERVED_MODEL_NAMES),
             voices=tuple(args.voices.split(",")),
             default_voice=args.default_voice,
             response_style=args.response_style,
@@ -74,6 +81,9 @@ def settings_from_args(args: argparse.Namespace) -> FrontendSettings:
             fetch_remote_media=args.allow_remote_media,
             fetch_timeout_s=args.remote_media_timeout,
             fetch_max_bytes=int(args.remote_media_max_mb * MiB),
+            audio_keep_s=args.audio_expiry_s,
+            audio_keep_count=args.audio_keep,
+            audio_keep_bytes=int(args.audio_keep_mb * MiB),
         )
     except ValueError as exc:
         raise SystemExit(f"python -m openai_frontend: {exc}") from None

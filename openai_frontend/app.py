@@ -9,6 +9,9 @@ from fastapi import FastAPI
 from fastapi.responses import RedirectResponse
 from fastapi.staticfiles import StaticFiles
 
+from omnistage.core.voices import DEFAULT_VOICE
+
+from openai_frontend.audio_store import AudioStore
 from openai_frontend.errors import install_error_handlers
 from openai_frontend.metrics import FrontendMetrics
 from openai_frontend.middleware import ApiKeyGuard, BodyLimit, RequestAccounting
@@ -23,13 +26,12 @@ def create_app(
     client: OmniClient,
     settings: FrontendSettings | None = None,
     *,
-    default_voice: str = "ethan",
-    model_name: str = "qwen3-omni",
+    default_voice: str = DEFAULT_VOICE,
 ) -> FastAPI:
     """The app serving `client`; it takes ownership of the client and closes it at shutdown.
 
-    `settings` defaults to FrontendSettings(model_name=..., default_voice=...)."""
-    settings = settings or FrontendSettings(model_name=model_name, default_voice=default_voice)
+    `settings` defaults to FrontendSettings(default_voice=...)."""
+    settings = settings or FrontendSettings(default_voice=default_voice)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -41,6 +43,8 @@ def create_app(
     app.state.client = client
     app.state.settings = settings
     app.state.metrics = FrontendMetrics()
+    app.state.audio_store = AudioStore(max_items=settings.audio_keep_count, max_bytes=settings.audio_keep_bytes,
+                                       ttl_s=settings.audio_keep_s)  # fmt: skip
     install_error_handlers(app)
     for router in (system.router, metrics.router, chat.router, speech.router, realtime.router, unsupported.router):
         app.include_router(router)

@@ -1,13 +1,20 @@
-# A validated ChatCompletionRequest resolved into what one `omni_ensemble` request needs: the messages,
+# The plan of one chat request: a parsed ChatCompletionRequest resolved into what one `omni_ensemble`
+# request needs, all decided here once: the model name the response carries, the voice, the messages as
+# the prompt reads them (earlier spoken replies resolved, tools rendered, media readied by media_inputs.py),
 # the flat request parameters (omnistage.core.protocol.OMNI.parameters) and how to shape the response.
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
+from omnistage.core.voices import resolve_voice
+
+from openai_frontend.audio_store import AudioStore
 from openai_frontend.errors import FrontendError
-from openai_frontend.schemas import ChatCompletionRequest, Sampling
+from openai_frontend.media_inputs import prepare_messages
+from openai_frontend.schemas import ChatCompletionRequest, ChatMessage, NamedToolChoice, Sampling
 from openai_frontend.settings import FrontendSettings
+from openai_frontend.tool_calls import prompt_messages
 
 _SAMPLING_FIELDS = tuple(Sampling.model_fields)
 _STAGE_PREFIX = ("", "talker_")  # sampling_params_list index -> OMNI parameter prefix; code2wav has none
@@ -15,6 +22,7 @@ _STAGE_PREFIX = ("", "talker_")  # sampling_params_list index -> OMNI parameter 
 
 @dataclass(frozen=True)
 class ChatPlan:
+    model: str  # the served name the response carries: the one the request sent
     messages: list[dict[str, Any]]
     parameters: dict[str, Any]
     text_out: bool  # reply text in message.content / delta.content
@@ -24,9 +32,19 @@ class ChatPlan:
     include_usage: bool
     response_style: str = "openai"  # settings.RESPONSE_STYLES
     stop: tuple[str, ...] = ()  # stop strings, matched on the reply text
+    tools: bool = False  # <tool_call> blocks of the reply are returned as tool_calls (tool_calls.py)
 
 
-def plan_chat(req: ChatCompletionRequest, settings: FrontendSettings) -> ChatPlan:
+def served_model(requested: str | None, settings: FrontendSettings) -> str:
+    if requested is not None and requested not in settings.served_model_names:
+        names = ", ".join(repr(n) for n in settings.served_model_names)
+        raise FrontendError(404, f"model {requested!r} not found; this server serves {names}",
+                            param="model", code="model_not_found")  # fmt: skip
+    return settings.model_for(requested)
+
+
+async def plan_chat(req: ChatCompletionRequest, settings: FrontendSettings, audio: AudioStore | None = None) -> ChatPlan:
+    model = served_model(req.model, settings)
     modalities = req.modalities or ["text", "audio"]  # vLLM-Omni's default: text and speech
     text_out, audio_out = "text" in modalities, "audio" in modalities
     voice = _voice(req, settings)
@@ -42,8 +60,10 @@ def plan_chat(req: ChatCompletionRequest, settings: FrontendSettings) -> ChatPla
     if req.max_completion_tokens is not None:  # OpenAI's newer name wins over max_tokens
         parameters["max_tokens"] = req.max_completion_tokens
 
+    tools = _offered_tools(req)
     return ChatPlan(
-        messages=[m.model_dump(exclude_unset=True) for m in req.messages],
+        model=model,
+        messages=await prepare_messages(prompt_messages(_resolve_audio(req.messages, audio), tools), settings),
         parameters=parameters,
         text_out=text_out,
         audio_out=audio_out,
@@ -52,19 +72,44 @@ def plan_chat(req: ChatCompletionRequest, settings: FrontendSettings) -> ChatPla
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         response_style=req.response_style or settings.response_style,
         stop=(req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ()),
+        tools=bool(tools),
     )
 
 
 def _voice(req: ChatCompletionRequest, settings: FrontendSettings) -> str:
-    # OpenAI's audio.voice first, then vLLM-Omni's top-level speaker / voice; names are already lower case.
-    # Every one given must exist, used or not: a typo should not pass silently.
+    # OpenAI's audio.voice first, then vLLM-Omni's top-level speaker / voice. Every one given must exist,
+    # used or not: a typo should not pass silently.
     given = [(param, voice) for param, voice in (("audio.voice", req.audio.voice if req.audio else None),
                                                  ("speaker", req.speaker), ("voice", req.voice)) if voice is not None]
-    for param, voice in given:
-        if voice not in settings.voices:
-            raise FrontendError(400, f"unknown voice {voice!r}; valid voices: {', '.join(settings.voices)}",
-                                param=param, code="invalid_voice")  # fmt: skip
-    return given[0][1] if given else settings.default_voice
+    resolved = [resolve_voice(voice, settings.voices, param=param) for param, voice in given]
+    return resolved[0] if resolved else settings.default_voice
+
+
+def _offered_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    # "none": the prompt offers no tools (so the model writes no calls); a named choice offers that one only.
+    # The model is asked, not forced: with "required" or a named choice a reply may still be plain text.
+    if not req.tools or req.tool_choice == "none":
+        return None
+    tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    if isinstance(req.tool_choice, NamedToolChoice):
+        tools = [t for t in tools if t["function"]["name"] == req.tool_choice.function.name]
+    return tools
+
+
+def _resolve_audio(messages: list[ChatMessage], audio: AudioStore | None) -> list[dict[str, Any]]:
+    out = []
+    for i, message in enumerate(messages):
+        m = message.model_dump(exclude_unset=True, exclude_none=True)
+        if message.audio is not None:
+            kept = audio.get(message.audio.id) if audio is not None else None
+            if kept is None:
+                raise FrontendError(400, f"messages[{i}].audio.id {message.audio.id!r} is unknown or has expired; "
+                                    "send the reply's transcript as content instead",
+                                    param=f"messages[{i}].audio.id", code="audio_not_found")  # fmt: skip
+            m.pop("audio")
+            m["content"] = kept.transcript if m.get("content") is None else m["content"]
+        out.append(m)
+    return out
 
 
 def _sampling(values: Sampling, prefix: str) -> dict[str, Any]:

@@ -77,45 +77,57 @@ def choice(index: int, message: dict[str, Any], finish_reason: str) -> dict[str,
     return {"index": index, "message": message, "finish_reason": finish_reason, "logprobs": None}
 
 
-def audio_object(ids: ResponseIds, data: bytes, transcript: str) -> dict[str, Any]:
-    # Nothing is stored server-side, so the id cannot be referenced later: expires at once.
-    return {"id": ids.audio_id, "data": b64(data), "expires_at": ids.created, "transcript": transcript}
+def audio_object(ids: ResponseIds, data: bytes, transcript: str, expires_at: int) -> dict[str, Any]:
+    return {"id": ids.audio_id, "data": b64(data), "expires_at": expires_at, "transcript": transcript}
+
+
+def message(content: str | None, tool_calls: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": "assistant", "content": content}
+    if tool_calls:
+        out["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in tool_calls]
+    return out
 
 
 class OpenAIStyle:
-    """OpenAI's shape: audio in choices[0].message.audio (a whole file) or delta.audio (raw pcm16 chunks)."""
+    """OpenAI's shape. With audio, the reply text is the audio's transcript and `content` stays null:
+    choices[0].message.audio {id, data (a whole file), expires_at, transcript}; streamed, delta.audio
+    carries `transcript` pieces and `data` (raw pcm16 chunks), and a last update holds `expires_at`.
+    Without audio, the text is `content`. Tool calls are `tool_calls`, whatever the modalities."""
 
     def __init__(self, ids: ResponseIds, *, text_out: bool, audio_out: bool, audio_format: str):
         self.ids, self.text_out, self.audio_out, self.audio_format = ids, text_out, audio_out, audio_format
 
-    def completion(self, text: str, audio: bytes | None, finish_reason: str, usage: dict[str, Any]) -> dict[str, Any]:
+    def completion(self, text: str, audio: bytes | None, finish_reason: str, usage: dict[str, Any],
+                   tool_calls: list[dict[str, Any]], expires_at: int) -> dict[str, Any]:
         """`audio`: the encoded file when audio was requested, else None."""
-        message: dict[str, Any] = {"role": "assistant", "content": text if self.text_out else None}
+        msg = message(None if audio is not None else text, tool_calls)
         if audio is not None:
-            message["audio"] = audio_object(self.ids, audio, text)
-        return completion(self.ids, [choice(0, message, finish_reason)], usage)
+            msg["audio"] = audio_object(self.ids, audio, text, expires_at)
+        return completion(self.ids, [choice(0, msg, finish_reason)], usage)
 
     def opening(self) -> list[dict[str, Any]]:
-        return [chunk(self.ids, {"role": "assistant", "content": ""})]
+        return [chunk(self.ids, {"role": "assistant", "content": None if self.audio_out else ""})]
 
-    def piece(self, text: str, pcm16: bytes) -> list[dict[str, Any]]:
+    def piece(self, text: str, pcm16: bytes, tool_calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Streamed audio is raw s16le 24 kHz mono, base64, whatever the requested file format (as OpenAI
-        streams): WAV headers per chunk would make the concatenation of chunks not a valid file.
-        Text goes to `content` when text was requested, else to the audio transcript."""
+        streams): WAV headers per chunk would make the concatenation of chunks not a valid file."""
         out: dict[str, Any] = {}
-        if text and self.text_out:
+        if text and not self.audio_out:
             out["content"] = text
-        transcript = "" if self.text_out else text
-        if pcm16 or transcript:
-            audio: dict[str, Any] = {"id": self.ids.audio_id, "transcript": transcript}
+        if self.audio_out and (text or pcm16):
+            audio: dict[str, Any] = {"id": self.ids.audio_id}
+            if text:
+                audio["transcript"] = text
             if pcm16:
                 audio["data"] = b64(pcm16)
             out["audio"] = audio
+        if tool_calls:
+            out["tool_calls"] = tool_calls
         return [chunk(self.ids, out)] if out else []
 
-    def closing(self, finish_reason: str) -> list[dict[str, Any]]:
+    def closing(self, finish_reason: str, expires_at: int) -> list[dict[str, Any]]:
         out = []
         if self.audio_out:  # OpenAI ends streamed audio with an update holding only its expiry
-            out.append(chunk(self.ids, {"audio": {"id": self.ids.audio_id, "expires_at": self.ids.created}}))
+            out.append(chunk(self.ids, {"audio": {"id": self.ids.audio_id, "expires_at": expires_at}}))
         out.append(chunk(self.ids, {}, finish_reason=finish_reason))
         return out

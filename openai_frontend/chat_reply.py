@@ -1,10 +1,11 @@
 # One backend stream turned into reply pieces, whatever the response style: text after stop-string
-# matching, audio as pcm16, the final piece with finish_reason and usage; metrics observed on the way.
+# matching, tool calls split off the text, audio as pcm16, the final piece with finish_reason and usage;
+# metrics observed on the way.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from openai_frontend.audio_encoding import to_pcm16
@@ -12,6 +13,7 @@ from openai_frontend.chat_params import ChatPlan
 from openai_frontend.metrics import RequestMeter
 from openai_frontend.omni_client import OmniChunk, OmniClient
 from openai_frontend.stop_strings import StopMatcher
+from openai_frontend.tool_calls import ToolCallSplitter
 
 
 @dataclass
@@ -21,6 +23,7 @@ class Piece:
     finish_reason: str | None = None  # set on the last piece only
     usage: dict[str, Any] | None = None  # last piece: {"prompt_tokens", "completion_tokens", "audio_frames"}
     tokens: int = 0  # text tokens in this piece's backend response
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # complete calls (tool_calls.tool_call)
 
     @property
     def is_final(self) -> bool:
@@ -32,8 +35,11 @@ async def reply_pieces(client: OmniClient, plan: ChatPlan, request_id: str, mete
 
     A stop string ends the reply with finish_reason "stop": the backend request is cancelled, so the audio
     ends where it had got to (speech lags the text, so it may stop short of the stop string).
+    With tools, audio ends where the first <tool_call> begins: a call is returned, never spoken.
     """
     stops = StopMatcher(list(plan.stop))
+    calls = ToolCallSplitter() if plan.tools else None
+    called = False
     meter.start()
     try:
         async with aclosing(client.stream(plan.messages, plan.parameters, request_id=request_id)) as chunks:
@@ -43,19 +49,28 @@ async def reply_pieces(client: OmniClient, plan: ChatPlan, request_id: str, mete
                 tokens += len(chunk.token_ids)
                 meter.tokens(len(chunk.token_ids))
                 piece = _piece(chunk, plan, stops)
-                meter.audio(len(piece.pcm16) // 2)
                 if stops.stopped:
                     piece.finish_reason, piece.usage = "stop", _usage(chunk.usage, tokens)
                 elif chunk.is_final:
                     piece.text += stops.flush()
                     piece.usage = _usage(chunk.usage, tokens)
+                if calls is not None:
+                    piece.text, piece.tool_calls = calls.feed(piece.text)
+                    called = called or calls.in_call or bool(piece.tool_calls)
+                    if piece.is_final:
+                        piece.text += calls.flush()
+                        piece.finish_reason = "tool_calls" if calls.calls else piece.finish_reason
+                    if called:
+                        piece.pcm16 = b""
+                meter.audio(len(piece.pcm16) // 2)
                 if piece.is_final:
                     meter.finish(piece.usage)
                     yield piece
                     return
                 yield piece
         # a backend stream that ended without a final chunk (fakes may): the reply ends there
-        final = Piece(text=stops.flush(), finish_reason="stop", usage=_usage(None, tokens))
+        final = Piece(text=stops.flush() + (calls.flush() if calls is not None else ""), finish_reason="stop",
+                      usage=_usage(None, tokens))
         meter.finish(final.usage)
         yield final
     finally:

@@ -11,6 +11,7 @@ from typing import Any
 
 from openai_frontend import chat_render as render
 from openai_frontend.audio_encoding import encode_audio
+from openai_frontend.audio_store import AudioStore
 from openai_frontend.chat_params import ChatPlan
 from openai_frontend.chat_render_vllm import VllmOmniStyle
 from openai_frontend.chat_reply import reply_pieces
@@ -38,21 +39,34 @@ def _usage(plan: ChatPlan, usage: dict[str, Any] | None) -> dict[str, Any]:
     return render.usage(usage, tokens_seen=0, audio_out=plan.audio_out)
 
 
-async def complete(client: OmniClient, plan: ChatPlan, ids: render.ResponseIds, meter: RequestMeter) -> dict[str, Any]:
+async def complete(client: OmniClient, plan: ChatPlan, ids: render.ResponseIds, meter: RequestMeter,
+                   store: AudioStore) -> dict[str, Any]:
     text: list[str] = []
     pcm: list[bytes] = []
+    calls: list[dict[str, Any]] = []
     async with aclosing(reply_pieces(client, plan, ids.id, meter)) as pieces:
         async for piece in pieces:
             text.append(piece.text)
             pcm.append(piece.pcm16)
+            calls.extend(piece.tool_calls)
             if piece.is_final:
                 break
+    expires_at = _keep(store, plan, ids, "".join(text), b"".join(pcm))
     audio = encode_audio(b"".join(pcm), plan.audio_format) if plan.audio_out else None
-    return _style(plan, ids).completion("".join(text), audio, piece.finish_reason, _usage(plan, piece.usage))
+    return _style(plan, ids).completion("".join(text), audio, piece.finish_reason, _usage(plan, piece.usage),
+                                        calls, expires_at)
+
+
+def _keep(store: AudioStore, plan: ChatPlan, ids: render.ResponseIds, transcript: str, pcm16: bytes) -> int:
+    """Keeps a spoken reply for later turns to refer to; its expiry (what `audio.expires_at` says)."""
+    expires_at = store.expires_at()
+    if plan.audio_out:
+        store.keep(ids.audio_id, transcript, pcm16, expires_at)
+    return expires_at
 
 
 async def stream_events(
-    client: OmniClient, plan: ChatPlan, ids: render.ResponseIds, meter: RequestMeter
+    client: OmniClient, plan: ChatPlan, ids: render.ResponseIds, meter: RequestMeter, store: AudioStore
 ) -> AsyncIterator[str]:
     """SSE events of one streamed completion, ending with `data: [DONE]`.
 
@@ -60,13 +74,17 @@ async def stream_events(
     after it, an error becomes a `data: {"error": ...}` event followed by [DONE].
     """
     style = _style(plan, ids)
+    text: list[str] = []
+    pcm: list[bytes] = []
     async with aclosing(reply_pieces(client, plan, ids.id, meter)) as pieces:
         piece = await anext(pieces)
         for event in style.opening():
             yield sse_event(_json(event))
         try:
             while True:
-                for event in style.piece(piece.text, piece.pcm16):
+                text.append(piece.text)
+                pcm.append(piece.pcm16)
+                for event in style.piece(piece.text, piece.pcm16, piece.tool_calls):
                     yield sse_event(_json(event))
                 if piece.is_final:
                     break
@@ -77,7 +95,8 @@ async def stream_events(
             yield sse_event(_json(body))
             yield DONE
             return
-    for event in style.closing(piece.finish_reason):
+    expires_at = _keep(store, plan, ids, "".join(text), b"".join(pcm))
+    for event in style.closing(piece.finish_reason, expires_at):
         yield sse_event(_json(event))
     if plan.include_usage:
         yield sse_event(_json(render.usage_chunk(ids, _usage(plan, piece.usage))))

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -15,6 +16,10 @@ from omnistage.core.errors import OmniError
 
 log = logging.getLogger("openai_frontend")
 
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large", 415: "unsupported_media_type"}
+# pydantic error type -> OpenAI's error code
+_VALIDATION_CODES = {"missing": "missing_required_parameter", "extra_forbidden": "unknown_parameter",
+                     "json_invalid": "invalid_json", "value_error": "invalid_value"}
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable_error"}
 
@@ -40,12 +45,13 @@ def describe(exc: BaseException) -> tuple[int, dict[str, Any]]:
         status = int(getattr(exc, "code", 500))
         if status >= 500:  # refusals under overload (503) are expected in bulk: not worth a warning each
             log.log(logging.INFO if status == 503 else logging.WARNING, "backend error (%d): %s", status, exc)
-        return status, error_body(status, str(exc) or type(exc).__name__)
+        return status, error_body(status, str(exc) or type(exc).__name__, param=exc.param, code=exc.error_code)
     if isinstance(exc, RequestValidationError):
-        message, param = _validation_message(exc.errors())
-        return 400, error_body(400, message, param=param)
+        message, param, code = _validation_message(exc.errors())
+        return 400, error_body(400, message, param=param, code=code)
     if isinstance(exc, HTTPException):
-        return exc.status_code, error_body(exc.status_code, str(exc.detail))
+        code = _HTTP_CODES.get(exc.status_code, "http_error")
+        return exc.status_code, error_body(exc.status_code, str(exc.detail), code=code)
     log.error("unhandled error", exc_info=exc)
     return 500, error_body(500, "internal server error")
 
@@ -65,20 +71,27 @@ def install_error_handlers(app: FastAPI) -> None:
         app.add_exception_handler(kind, handle)
 
 
-def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None, str]:
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    if first.get("type") == "json_invalid":
-        return f"request body is not valid JSON: {first.get('ctx', {}).get('error', 'decode error')}", None
+    kind = str(first.get("type", "value_error"))
+    code = _VALIDATION_CODES.get(kind, "invalid_type" if kind.endswith(("_type", "_parsing")) else "invalid_value")
+    if kind == "json_invalid":
+        return f"request body is not valid JSON: {first.get('ctx', {}).get('error', 'decode error')}", None, code
     param = _param(first.get("loc", ()))
     text = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
-    if param is None and first.get("type") == "missing":
+    if param is None and kind == "missing":
         text = "a JSON request body is required"
-    elif param is None and first.get("type") in ("model_attributes_type", "dict_type", "model_type"):
+    elif param is None and kind in ("model_attributes_type", "dict_type", "model_type"):
         text = "the request body must be a JSON object, sent with Content-Type: application/json"
-    message = f"{param}: {text}" if param else text
+    elif param is None and _FIELD.match(text):
+        param = _FIELD.match(text).group(1)  # a check across fields names the field it is about first
+    message = f"{param}: {text}" if param and not text.startswith(param) else text
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
-    return message, param
+    return message, param, code
+
+
+_FIELD = re.compile(r"^([a-z][a-z_]*)\b")
 
 
 def _param(loc: tuple[Any, ...]) -> str | None:

@@ -10,7 +10,7 @@ from openai_frontend.settings import RESPONSE_STYLES
 
 AUDIO_FORMAT_ALIASES = {"wav": "wav", "pcm": "pcm", "pcm16": "pcm", "flac": "flac", "mp3": "mp3", "opus": "opus"}
 MODALITIES = ("text", "audio")  # a request may ask for either or both
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP = 4  # OpenAI's limit on stop strings
 INT32_MAX = 2**31 - 1
 INT64 = (-(2**63), 2**63 - 1)
@@ -69,11 +69,65 @@ CONTENT_SCHEMA = {"anyOf": [
 ]}  # fmt: skip
 
 
+class ToolCallFunction(_Open):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Open):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class AudioRef(_Strict):
+    id: str  # the `audio.id` of an earlier spoken reply of this server (audio_store.py)
+
+
 class ChatMessage(_Open):
     role: Literal[ROLES]  # type: ignore[valid-type]
-    content: Annotated[Any, WithJsonSchema(CONTENT_SCHEMA)]
+    # None: an assistant turn given by its tool_calls or its earlier audio instead
+    content: Annotated[Any, WithJsonSchema(CONTENT_SCHEMA)] = None
+    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+    audio: AudioRef | None = None  # assistant: OpenAI's multi-turn audio
 
-    _content = field_validator("content", mode="before")(check_content)
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, value: Any) -> Any:
+        return None if value is None else check_content(value)
+
+    @model_validator(mode="after")
+    def _shape(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.audio)):
+            raise ValueError("content is required (an assistant message may give tool_calls or audio instead)")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
+
+
+class FunctionDef(_Open):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedToolChoice(_Strict):
+    class _Name(_Strict):
+        name: str
+
+    type: Literal["function"]
+    function: _Name
+
+
+class ResponseFormat(_Open):
+    type: str
 
 
 # ---- audio output ---------------------------------------------------------------------------------------
@@ -154,8 +208,11 @@ class ChatCompletionRequest(Sampling):
     stop: str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP)] | None = None
     # OpenAI fields whose silent omission would change the answer: accepted only at their no-op value
     n: int | None = None
-    tools: list[Any] | None = None
     logprobs: bool | None = None
+    response_format: ResponseFormat | None = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # the model may write several blocks; all are returned
 
     _voices = field_validator("speaker", "voice", mode="before")(check_voice)
 
@@ -174,8 +231,15 @@ class ChatCompletionRequest(Sampling):
             raise ValueError("n > 1 is not supported: send n requests (each streams its own audio)")
         if self.stop == "":
             raise ValueError("stop must be a non-empty string or a list of them")
-        if self.tools:
-            raise ValueError("tools are not supported")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise ValueError(f"response_format {self.response_format.type!r} is not supported: replies are "
+                             "free text (json_object and json_schema would need constrained decoding)")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools or ()]
+            if self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools")
+        elif self.tool_choice == "required" and not self.tools:
+            raise ValueError("tool_choice 'required' needs tools")
         if self.logprobs:
             raise ValueError("logprobs are not supported")
         return self

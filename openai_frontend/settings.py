@@ -4,15 +4,20 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from omnistage.core.voices import DEFAULT_VOICE, normalize_voice
+
 DEFAULT_VOICES = ("chelsie", "ethan", "aiden")  # Qwen3-Omni's speaker table; serve passes the checkpoint's own
 RESPONSE_STYLES = ("openai", "vllm-omni")
+# the name vLLM-Omni's clients send, then the short one; whatever checkpoint is loaded
+SERVED_MODEL_NAMES = ("Qwen/Qwen3-Omni-30B-A3B-Instruct", "qwen3-omni")
 MiB = 1 << 20
 
 
 @dataclass(frozen=True)
 class FrontendSettings:
-    model_name: str = "qwen3-omni"  # the `model` clients send and see in responses
-    default_voice: str = "ethan"
+    # the `model` values clients may send; a response names the one its request sent (else the first)
+    served_model_names: tuple[str, ...] = SERVED_MODEL_NAMES
+    default_voice: str = DEFAULT_VOICE
     voices: tuple[str, ...] = DEFAULT_VOICES  # lower case, in the order error messages list them
     response_style: str = "openai"  # when a request does not choose one
     api_key: str | None = None  # required as `Authorization: Bearer <key>` on /v1/* when set
@@ -21,17 +26,29 @@ class FrontendSettings:
     fetch_remote_media: bool = False
     fetch_timeout_s: float = 10.0
     fetch_max_bytes: int = 20 * MiB
+    # spoken replies kept for multi-turn audio (audio_store.py): how long, how many, how many bytes
+    audio_keep_s: int = 3600
+    audio_keep_count: int = 1024
+    audio_keep_bytes: int = 512 * MiB
     created: int = field(default_factory=lambda: int(time.time()))  # /v1/models `created`
 
     def __post_init__(self) -> None:
-        voices = tuple(v.strip().lower() for v in self.voices if v.strip())
+        voices = tuple(normalize_voice(v) for v in self.voices if v.strip())
         object.__setattr__(self, "voices", voices)
-        object.__setattr__(self, "default_voice", self.default_voice.strip().lower())
+        object.__setattr__(self, "default_voice", normalize_voice(self.default_voice))
+        if not self.served_model_names or not all(n.strip() for n in self.served_model_names):
+            raise ValueError("served_model_names must be non-empty names")
         if not voices:
             raise ValueError("voices must not be empty")
         if self.default_voice not in voices:
             raise ValueError(f"default_voice must be one of {', '.join(voices)}, got {self.default_voice!r}")
         if self.response_style not in RESPONSE_STYLES:
             raise ValueError(f"response_style must be one of {', '.join(RESPONSE_STYLES)}, got {self.response_style!r}")
+        if self.audio_keep_s < 1 or self.audio_keep_count < 0 or self.audio_keep_bytes < 0:
+            raise ValueError("audio_keep_s must be positive, audio_keep_count and audio_keep_bytes not negative")
         if self.max_body_bytes < 1024 or self.fetch_max_bytes < 1 or self.fetch_timeout_s <= 0:
             raise ValueError("size limits and timeouts must be positive (max_body_bytes >= 1 KiB)")
+
+    def model_for(self, requested: str | None) -> str:
+        """The name a response carries; an unknown one is a 404 (raised by the caller)."""
+        return self.served_model_names[0] if requested is None else requested

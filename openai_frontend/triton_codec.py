@@ -5,20 +5,12 @@ from __future__ import annotations
 
 import codecs
 import json
-import re
 from typing import Any
 
 import numpy as np
 from tritonclient.grpc import InferInput
 
-from omnistage.core.errors import (
-    STUB_DEAD_MARK,
-    BadRequestError,
-    EngineError,
-    OmniError,
-    OverloadedError,
-    StageUnavailableError,
-)
+from omnistage.core.errors import STUB_DEAD_MARK, EngineError, OmniError, StageUnavailableError, from_wire
 from omnistage.core.protocol import OMNI
 
 from openai_frontend.omni_client import OmniChunk
@@ -35,7 +27,6 @@ _CONVERT = {
     "string": str,
     "json": lambda v: v if isinstance(v, str) else json.dumps(v),
 }
-_STATUS_PREFIX = re.compile(r"^\[(\d{3})\]\s?(.*)$", re.DOTALL)
 
 
 class TritonUnavailableError(OmniError):
@@ -77,20 +68,13 @@ def stream_request(messages, parameters, *, model_name: str, request_id: str = "
 
 
 def error_from_message(message: str) -> OmniError:
-    """A Triton error message as a typed error; "[<http status>] text" is our models' convention."""
-    match = _STATUS_PREFIX.match(message)
-    if match is None:
-        if STUB_DEAD_MARK in message:  # omni_ensemble's own stub died (a stage's comes as a 503 from it)
-            return StageUnavailableError(f"stage unavailable (being restarted): {message}")
-        return EngineError(message)
-    status, text = int(match.group(1)), match.group(2)
-    if status == 400:
-        return BadRequestError(text)
-    if status == 503:
-        return (StageUnavailableError if STUB_DEAD_MARK in text else OverloadedError)(text)
-    error = EngineError(text)
-    error.code = status  # keep what the model said (e.g. 413, 504)
-    return error
+    """A Triton error message as a typed error (core/errors.py's wire form: status, param, code)."""
+    error = from_wire(message)
+    if error is not None:
+        return error
+    if STUB_DEAD_MARK in message:  # omni_ensemble's own stub died (a stage's comes as a 503 from it)
+        return StageUnavailableError(f"stage unavailable (being restarted): {message}")
+    return EngineError(message)
 
 
 class ResponseDecoder:

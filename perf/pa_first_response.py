@@ -6,9 +6,11 @@
 #                                   "response_timestamps": [ns, ...], "response_outputs": [{name: value}, ...]}],
 #                     "window_boundaries": [ns, ...]}]}
 # Timestamps are nanoseconds of the client's system clock; a response output is a number (one element),
-# a list (several), a string (BYTES) or "" (empty tensor).
+# a list (several), a string (BYTES) or "" (empty tensor). An output a response did not carry, or an empty
+# FP32 one, can come out as a bare number too (0.0 or a stale value), so audio counts only as a list of
+# samples: a real audio chunk holds hundreds of them.
 #   first_response : first response - request send time (omni_ensemble: its first text delta)
-#   ttfp           : first response with a non-empty `audio` output - send time (when outputs were recorded)
+#   ttfp           : first response whose `audio` output has samples - send time (when outputs were recorded)
 #   ttft           : first response with non-empty `token_ids` / `text`
 #   e2e            : last response (the empty final one included) - send time
 #
@@ -34,9 +36,13 @@ def non_empty(value) -> bool:
     return value is not None
 
 
-def _first(sent: int, stamps: list[int], outputs: list[dict], names: tuple[str, ...]) -> float | None:
+def has_samples(value) -> bool:
+    return isinstance(value, list) and len(value) > 0
+
+
+def _first(sent: int, stamps: list[int], outputs: list[dict], names: tuple[str, ...], found=non_empty) -> float | None:
     for t, out in zip(stamps, outputs):
-        if any(non_empty(out.get(n, "")) for n in names):
+        if any(found(out.get(n, "")) for n in names):
             return (t - sent) / NS_PER_MS
     return None
 
@@ -47,7 +53,7 @@ def request_latencies(request: dict, audio_output: str = "audio") -> dict:
     return {
         "first_response_ms": (stamps[0] - sent) / NS_PER_MS if stamps else None,
         "ttft_ms": _first(sent, stamps, outputs, TEXT_OUTPUTS),
-        "ttfp_ms": _first(sent, stamps, outputs, (audio_output,)),
+        "ttfp_ms": _first(sent, stamps, outputs, (audio_output,), has_samples),
         "e2e_ms": (stamps[-1] - sent) / NS_PER_MS if stamps else None,
         "responses": len(stamps),
     }

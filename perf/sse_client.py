@@ -36,11 +36,12 @@ def apply_event(record: RequestRecord, data: str, t: float) -> bool:
         record.audio_frames = (usage.get("completion_tokens_details") or {}).get("audio_tokens")
     for choice in event.get("choices") or ():
         delta = choice.get("delta") or {}
-        if delta.get("content"):
+        audio = delta.get("audio") or {}
+        # the reply text: `content`, or with audio on (OpenAI's shape) the audio's `transcript`
+        if delta.get("content") or audio.get("transcript"):
             record.text_chunks += 1
             if record.ttft is None:
                 record.ttft = t
-        audio = delta.get("audio") or {}
         if audio.get("data"):
             record.audio_samples += len(base64.b64decode(audio["data"])) // 2  # pcm16 mono
             record.audio_chunks += 1

@@ -20,6 +20,8 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # max_tokens came with the request (else it is the stage default, cut to what the context has room for)
+    max_tokens_given: bool = False
 
     @property
     def greedy(self) -> bool:
@@ -29,9 +31,10 @@ class SamplingParams:
     def needs_history(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
-    def validate(self, max_tokens_limit: int) -> "SamplingParams":
+    def validate(self) -> "SamplingParams":
+        # max_tokens has no upper bound of its own: what bounds it is the context (fit_to_context)
         checks = [
-            (1 <= self.max_tokens <= max_tokens_limit, f"max_tokens must be in [1, {max_tokens_limit}]"),
+            (1 <= self.max_tokens, "max_tokens must be at least 1"),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
             (0.0 <= self.temperature <= 2.0, "temperature must be in [0, 2]"),
             (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
@@ -43,7 +46,23 @@ class SamplingParams:
         ]
         for ok, message in checks:
             if not ok:
-                raise BadRequestError(message)
+                raise BadRequestError(message, param=message.split()[0], code="invalid_value")
+        return self
+
+    def fit_to_context(self, prompt_tokens: int, context: int) -> "SamplingParams":
+        """vLLM's rule: a max_tokens the request gave is taken when prompt + max_tokens fits the context (else
+        a 400 naming both numbers); a default one is cut to the room the prompt leaves."""
+        room = context - prompt_tokens
+        if room < 1:
+            raise BadRequestError(f"the prompt has {prompt_tokens} tokens, more than this server's context of "
+                                  f"{context} tokens leaves room for", param="messages", code="context_length_exceeded")
+        if not self.max_tokens_given:
+            return replace(self, max_tokens=min(self.max_tokens, room))
+        if self.max_tokens > room:
+            raise BadRequestError(
+                f"max_tokens is too large: {self.max_tokens}. This server's context is {context} tokens and the "
+                f"prompt has {prompt_tokens} ({prompt_tokens} + {self.max_tokens} > {context})",
+                param="max_tokens", code="context_length_exceeded")
         return self
 
 
@@ -79,14 +98,17 @@ _FIELD_KINDS = {
 }  # fmt: skip
 
 
-def sampling_from_parameters(
-    parameters: dict, defaults: SamplingParams, max_tokens_limit: int, prefix: str = ""
-) -> SamplingParams:
+def sampling_from_parameters(parameters: dict, defaults: SamplingParams, prefix: str = "") -> SamplingParams:
     """Reads `<prefix><field>` entries of a request-parameter dict over `defaults`; unknown keys are ignored
     here (the caller owns the whole parameter namespace)."""
     updates = {}
     for name, kind in _FIELD_KINDS.items():
         key = prefix + name
         if key in parameters and parameters[key] is not None:
-            updates[name] = coerce_parameter(key, kind, parameters[key])
-    return replace(defaults, **updates).validate(max_tokens_limit)
+            try:
+                updates[name] = coerce_parameter(key, kind, parameters[key])
+            except BadRequestError as e:
+                raise BadRequestError(str(e), param=key, code="invalid_type") from None
+    if "max_tokens" in updates:
+        updates["max_tokens_given"] = True
+    return replace(defaults, **updates).validate()

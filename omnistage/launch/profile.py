@@ -265,7 +265,7 @@ def _check_sampling(where: str, raw: dict, max_seq_len: int) -> None:
     if "stop_token_ids" in values:
         values["stop_token_ids"] = tuple(values["stop_token_ids"])
     try:
-        SamplingParams(**values).validate(max_seq_len)
+        SamplingParams(**values, max_tokens_given=True).validate().fit_to_context(0, max_seq_len)
     except TypeError as e:
         raise ProfileError(f"{where}.sampling: {e}".replace("SamplingParams.__init__() ", "")) from None
     except OmniError as e:

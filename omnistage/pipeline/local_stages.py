@@ -54,12 +54,12 @@ class LocalStages:
 
     # ---- StageClient --------------------------------------------------------------------------------------
     def thinker(self, session: str, inputs: dict, parameters: dict) -> Iterator[dict]:
-        seq = thinker_sequence(session, inputs, parameters, thinker_defaults(self.max_seq_len), self.max_seq_len)
+        seq = thinker_sequence(session, inputs, parameters, thinker_defaults(self.max_seq_len))
         return self._run("thinker", seq, thinker_response)
 
     def talker(self, session: str, inputs: dict, parameters: dict) -> Iterator[dict]:
         defaults = talker_defaults(self.max_seq_len)
-        seq = talker_sequence(session, inputs, parameters, defaults, self.max_seq_len, self.speakers)
+        seq = talker_sequence(session, inputs, parameters, defaults, self.speakers)
         return self._run("talker", seq, talker_response)
 
     def talker_append(self, session: str, rows: torch.Tensor | None, end: bool) -> None:

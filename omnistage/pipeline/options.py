@@ -8,10 +8,9 @@ from dataclasses import dataclass
 from ..core.errors import BadRequestError
 from ..core.protocol import SAMPLING_PARAMETERS
 from ..core.sampling import SamplingParams, sampling_from_parameters
+from ..core.voices import DEFAULT_VOICE, resolve_voice
 
 MODALITIES = {"text": (True, False), "audio": (False, True), "text,audio": (True, True), "audio,text": (True, True)}
-# generous upper bounds; each stage re-checks against its own context size
-_LIMIT = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -23,23 +22,23 @@ class OmniOptions:
     talker_parameters: dict
 
     @classmethod
-    def from_parameters(cls, parameters: dict, speakers: set[str], default_speaker: str = "ethan") -> "OmniOptions":
+    def from_parameters(cls, parameters: dict, speakers: set[str], default_speaker: str = DEFAULT_VOICE) -> "OmniOptions":
         known = set(SAMPLING_PARAMETERS) | {f"talker_{k}" for k in SAMPLING_PARAMETERS} | {"modalities", "speaker"}
         unknown = sorted(set(parameters) - known - _TRITON_RESERVED)
         if unknown:
-            raise BadRequestError(f"unknown parameter(s): {', '.join(unknown)}")
+            raise BadRequestError(f"unknown parameter(s): {', '.join(unknown)}", param=unknown[0], code="unknown_parameter")
         modalities = str(parameters.get("modalities", "text,audio")).replace(" ", "").lower()
         if modalities not in MODALITIES:
-            raise BadRequestError(f"modalities must be one of text, audio, text,audio; got {modalities!r}")
+            raise BadRequestError(f"modalities must be one of text, audio, text,audio; got {modalities!r}",
+                                  param="modalities", code="invalid_value")
         want_text, want_audio = MODALITIES[modalities]
-        speaker = str(parameters.get("speaker", default_speaker)).lower()
-        if want_audio and speaker not in speakers:
-            raise BadRequestError(f"unknown speaker {speaker!r}; valid: {', '.join(sorted(speakers))}")
+        speaker = resolve_voice(parameters.get("speaker"), sorted(speakers), default=default_speaker, param="speaker") \
+            if want_audio else default_speaker
         thinker = {k: parameters[k] for k in SAMPLING_PARAMETERS if k in parameters}
         talker = {k: parameters[f"talker_{k}"] for k in SAMPLING_PARAMETERS if f"talker_{k}" in parameters}
-        # reject bad values now (400 before anything starts); stages apply their own limits again
-        sampling_from_parameters(thinker, SamplingParams(), _LIMIT)
-        sampling_from_parameters(talker, SamplingParams(), _LIMIT)
+        # reject bad values now (400 before anything starts); the context bound is each stage's own
+        sampling_from_parameters(thinker, SamplingParams())
+        sampling_from_parameters(talker, SamplingParams())
         return cls(want_text, want_audio, speaker, thinker, talker)
 
 

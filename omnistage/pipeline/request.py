@@ -115,6 +115,10 @@ class OmniRequest:
         self.audio_frames = 0
         self._cond: dict | None = None  # the thinker's talker conditioning (first response)
         self._pending_rows: list[torch.Tensor] = []
+        # A tool call is returned as text (the frontend makes it OpenAI tool_calls), never spoken: the
+        # utterance ends where the thinker opens one
+        self._tool_call_id = tokenizer.convert_tokens_to_ids("<tool_call>")
+        self._speech_ended = False
         self.threads = threads
         self._talker_job: Future | None = None  # _run_talker on a thread of `threads`, once the talker started
         self._code2wav_job: Future | None = None
@@ -182,18 +186,21 @@ class OmniRequest:
         if "finish_reason" in out:
             self.finish_reason = out["finish_reason"]
             self._mark("thinker_done")
-        if self.options.want_audio and not self.cancelled.is_set():
-            self._feed_talker(out)
+        if self.options.want_audio and not self.cancelled.is_set() and not self._speech_ended:
+            self._feed_talker(out, ids)
         text = self.detok.push(ids) if ids else ""
         if text or ids:
             self.emit(OmniOutput(text=text, token_ids=ids), None, None)
 
-    def _feed_talker(self, out: dict) -> None:
+    def _feed_talker(self, out: dict, ids: list[int]) -> None:
         if "talker_user_rows" in out:
             self._cond = {k: out[k] for k in ("talker_user_rows", "talker_user_is_mm", "talker_user_ids",
                                               "talker_special_rows")}  # fmt: skip
-        rows = out.get("text_rows")
+        rows = out.get("text_rows")  # [n, D]: a row per token of `ids` (a final EOS has none)
         end = "finish_reason" in out
+        if self._tool_call_id in ids:
+            rows = None if rows is None else rows[: ids.index(self._tool_call_id)]
+            end = self._speech_ended = True
         if self._talker_job is None:
             if rows is not None and rows.shape[0]:
                 self._pending_rows.append(rows)

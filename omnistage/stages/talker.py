@@ -75,10 +75,7 @@ class TalkerRunner(DecoderRunner):
     def validate(self, seq: Sequence) -> None:
         p: TalkerPrompt = seq.payload
         length = self.prompt_tokens(seq)
-        if length + seq.params.max_tokens + 1 > self.max_seq_len:
-            raise BadRequestError(
-                f"talker prompt ({length} rows) + frame limit ({seq.params.max_tokens}) exceeds {self.max_seq_len}"
-            )
+        seq.params = seq.params.fit_to_context(length, self.max_seq_len - 1)  # -1: the frame after the last one's
         if not p.text:
             raise BadRequestError("talker start needs at least one text row")
 

@@ -90,11 +90,7 @@ class ThinkerRunner(DecoderRunner):
         length = self.prompt_tokens(seq)
         if length == 0:
             raise BadRequestError("empty prompt")
-        if length + seq.params.max_tokens > self.max_seq_len:
-            raise BadRequestError(
-                f"prompt ({length} tokens) + max_tokens ({seq.params.max_tokens}) exceeds the context "
-                f"limit of {self.max_seq_len} tokens"
-            )
+        seq.params = seq.params.fit_to_context(length, self.max_seq_len)
         if not seq.payload.is_text_only:
             self.media_prefill.validate(seq.payload)
 

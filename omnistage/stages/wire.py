@@ -9,6 +9,7 @@ from dataclasses import replace
 from ..core.errors import BadRequestError
 from ..core.sampling import SamplingParams, coerce_parameter, sampling_from_parameters
 from ..core.scheduler import Sequence
+from ..core.voices import resolve_voice
 from .conditioning import TalkerConditioning
 from .talker import TalkerOutput, TalkerPrompt
 from .thinker import ThinkerOutput, ThinkerPrompt
@@ -27,7 +28,7 @@ def talker_defaults(max_seq_len: int) -> SamplingParams:
     return replace(_TALKER_DEFAULTS, max_tokens=min(_TALKER_DEFAULTS.max_tokens, max_seq_len // 2))
 
 
-def thinker_sequence(session: str, inputs: Tensors, params: dict, defaults: SamplingParams, limit: int) -> Sequence:
+def thinker_sequence(session: str, inputs: Tensors, params: dict, defaults: SamplingParams) -> Sequence:
     ids = inputs.get("input_ids")
     if ids is None:
         raise BadRequestError("input_ids is required")
@@ -43,7 +44,7 @@ def thinker_sequence(session: str, inputs: Tensors, params: dict, defaults: Samp
         raise BadRequestError("pixel_values and image_grid_thw go together")
     if (prompt.input_features is None) != (prompt.feature_attention_mask is None):
         raise BadRequestError("input_features and feature_attention_mask go together")
-    return Sequence(session, sampling_from_parameters(params, defaults, limit), prompt)
+    return Sequence(session, sampling_from_parameters(params, defaults), prompt)
 
 
 def thinker_response(output: ThinkerOutput | None, finish_reason: str | None) -> Tensors:
@@ -67,20 +68,18 @@ _TALKER_START = ("talker_user_rows", "talker_user_is_mm", "talker_user_ids", "ta
 
 
 def talker_sequence(
-    session: str, inputs: Tensors, params: dict, defaults: SamplingParams, limit: int, speakers: dict[str, int]
+    session: str, inputs: Tensors, params: dict, defaults: SamplingParams, speakers: dict[str, int]
 ) -> Sequence:
     missing = [name for name in _TALKER_START if inputs.get(name) is None]
     if missing:
         raise BadRequestError(f"talker start is missing {', '.join(missing)}")
-    speaker = str(params.get("speaker", "ethan")).lower()
-    if speaker not in speakers:
-        raise BadRequestError(f"unknown speaker {speaker!r}; valid: {', '.join(sorted(speakers))}")
+    speaker = resolve_voice(params.get("speaker"), sorted(speakers), param="speaker")
     cond = TalkerConditioning(inputs["talker_user_rows"], inputs["talker_user_is_mm"].bool(),
                               inputs["talker_user_ids"].long(), inputs["talker_special_rows"])  # fmt: skip
     prompt = TalkerPrompt(cond, speakers[speaker], image_grid_thw=inputs.get("image_grid_thw"),
                           audio_feature_lengths=inputs.get("audio_feature_lengths"))  # fmt: skip
     prompt.append(inputs["text_rows"], text_end(params))
-    return Sequence(session, sampling_from_parameters(params, defaults, limit), prompt)
+    return Sequence(session, sampling_from_parameters(params, defaults), prompt)
 
 
 def text_end(params: dict) -> bool:

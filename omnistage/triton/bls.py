@@ -7,30 +7,23 @@
 # views of their bytes, for which the stub makes no numpy array of the data (core/bf16_bytes.py).
 from __future__ import annotations
 
-import re
 from typing import Iterator
 
 import torch
 import triton_python_backend_utils as pb_utils
 
-from ..core.errors import (STUB_DEAD_MARK, BadRequestError, EngineError, OmniError, OverloadedError,
-                           StageUnavailableError)
+from ..core.errors import STUB_DEAD_MARK, EngineError, OmniError, StageUnavailableError, from_wire
 from ..core.protocol import BLS_TRANSPORT, BLS_TRANSPORT_BF16_BYTES, CODE2WAV, TALKER, THINKER, TensorSpec
 from ..pipeline.replicas import ReplicaRouter
 from .iterator_reaper import IteratorReaper
 from .tensors import bls_output, from_torch
 
-_CODE = re.compile(r"^\[(\d{3})\] ")
-
-
 def stage_error(message: str) -> OmniError:
-    """Stages prefix error messages with the HTTP status; keep it so a client still sees a 400 as a 400."""
-    m = _CODE.match(message)
-    code = int(m.group(1)) if m else 500
-    text = message[m.end():] if m else message
-    if STUB_DEAD_MARK in text:  # a dead stage is the server's outage, not a failure of this request
-        return StageUnavailableError(f"stage unavailable (being restarted): {text}")
-    return {400: BadRequestError, 503: OverloadedError}.get(code, EngineError)(text)
+    """Stages prefix error messages with the HTTP status (core/errors.py); keep it, and the request field at
+    fault, so a client still sees a 400 as a 400."""
+    if STUB_DEAD_MARK in message:  # a dead stage is the server's outage, not a failure of this request
+        return StageUnavailableError(f"stage unavailable (being restarted): {from_wire(message) or message}")
+    return from_wire(message) or EngineError(message)
 
 
 def _parameters(values: dict) -> dict:

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import triton_python_backend_utils as pb_utils
 
-from ..core.errors import EngineError, OmniError
+from ..core.errors import EngineError, OmniError, to_wire
 from ..core.poll_ring import PollRing
 from .iterator_reaper import IteratorReaper
 from .tensors import output_tensors
@@ -28,8 +28,7 @@ POLL_BUDGET_SECONDS = 0.002
 
 
 def error_response(error: Exception):
-    code = error.code if isinstance(error, OmniError) else 500
-    return pb_utils.InferenceResponse(error=pb_utils.TritonError(f"[{code}] {error}"))
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(to_wire(error)))
 
 
 def cancelled_response():

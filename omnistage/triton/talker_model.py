@@ -23,7 +23,7 @@ class TalkerModel(StageModel):
     def sequence_from(self, request, params: dict, request_id: str):
         inputs = input_tensors(request, TALKER)
         defaults = self.sampling_defaults(talker_defaults(self.max_seq_len))
-        return talker_sequence(request_id, inputs, params, defaults, self.max_seq_len, self.speakers)
+        return talker_sequence(request_id, inputs, params, defaults, self.speakers)
 
     def control(self, action: str, request, params: dict, request_id: str, sender) -> None:
         if action != "append":

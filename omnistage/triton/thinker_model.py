@@ -19,8 +19,7 @@ class ThinkerModel(StageModel):
 
     def sequence_from(self, request, params: dict, request_id: str):
         inputs = input_tensors(request, THINKER)
-        return thinker_sequence(request_id, inputs, params, self.sampling_defaults(thinker_defaults(self.max_seq_len)),
-                                self.max_seq_len)
+        return thinker_sequence(request_id, inputs, params, self.sampling_defaults(thinker_defaults(self.max_seq_len)))
 
     def encode(self, output, finish_reason):
         return thinker_response(output, finish_reason)

@@ -8,6 +8,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from omnistage.core.errors import BadRequestError
+from omnistage.core.voices import resolve_voice
+
 from openai_frontend.realtime.audio import FORMAT_RATES
 from openai_frontend.realtime.events import EventError, field as get
 from openai_frontend.schemas import StageSampling
@@ -39,7 +42,7 @@ class SessionConfig:
 
     @classmethod
     def default(cls, settings: FrontendSettings) -> SessionConfig:
-        return cls(voice=settings.default_voice, model=settings.model_name)
+        return cls(voice=settings.default_voice, model=settings.model_for(None))
 
     @property
     def audio_out(self) -> bool:
@@ -57,8 +60,8 @@ class SessionConfig:
             raise EventError("only 'realtime' sessions are served (no transcription sessions)",
                              param="session.type")  # fmt: skip
         model = get(session, "model", str, required=False, where="session.")
-        if model is not None and model != settings.model_name:
-            raise EventError(f"model {model!r} not found; this server serves {settings.model_name!r}",
+        if model is not None and model not in settings.served_model_names:
+            raise EventError(f"model {model!r} not found; this server serves {', '.join(settings.served_model_names)}",
                              code="model_not_found", param="session.model")  # fmt: skip
         if "instructions" in session:
             new.instructions = get(session, "instructions", str, required=False, where="session.") or ""
@@ -172,10 +175,13 @@ def _apply_output(new: SessionConfig, audio_out: dict[str, Any], settings: Front
 
 def voice(value: Any, settings: FrontendSettings, param: str) -> str:
     name = value.get("id") if isinstance(value, dict) else value
-    if not isinstance(name, str) or name.strip().lower() not in settings.voices:
+    if not isinstance(name, str):
         raise EventError(f"unknown voice {name!r}; valid voices: {', '.join(settings.voices)}", code="invalid_voice",
                          param=param)  # fmt: skip
-    return name.strip().lower()
+    try:
+        return resolve_voice(name, settings.voices, param=param)  # the one voice check of every layer
+    except BadRequestError as e:
+        raise EventError(str(e), code="invalid_voice", param=param) from None
 
 
 def turn_detection(value: Any, param: str) -> dict[str, Any] | None:

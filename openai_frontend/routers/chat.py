@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -12,8 +11,7 @@ from omnistage.core.protocol import SAMPLE_RATE
 from openai_frontend import chat_service
 from openai_frontend.chat_params import plan_chat
 from openai_frontend.chat_render import ResponseIds
-from openai_frontend.errors import FrontendError, error_response
-from openai_frontend.media_inputs import prepare_messages
+from openai_frontend.errors import error_response
 from openai_frontend.metrics import RequestMeter
 from openai_frontend.schemas import ChatCompletionRequest
 from openai_frontend.sse import ClientDisconnected, SSEResponse, cancel_on_disconnect
@@ -23,24 +21,17 @@ router = APIRouter()
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-    settings = request.app.state.settings
-    client = request.app.state.client
-    if body.model is not None and body.model != settings.model_name:
-        raise FrontendError(
-            404, f"model {body.model!r} not found; this server serves {settings.model_name!r}",
-            param="model", code="model_not_found",
-        )
-    plan = plan_chat(body, settings)
-    plan = replace(plan, messages=await prepare_messages(plan.messages, settings))
-    ids = ResponseIds(model=settings.model_name)
+    settings, client, store = request.app.state.settings, request.app.state.client, request.app.state.audio_store
+    plan = await plan_chat(body, settings, store)
+    ids = ResponseIds(model=plan.model)
     arrival = getattr(request.state, "arrival", None) or time.perf_counter()
     meter = RequestMeter(request.app.state.metrics, arrival, SAMPLE_RATE, request_id=ids.id)
     if plan.stream:
-        return SSEResponse(chat_service.stream_events(client, plan, ids, meter), on_error=error_response)
+        return SSEResponse(chat_service.stream_events(client, plan, ids, meter, store), on_error=error_response)
     try:
         # uvicorn does not cancel a handler whose client left; without this a long spoken answer
         # would be generated to the end for nobody
-        result = await cancel_on_disconnect(request.receive, chat_service.complete(client, plan, ids, meter))
+        result = await cancel_on_disconnect(request.receive, chat_service.complete(client, plan, ids, meter, store))
     except ClientDisconnected:
         return Response(status_code=499)  # never delivered
     return JSONResponse(result)

@@ -52,8 +52,8 @@ async def realtime(websocket: WebSocket) -> None:
     model = websocket.query_params.get("model")
     open_sessions = getattr(app.state, "realtime_sessions", 0)
     refusal = None
-    if model is not None and model != settings.model_name:
-        refusal = EventError(f"model {model!r} not found; this server serves {settings.model_name!r}",
+    if model is not None and model not in settings.served_model_names:
+        refusal = EventError(f"model {model!r} not found; this server serves {', '.join(settings.served_model_names)}",
                              code="model_not_found", param="model", close=True)  # fmt: skip
     elif open_sessions >= limits.max_sessions:
         refusal = EventError(f"this server holds its limit of {limits.max_sessions} realtime sessions; retry later",

@@ -11,7 +11,7 @@ from omnistage.core.protocol import SAMPLE_RATE
 
 from openai_frontend import speech
 from openai_frontend.chat_params import plan_chat
-from openai_frontend.errors import FrontendError, error_response
+from openai_frontend.errors import error_response
 from openai_frontend.metrics import RequestMeter
 from openai_frontend.sse import SSEResponse
 
@@ -21,10 +21,7 @@ router = APIRouter()
 @router.post("/v1/audio/speech", response_class=Response)
 async def create_speech(body: speech.SpeechRequest, request: Request) -> Response:
     settings = request.app.state.settings
-    if body.model is not None and body.model != settings.model_name:
-        raise FrontendError(404, f"model {body.model!r} not found; this server serves {settings.model_name!r}",
-                            param="model", code="model_not_found")  # fmt: skip
-    plan = plan_chat(speech.chat_request(body), settings)
+    plan = await plan_chat(speech.chat_request(body), settings)
     request_id = f"speech-{uuid.uuid4().hex}"
     meter = RequestMeter(request.app.state.metrics, getattr(request.state, "arrival", None) or time.perf_counter(),
                          SAMPLE_RATE, request_id=request_id)  # fmt: skip

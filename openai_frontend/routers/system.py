@@ -4,7 +4,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from openai_frontend.errors import FrontendError
+from openai_frontend.chat_params import served_model
 
 router = APIRouter()
 
@@ -24,18 +24,17 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse(body, status_code=200 if ready else 503, headers=None if ready else {"Retry-After": "5"})
 
 
-def _model_card(settings) -> dict:
-    return {"id": settings.model_name, "object": "model", "created": settings.created, "owned_by": "omnistage"}
+def _model_card(name: str, settings) -> dict:
+    return {"id": name, "object": "model", "created": settings.created, "owned_by": "omnistage"}
 
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> JSONResponse:
-    return JSONResponse({"object": "list", "data": [_model_card(request.app.state.settings)]})
+    settings = request.app.state.settings
+    return JSONResponse({"object": "list", "data": [_model_card(n, settings) for n in settings.served_model_names]})
 
 
 @router.get("/v1/models/{model:path}")
 async def retrieve_model(model: str, request: Request) -> JSONResponse:
     settings = request.app.state.settings
-    if model != settings.model_name:
-        raise FrontendError(404, f"model {model!r} not found", param="model", code="model_not_found")
-    return JSONResponse(_model_card(settings))
+    return JSONResponse(_model_card(served_model(model, settings), settings))

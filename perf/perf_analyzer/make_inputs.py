@@ -122,7 +122,7 @@ def stages(url: str, out: Path, reply_tokens: int, seed: int = 0) -> None:
     write(out / "code2wav_steady.json", {"data": [steady]})
 
 
-# ---- replaying an input file without perf_analyzer (which needs glibc >= 2.38) -------------------------
+# ---- replaying an input file without perf_analyzer (a format check of the file alone) ------------------
 _NP = {"BOOL": np.bool_, "INT64": np.int64, "INT32": np.int32, "FP32": np.float32, "FP16": np.float16}
 
 

@@ -17,7 +17,7 @@ def fake() -> FakeOmniClient:
 @pytest.fixture(scope="session")
 def server(fake):
     """The frontend over the fake backend, served by uvicorn on a loopback port, shared by all tests."""
-    with ThreadedUvicorn(create_app(fake, default_voice="ethan", model_name="qwen3-omni")) as srv:
+    with ThreadedUvicorn(create_app(fake, default_voice="ethan")) as srv:
         yield srv
 
 

@@ -39,8 +39,9 @@ def test_text_and_audio_wav(openai_client, fake):
         model="qwen3-omni", messages=USER, modalities=["text", "audio"], audio={"voice": "Chelsie", "format": "wav"}
     )
     msg = r.choices[0].message
-    assert msg.content == "Hello, world" and msg.audio.transcript == "Hello, world"
-    assert msg.audio.id.startswith("audio_") and isinstance(msg.audio.expires_at, int)
+    # OpenAI's shape: with audio, the text is the transcript and content stays null
+    assert msg.content is None and msg.audio.transcript == "Hello, world"
+    assert msg.audio.id.startswith("audio_") and msg.audio.expires_at > r.created
     samples = parse_wav(base64.b64decode(msg.audio.data))
     assert len(samples) == 6720  # 0.28 s at 24 kHz
     np.testing.assert_array_equal(samples, expected_pcm16(all_audio()))
@@ -113,13 +114,15 @@ def test_stream_text_and_audio(openai_client, fake):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert len({c.id for c in chunks}) == 1 and all(c.object == "chat.completion.chunk" for c in chunks)
     deltas = [c.choices[0].delta for c in chunks if c.choices]
-    assert "".join(d.content or "" for d in deltas) == "Hello, world"
+    # OpenAI streams the spoken text as delta.audio.transcript; content stays null while audio is on
+    assert all(d.content is None for d in deltas)
+    assert "".join(d.audio.transcript or "" for d in deltas if d.audio) == "Hello, world"
     audio = [d.audio for d in deltas if d.audio is not None and d.audio.data]
-    assert len(audio) == 3 and len({a.id for a in audio}) == 1 and all(a.transcript == "" for a in audio)
+    assert len(audio) == 3 and len({d.audio.id for d in deltas if d.audio}) == 1
     # each chunk is raw s16le (no WAV header); the chunks concatenate to the whole utterance
     pcm = np.concatenate([pcm16_samples(a.data) for a in audio])
     np.testing.assert_array_equal(pcm, expected_pcm16(all_audio()))
-    assert deltas[-2].audio.expires_at is not None and deltas[-2].audio.data is None
+    assert deltas[-2].audio.expires_at > chunks[0].created and deltas[-2].audio.data is None
     finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
     assert len(finish) == 1 and finish[0].choices[0].finish_reason == "stop"
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == 7 + 12
@@ -148,7 +151,7 @@ async def test_async_stream_audio_only(async_openai, fake):
         model="qwen3-omni", messages=USER, modalities=["audio"], audio={"voice": "aiden", "format": "pcm16"}, stream=True
     )
     deltas = [c.choices[0].delta async for c in stream if c.choices]
-    assert all(d.content in (None, "") for d in deltas)
+    assert all(d.content is None for d in deltas)
     assert "".join(d.audio.transcript or "" for d in deltas if d.audio) == "Hello, world"
     pcm = np.concatenate([pcm16_samples(d.audio.data) for d in deltas if d.audio and d.audio.data])
     np.testing.assert_array_equal(pcm, expected_pcm16(all_audio()))
@@ -167,8 +170,8 @@ def test_error_mid_stream(openai_client, http, fake):
     got = []
     with pytest.raises(openai.APIError, match="code2wav failed"):
         for c in openai_client.chat.completions.create(model="qwen3-omni", messages=USER, stream=True):
-            got.append(c.choices[0].delta.content)
-    assert "Hel" in got
+            got.append(c.choices[0].delta.audio)
+    assert got[1].transcript == "Hel"
     # on the wire: an error event, then [DONE]
     with http.stream("POST", "/v1/chat/completions", json={"messages": USER, "stream": True}) as r:
         events = [e for e in r.read().decode().split("\n\n") if e]

@@ -1,19 +1,26 @@
 # Request -> omni_ensemble parameters, without HTTP.
+import asyncio
+
 import pytest
 from pydantic import ValidationError
 
+from omnistage.core.errors import BadRequestError
 from omnistage.core.protocol import OMNI
 from openai_frontend.chat_params import plan_chat
-from openai_frontend.errors import FrontendError
 from openai_frontend.schemas import ChatCompletionRequest
 from openai_frontend.settings import FrontendSettings
 
-SETTINGS = FrontendSettings(model_name="qwen3-omni", default_voice="chelsie")
+
+def plan_now(*args):
+    return asyncio.run(plan_chat(*args))
+
+
+SETTINGS = FrontendSettings(default_voice="chelsie")
 USER = [{"role": "user", "content": "hi"}]
 
 
 def plan(**body):
-    return plan_chat(ChatCompletionRequest.model_validate({"messages": USER, **body}), SETTINGS)
+    return plan_now(ChatCompletionRequest.model_validate({"messages": USER, **body}), SETTINGS)
 
 
 def test_defaults_are_text_and_audio_with_the_default_voice():
@@ -74,10 +81,10 @@ def test_messages_are_forwarded_as_sent():
             {"type": "text", "text": "what is this?"},
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA", "detail": "low"}},
             {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
-            {"type": "audio_url", "audio_url": {"url": "https://example.com/a.wav"}, "extra": 1},
+            {"type": "audio_url", "audio_url": {"url": "data:audio/wav;base64,UklGRg=="}, "extra": 1},
         ]},
     ]
-    p = plan_chat(ChatCompletionRequest.model_validate({"messages": messages}), SETTINGS)
+    p = plan_now(ChatCompletionRequest.model_validate({"messages": messages}), SETTINGS)
     assert p.messages == messages
 
 
@@ -94,15 +101,15 @@ def test_stream_options():
 ])
 def test_unknown_voice_lists_the_served_ones(body, param):
     settings = FrontendSettings(voices=("Ethan", "chelsie"))
-    with pytest.raises(FrontendError) as info:
-        plan_chat(ChatCompletionRequest.model_validate({"messages": USER, **body}), settings)
-    assert (info.value.status, info.value.param) == (400, param)
-    assert info.value.message.endswith("valid voices: ethan, chelsie")
+    with pytest.raises(BadRequestError) as info:
+        plan_now(ChatCompletionRequest.model_validate({"messages": USER, **body}), settings)
+    assert (info.value.code, info.value.param, info.value.error_code) == (400, param, "invalid_voice")
+    assert str(info.value).endswith("valid voices: ethan, chelsie")
 
 
 def test_voices_come_from_the_settings():
     settings = FrontendSettings(voices=("vivian", "ethan"), default_voice="Vivian")
-    p = plan_chat(ChatCompletionRequest.model_validate({"messages": USER, "voice": "VIVIAN"}), settings)
+    p = plan_now(ChatCompletionRequest.model_validate({"messages": USER, "voice": "VIVIAN"}), settings)
     assert p.parameters["speaker"] == "vivian"
 
 

@@ -2,6 +2,9 @@
 # the whole path openai SDK -> HTTP -> frontend -> tritonclient.grpc.aio -> Triton, cancellation included.
 import asyncio
 import base64
+import io
+import json
+import wave
 
 import httpx
 import numpy as np
@@ -32,7 +35,7 @@ async def triton():
 
 @pytest.fixture(scope="module")
 def frontend(triton):
-    proc = FrontendProcess("--triton-url", triton.url, "--model-name", "qwen3-omni", "--default-voice", "aiden",
+    proc = FrontendProcess("--triton-url", triton.url, "--default-voice", "aiden",
                            "--no-stage-probes")  # the fake Triton has no repository index to probe
     with proc:
         yield proc
@@ -67,7 +70,7 @@ async def test_non_stream_wav(client, triton):
     triton.replies = spoken()
     r = await client.chat.completions.create(model="qwen3-omni", messages=USER, max_tokens=32)
     msg = r.choices[0].message
-    assert msg.content == "Hi!" and msg.audio.transcript == "Hi!"
+    assert msg.content is None and msg.audio.transcript == "Hi!"
     samples = parse_wav(base64.b64decode(msg.audio.data))
     np.testing.assert_array_equal(samples, expected_pcm16(tone(6760)))
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.completion_tokens_details.audio_tokens) == (12, 2, 3)
@@ -85,7 +88,7 @@ async def test_stream(client, triton):
     )
     chunks = [c async for c in stream]
     deltas = [c.choices[0].delta for c in chunks if c.choices]
-    assert "".join(d.content or "" for d in deltas) == "Hi!"
+    assert "".join(d.audio.transcript or "" for d in deltas if d.audio) == "Hi!"
     pcm = np.concatenate([pcm16_samples(d.audio.data) for d in deltas if d.audio and d.audio.data])
     np.testing.assert_array_equal(pcm, expected_pcm16(tone(6760)))
     assert chunks[-1].usage.total_tokens == 14
@@ -116,3 +119,100 @@ async def test_triton_down():
             assert (await http.get("/health")).status_code == 503
             r = await http.post("/v1/chat/completions", json={"messages": USER})
             assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable_error"
+
+
+# ---- vLLM-Omni's own request shapes, as its clients write them ---------------------------------------------
+# The example client (examples/online_serving/qwen3_omni/openai_chat_completion_client_for_multimodal_generation.py
+# in vllm-project/vllm-omni: its default model name, system prompt and three-stage sampling_params_list) and
+# `vllm bench serve --omni`'s streamed body (backend openai-chat-omni), read the way that benchmark reads it.
+SYSTEM = ("You are Qwen, a virtual human developed by the Qwen Team, Alibaba Group, capable of perceiving "
+          "auditory and visual inputs, as well as generating text and speech.")
+SAMPLING_PARAMS_LIST = [
+    {"temperature": 0.4, "top_p": 0.9, "top_k": 1, "max_tokens": 16384, "repetition_penalty": 1.05,
+     "stop_token_ids": [151645], "seed": 42},
+    {"temperature": 0.9, "top_k": 50, "max_tokens": 4096, "seed": 42, "detokenize": False,
+     "repetition_penalty": 1.05, "stop_token_ids": [2150]},
+    {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "max_tokens": 4096 * 16, "seed": 42, "detokenize": True,
+     "repetition_penalty": 1.1},
+]  # fmt: skip
+VLLM_USAGE = {"prompt_tokens": 40, "completion_tokens": 2, "audio_frames": 2}
+
+
+@pytest.fixture(scope="module")
+def vllm_frontend(triton):
+    # the style vLLM-Omni's benchmark reads (`modality` on every chunk); the default names
+    with FrontendProcess("--triton-url", triton.url, "--response-style", "vllm-omni", "--no-stage-probes") as proc:
+        yield proc
+    print(proc.output)
+
+
+@pytest.fixture
+def fresh(triton):
+    triton.replies, triton.hang_after_replies, triton.model_ready = [], False, True
+    triton.received.clear()
+    return triton
+
+
+def spoken_vllm() -> list[Reply]:
+    return [Reply(infer_response(text="Hi", token_ids=[1], audio=tone(1920))),
+            Reply(infer_response(text="!", token_ids=[2], audio=tone(1920, offset=1920), finish_reason="stop",
+                                 usage=VLLM_USAGE, final=True))]  # fmt: skip
+
+
+async def test_vllm_omni_example_client_request(vllm_frontend, fresh):
+    fresh.replies = spoken_vllm()
+    client = openai.AsyncOpenAI(base_url=f"{vllm_frontend.url}/v1", api_key="EMPTY", max_retries=0, timeout=10)
+    completion = await client.chat.completions.create(
+        messages=[{"role": "system", "content": [{"type": "text", "text": SYSTEM}]},
+                  {"role": "user", "content": [{"type": "text", "text": "Explain it in 15 words."}]}],
+        model="Qwen/Qwen3-Omni-30B-A3B-Instruct",
+        extra_body={"sampling_params_list": SAMPLING_PARAMS_LIST},
+    )
+    # what the example does with the reply: a WAV file per audio choice, the text of the others
+    texts = [c.message.content for c in completion.choices if not c.message.audio and c.message.content]
+    wavs = [base64.b64decode(c.message.audio.data) for c in completion.choices if c.message.audio]
+    assert texts == ["Hi!"] and len(wavs) == 1
+    with wave.open(io.BytesIO(wavs[0])) as w:
+        assert (w.getframerate(), w.getnframes()) == (24000, 3840)
+    params = fresh.received[0].parameters
+    assert (params["max_tokens"], params["talker_max_tokens"], params["stop_token_ids"]) == (16384, 4096, "[151645]")
+    assert completion.model == "Qwen/Qwen3-Omni-30B-A3B-Instruct"
+
+
+async def test_vllm_omni_bench_serve_request(vllm_frontend, fresh):
+    fresh.replies = spoken_vllm()
+    payload = {"model": "Qwen/Qwen3-Omni-30B-A3B-Instruct",
+               "messages": [{"role": "user", "content": [{"type": "text", "text": "Tell me a story."}]}],
+               "temperature": 0.0, "max_tokens": 2048, "stream": True, "stream_options": {"include_usage": True}}
+    text, pcm, prompt_len = "", b"", None
+    async with httpx.AsyncClient(timeout=10) as http:
+        async with http.stream("POST", f"{vllm_frontend.url}/v1/chat/completions", json=payload,
+                               headers={"Authorization": "Bearer None"}) as r:  # fmt: skip
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line.removeprefix("data: "))
+                if choices := data.get("choices"):
+                    content = choices[0]["delta"].get("content")
+                    if data["modality"] == "text":
+                        text += content or ""
+                    elif data["modality"] == "audio" and content:
+                        with wave.open(io.BytesIO(base64.b64decode(content))) as w:
+                            pcm += w.readframes(w.getnframes())
+                if usage := data.get("usage"):
+                    prompt_len = usage["prompt_tokens"]
+    assert (text, len(pcm) // 2, prompt_len) == ("Hi!", 3840, 40)
+    assert fresh.received[0].parameters["max_tokens"] == 2048
+
+
+async def test_a_context_overflow_names_both_numbers_and_the_field(vllm_frontend, fresh):
+    # the stage's 400 crosses Triton with its param and code (core/errors.py's wire form)
+    fresh.replies = [Reply(error="[400 param=max_tokens code=context_length_exceeded] max_tokens is too large: "
+                                 "16384. This server's context is 4096 tokens and the prompt has 40 (40 + 16384 > 4096)")]
+    client = openai.AsyncOpenAI(base_url=f"{vllm_frontend.url}/v1", api_key="EMPTY", max_retries=0, timeout=10)
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.chat.completions.create(model="qwen3-omni", messages=[{"role": "user", "content": "hi"}],
+                                             max_tokens=16384)  # fmt: skip
+    assert (e.value.body["param"], e.value.body["code"]) == ("max_tokens", "context_length_exceeded")
+    assert "16384" in e.value.body["message"] and "4096" in e.value.body["message"]

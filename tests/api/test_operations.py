@@ -124,6 +124,9 @@ def test_flags_become_settings(monkeypatch):
                                        "vllm-omni", "--max-body-mb", "1", "--allow-remote-media"]))  # fmt: skip
     assert (s.voices, s.default_voice, s.response_style, s.api_key) == (("vivian", "ethan"), "vivian", "vllm-omni", "from-env")
     assert (s.max_body_bytes, s.fetch_remote_media, s.fetch_timeout_s) == (1 << 20, True, 10.0)
+    served = settings_from_args(parse_args(["--served-model-name", "omni", "--served-model-name", "Qwen/X"]))
+    assert served.served_model_names == ("omni", "Qwen/X")  # the flag replaces the default list
+    assert settings_from_args(parse_args([])).served_model_names == ("Qwen/Qwen3-Omni-30B-A3B-Instruct", "qwen3-omni")
     assert settings_from_args(parse_args(["--api-key", "flag"])).api_key == "flag"
     with pytest.raises(SystemExit, match="default_voice"):
         settings_from_args(parse_args(["--voices", "chelsie", "--default-voice", "ethan"]))

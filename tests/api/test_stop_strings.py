@@ -28,8 +28,7 @@ def test_matcher_releases_a_held_prefix_at_the_end():
 def test_non_streamed_stop_cancels_the_backend(openai_client, fake):
     fake.script = Script(steps=[Step("Hello"), Step(" wor"), Step("ld, and more", audio=tone(1920)), Step("!")], hang=True)
     r = openai_client.chat.completions.create(model="qwen3-omni", messages=USER, stop=["rld,", "zzz"])
-    assert r.choices[0].message.content == "Hello wo" and r.choices[0].finish_reason == "stop"
-    assert r.choices[0].message.audio.transcript == "Hello wo"
+    assert r.choices[0].message.audio.transcript == "Hello wo" and r.choices[0].finish_reason == "stop"
     assert fake.cancelled.wait(5)  # the request was cancelled in the backend, not run to its end
 
 

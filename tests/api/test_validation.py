@@ -27,11 +27,18 @@ BAD_BODIES = {
     "voice unknown": ({"messages": USER, "audio": {"voice": "alloy", "format": "wav"}}, "audio.voice"),
     "speaker unknown": ({"messages": USER, "speaker": "bob"}, "speaker"),
     "format unsupported": ({"messages": USER, "audio": {"voice": "ethan", "format": "aac"}}, "audio.format"),
-    "stop empty": ({"messages": USER, "stop": ""}, None),
+    "stop empty": ({"messages": USER, "stop": ""}, "stop"),
     "response_style unknown": ({"messages": USER, "response_style": "x"}, "response_style"),
     "audio unknown key": ({"messages": USER, "audio": {"voice": "ethan", "speed": 2}}, "audio.speed"),
-    "stream_options without stream": ({"messages": USER, "stream_options": {"include_usage": True}}, None),
-    "n > 1": ({"messages": USER, "n": 2}, None),
+    "stream_options without stream": ({"messages": USER, "stream_options": {"include_usage": True}}, "stream_options"),
+    "n > 1": ({"messages": USER, "n": 2}, "n"),
+    "response_format json": ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
+    "tool_choice names no tool": ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}],
+                                   "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    "tool message without id": ({"messages": [*USER, {"role": "tool", "content": "3"}]}, "messages[1]"),
+    "assistant without content": ({"messages": [*USER, {"role": "assistant"}]}, "messages[1]"),
+    "audio id unknown": ({"messages": [*USER, {"role": "assistant", "audio": {"id": "audio_nope"}}, *USER]},
+                         "messages[1].audio.id"),
     "sampling_params_list typo": ({"messages": USER, "sampling_params_list": [{"temprature": 1}]}, "sampling_params_list[0].temprature"),
 }
 
@@ -47,6 +54,7 @@ def test_bad_request(http, fake, body, param):
     assert set(error) == {"message", "type", "param", "code"}
     assert error["type"] == "invalid_request_error" and error["message"]
     assert error["param"] == param
+    assert error["code"]  # every 4xx says why in a machine-readable code
     assert fake.calls == []  # nothing reached the backend
 
 
@@ -57,6 +65,8 @@ def test_messages_of_interest(http):
     assert "valid voices: chelsie, ethan, aiden" in message({"audio": {"voice": "alloy", "format": "wav"}})
     assert "supported: wav, pcm, pcm16, flac, mp3, opus" in message({"audio": {"voice": "ethan", "format": "aac"}})
     assert "n > 1 is not supported" in message({"n": 3})
+    assert "response_format 'json_schema' is not supported" in message({"response_format": {"type": "json_schema"}})
+    assert "is unknown or has expired" in message({"messages": [{"role": "assistant", "audio": {"id": "x"}}, *USER]})
     malformed = http.post("/v1/chat/completions", content=b"{", headers=JSON).json()["error"]["message"]
     assert malformed.startswith("request body is not valid JSON")
 
@@ -72,6 +82,7 @@ def test_json_needs_its_content_type(http):
 def test_routing_errors_use_the_openai_envelope(http, method, path, status):
     r = http.request(method, path, json={})
     assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert r.json()["error"]["code"] in ("not_found", "method_not_allowed")
 
 
 def test_server_healthy_after_bad_requests(http, fake):

@@ -50,7 +50,7 @@ def assert_spoken_reply(s: dict) -> None:
 
 def test_talk_to_the_tiny_model(page, frontend, tmp_path):
     page.goto(f"{frontend.url}/")
-    page.wait_for_function("() => demoState.model === 'qwen3-omni'")
+    page.wait_for_function("() => demoState.model === 'Qwen/Qwen3-Omni-30B-A3B-Instruct'")
     page.select_option("#voice", "aiden")
     page.fill("#max-tokens", str(REPLY))
     page.fill("#speech-frames", str(FRAMES))

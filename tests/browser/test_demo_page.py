@@ -25,7 +25,7 @@ def fake():
 
 @pytest.fixture(scope="module")
 def server(fake):
-    with ThreadedUvicorn(create_app(fake, default_voice="ethan", model_name="qwen3-omni")) as srv:
+    with ThreadedUvicorn(create_app(fake, default_voice="ethan")) as srv:
         yield srv
 
 
@@ -33,7 +33,7 @@ def server(fake):
 def demo(page, server, fake):
     fake.reset()
     page.goto(server.url)  # / redirects to /demo/
-    page.wait_for_function("() => demoState.model === 'qwen3-omni'")
+    page.wait_for_function("() => demoState.model === 'Qwen/Qwen3-Omni-30B-A3B-Instruct'")
     return page
 
 
@@ -172,6 +172,7 @@ def test_api_key(page, fake):
 
         page.fill("#api-key", "s3cret")
         page.press("#api-key", "Tab")
-        page.wait_for_function("() => demoState.model === 'qwen3-omni' && demoState.status === 'idle'")
+        page.wait_for_function(
+            "() => demoState.model === 'Qwen/Qwen3-Omni-30B-A3B-Instruct' && demoState.status === 'idle'")
         s = send(page, "hi")
         assert s["status"] == "done" and s["textReceived"] == "Hello world" and len(fake.calls) == 1

@@ -59,7 +59,7 @@ def client(frontend):
 
 def test_health_and_models(frontend):
     assert httpx.get(f"{frontend.url}/health", timeout=10).status_code == 200
-    assert [m.id for m in client(frontend).models.list().data] == ["qwen3-omni"]
+    assert [m.id for m in client(frontend).models.list().data] == ["Qwen/Qwen3-Omni-30B-A3B-Instruct", "qwen3-omni"]
 
 
 def test_non_streaming_text_and_audio(frontend, direct):
@@ -69,7 +69,7 @@ def test_non_streaming_text_and_audio(frontend, direct):
         extra_body={"sampling_params_list": STAGES},
     )  # fmt: skip
     message = completion.choices[0].message
-    assert message.content == direct.text and message.audio.transcript == direct.text
+    assert message.content is None and message.audio.transcript == direct.text  # OpenAI's shape
     samples = parse_wav(base64.b64decode(message.audio.data))
     assert len(samples) == len(direct.waveform) == direct.usage["audio_frames"] * 1920 - 555
     assert np.array_equal(samples, expected_pcm16(direct.waveform))
@@ -88,7 +88,8 @@ def test_streaming_text_and_audio(frontend, direct):
         delta = chunk.choices[0].delta if chunk.choices else None
         if delta is None:
             continue
-        text += delta.content or ""
+        assert delta.content is None  # with audio on, the text is the audio's transcript (OpenAI's shape)
+        text += (delta.audio.transcript or "") if delta.audio else ""
         data = getattr(delta.audio, "data", None) if getattr(delta, "audio", None) else None
         if data:
             chunks.append(pcm16_samples(data))
@@ -96,6 +97,21 @@ def test_streaming_text_and_audio(frontend, direct):
     assert text == direct.text and finish == "length"
     assert len(chunks) == len(direct.audio)  # one SSE audio event per streamed chunk
     assert np.array_equal(np.concatenate(chunks), expected_pcm16(direct.waveform))
+
+
+def test_a_later_turn_refers_to_the_spoken_reply(frontend, direct):
+    first = client(frontend).chat.completions.create(
+        model="qwen3-omni", messages=oracle.messages("text"), audio={"voice": "ethan", "format": "wav"},
+        max_tokens=REPLY, temperature=0, extra_body={"sampling_params_list": STAGES},
+    )  # fmt: skip
+    # the reply's id stands for its transcript: the same prompt as sending the text itself
+    turns = lambda assistant: [*oracle.messages("text"), assistant, {"role": "user", "content": "Again."}]
+    by_id, by_text = (client(frontend).chat.completions.create(
+        model="qwen3-omni", messages=turns(assistant), modalities=["text"], max_tokens=REPLY, temperature=0)
+        for assistant in ({"role": "assistant", "audio": {"id": first.choices[0].message.audio.id}},
+                          {"role": "assistant", "content": direct.text}))  # fmt: skip
+    assert by_id.choices[0].message.content == by_text.choices[0].message.content
+    assert by_id.usage.prompt_tokens == by_text.usage.prompt_tokens
 
 
 def test_text_only(frontend, direct):
@@ -177,3 +193,13 @@ def test_request_traces_join_the_load_generators_requests(frontend, trace_dir):
     hops = joined["mean_ms"]
     assert set(hops) == set(trace_join.TEXT_HOPS) | set(trace_join.AUDIO_HOPS), hops
     assert all(ms >= 0 for ms in hops.values()), hops
+
+
+def test_vllm_omni_example_client_needs_a_context_that_fits_its_max_tokens(frontend):
+    # (after test_metrics_and_bad_input, which counts this module's 400s) its thinker max_tokens (16384) exceeds this server's 1024-token context: a 400 naming both, as vLLM's
+    with pytest.raises(openai.BadRequestError) as e:
+        client(frontend).chat.completions.create(
+            model="Qwen/Qwen3-Omni-30B-A3B-Instruct", messages=oracle.messages("text"),
+            extra_body={"sampling_params_list": [{"temperature": 0.4, "max_tokens": 16384}, {"max_tokens": 4096}]})
+    assert (e.value.body["param"], e.value.body["code"]) == ("max_tokens", "context_length_exceeded")
+    assert "16384" in e.value.body["message"] and "1024" in e.value.body["message"]

@@ -50,7 +50,7 @@ class ClientPorts:
 
 
 def level(fake, concurrency, n, timeout_s=None, app_wrapper=None):
-    app = create_app(fake, default_voice="ethan", model_name="qwen3-omni")
+    app = create_app(fake, default_voice="ethan")
     with ThreadedUvicorn(app_wrapper(app) if app_wrapper else app) as server:
         return asyncio.run(run_level(server.url, small_workload(), concurrency, n, timeout_s=timeout_s))
 

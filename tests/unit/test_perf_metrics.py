@@ -1,5 +1,6 @@
 # perf/: metric aggregation, comparisons and the perf_analyzer profile-export parser (pure logic, CPU).
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -80,7 +81,8 @@ def synthetic_export():
         "experiment": {"mode": "concurrency", "value": 1},
         "requests": [
             req(0, [(100, text), (300, audio), (900, audio), (950, final)]),
-            req(1000, [(120, text), (140, {"text": "", "token_ids": "", "audio": 0.3}), (600, final)]),
+            req(1000, [(120, text), (140, {"text": "", "token_ids": "", "audio": 0.3}), (200, {"audio": [0.0, 0.1]}),
+                       (600, final)]),
         ],
         "window_boundaries": [t0, t0 + 2000 * MS],
     }
@@ -97,7 +99,8 @@ def test_request_latencies():
     first = request_latencies(doc["experiments"][0]["requests"][0])
     assert first == {"first_response_ms": 100, "ttft_ms": 100, "ttfp_ms": 300, "e2e_ms": 950, "responses": 4}
     second = request_latencies(doc["experiments"][0]["requests"][1])
-    assert second["ttfp_ms"] == 140  # a one-element FP32 output is a bare number; "" is an empty tensor
+    # a bare number is how perf_analyzer writes an absent or empty output: audio only counts with samples
+    assert second["ttfp_ms"] == 200
     assert request_latencies(doc["experiments"][1]["requests"][1])["first_response_ms"] is None
 
 
@@ -106,7 +109,7 @@ def test_experiment_summaries_and_cli(tmp_path, capsys):
     c1, c2 = summarize_export(doc)
     assert (c1["mode"], c1["value"], c1["requests"], c1["answered"]) == ("concurrency", 1, 2, 2)
     assert c1["throughput_rps"] == pytest.approx(1.0)  # 2 requests finished inside a 2 s window
-    assert c1["ttfp_ms"]["mean"] == pytest.approx(220) and c1["first_response_ms"]["mean"] == pytest.approx(110)
+    assert c1["ttfp_ms"]["mean"] == pytest.approx(250) and c1["first_response_ms"]["mean"] == pytest.approx(110)
     assert c2["answered"] == 1 and c2["ttfp_ms"] is None
     assert c2["throughput_rps"] == pytest.approx(20.0)  # no windows: 1 answered over its 50 ms span
     path = tmp_path / "export.json"
@@ -150,3 +153,21 @@ def test_omni_metrics_keeps_labelled_series_by_label(tmp_path):
     assert got["omni_milestone_seconds_sum"] == [0.5, 9.25]
     assert got['omni_milestone_seconds_sum{milestone="end"}'] == [9.25]
     assert "nv_inference_count" not in got and not any(k.startswith("omni_milestone_seconds_bucket{") for k in got)
+
+
+def test_reader_on_a_recorded_export():
+    # perf.perf_analyzer.sweep against the tiny checkpoint on the CPU (perf_analyzer 2.51, omni_ensemble, W1,
+    # concurrency 2, 4 requests); each audio list trimmed to 4 samples to keep the file small. perf_analyzer
+    # wrote the audio of text-only responses as bare numbers (0.0 and garbage such as -4.9e31).
+    doc = json.loads((Path(__file__).parent / "fixtures" / "pa_omni_ensemble_w1_c2.json").read_text())
+    (experiment,) = doc["experiments"]
+    for request in experiment["requests"]:
+        outputs = request["response_outputs"]
+        first_audio = next(i for i, o in enumerate(outputs) if isinstance(o["audio"], list))
+        assert any(isinstance(o["audio"], float) for o in outputs[:first_audio])  # the trap is in the recording
+        got = request_latencies(request)
+        sent, stamps = request["timestamp"], request["response_timestamps"]
+        assert got["ttfp_ms"] == (stamps[first_audio] - sent) / 1e6 and got["ttfp_ms"] > got["ttft_ms"]
+    (summary,) = summarize_export(doc)
+    assert (summary["value"], summary["requests"], summary["answered"]) == (2, 4, 4)
+    assert summary["ttfp_ms"]["n"] == 4 and summary["ttfp_ms"]["mean"] > 2 * summary["ttft_ms"]["mean"]

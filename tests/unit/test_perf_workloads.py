@@ -1,5 +1,7 @@
 # perf/workloads.py: deterministic prompts of the right lengths, and request bodies the frontend accepts
 # with the forced lengths landing on the right omni_ensemble parameters.
+import asyncio
+
 import pytest
 
 from openai_frontend.chat_params import plan_chat
@@ -7,6 +9,10 @@ from openai_frontend.schemas import ChatCompletionRequest
 from openai_frontend.settings import FrontendSettings
 from perf import workloads
 from perf.loadgen import level_sizes
+
+
+def plan_now(*args):
+    return asyncio.run(plan_chat(*args))
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +45,7 @@ def test_body_is_accepted_and_forces_lengths(name, tokenizer):
     w = (workloads.w1(3, tokenizer) if name == "w1" else workloads.w2(1, tokenizer, prompt_tokens=100)).with_lengths(
         7, 11
     )
-    plan = plan_chat(ChatCompletionRequest.model_validate(w.body(2)), FrontendSettings())
+    plan = plan_now(ChatCompletionRequest.model_validate(w.body(2)), FrontendSettings())
     assert plan.stream and plan.include_usage and plan.audio_out and plan.text_out and plan.audio_format == "pcm"
     assert plan.parameters == {
         "modalities": "text,audio",
@@ -87,5 +93,5 @@ def test_media_workloads_decode_differ_and_are_accepted(name):
         else:
             _, raw = media.split_data_url(part["image_url"]["url"], "image")
             assert media.decode_image(raw, "image").size == (448, 448)
-    plan = plan_chat(ChatCompletionRequest.model_validate(w.body(1)), FrontendSettings())
+    plan = plan_now(ChatCompletionRequest.model_validate(w.body(1)), FrontendSettings())
     assert plan.audio_out and plan.parameters["max_tokens"] == 18 and plan.parameters["talker_max_tokens"] == 46

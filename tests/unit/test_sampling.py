@@ -10,26 +10,43 @@ from omnistage.stages.sampler import Sampler, _penalise
 def test_parameters_are_coerced_from_triton_strings():
     p = sampling_from_parameters(
         {"max_tokens": "12", "temperature": "0.5", "ignore_eos": "true", "stop_token_ids": "[1, 2]", "talker_top_k": 3},
-        SamplingParams(max_tokens=10), 100,
+        SamplingParams(max_tokens=10),
     )  # fmt: skip
     assert (p.max_tokens, p.temperature, p.ignore_eos, p.stop_token_ids, p.top_k) == (12, 0.5, True, (1, 2), 0)
     assert (
-        sampling_from_parameters({"talker_top_k": 3}, SamplingParams(max_tokens=10), 100, prefix="talker_").top_k == 3
+        sampling_from_parameters({"talker_top_k": 3}, SamplingParams(max_tokens=10), prefix="talker_").top_k == 3
     )
 
 
 @pytest.mark.parametrize("params", [
-    {"max_tokens": 0}, {"max_tokens": 101}, {"temperature": -1}, {"top_p": 0}, {"max_tokens": "x"},
+    {"max_tokens": 0}, {"temperature": -1}, {"top_p": 0}, {"max_tokens": "x"},
     {"ignore_eos": "maybe"}, {"stop_token_ids": "[1, \"a\"]"}, {"min_tokens": 50, "max_tokens": 10}, {"seed": -3},
 ])  # fmt: skip
 def test_bad_parameters_are_bad_requests(params):
-    sampling_from_parameters({}, SamplingParams(max_tokens=10), 100)  # the defaults alone are fine
-    with pytest.raises(BadRequestError):
-        sampling_from_parameters(params, SamplingParams(max_tokens=10), 100)
+    sampling_from_parameters({}, SamplingParams(max_tokens=10))  # the defaults alone are fine
+    with pytest.raises(BadRequestError) as e:
+        sampling_from_parameters(params, SamplingParams(max_tokens=10))
+    assert e.value.param in params and e.value.error_code  # OpenAI's error object names the field at fault
+
+
+def test_max_tokens_follows_vllms_context_rule():
+    # given: taken whatever its size while prompt + max_tokens fits the context; beyond, a 400 naming both
+    given = sampling_from_parameters({"max_tokens": 16384}, SamplingParams(max_tokens=10))
+    assert given.fit_to_context(100, 16484).max_tokens == 16384
+    with pytest.raises(BadRequestError, match=r"16384.*1024 tokens.*prompt has 30") as e:
+        given.fit_to_context(30, 1024)
+    assert (e.value.param, e.value.error_code) == ("max_tokens", "context_length_exceeded")
+    # absent: the stage default, cut to the room the prompt leaves
+    default = sampling_from_parameters({}, SamplingParams(max_tokens=512))
+    assert default.fit_to_context(30, 1024).max_tokens == 512
+    assert default.fit_to_context(900, 1024).max_tokens == 124
+    with pytest.raises(BadRequestError, match="prompt has 1024 tokens") as e:
+        default.fit_to_context(1024, 1024)
+    assert e.value.param == "messages"
 
 
 def test_vllm_spelling_of_top_k_off_is_accepted():
-    assert sampling_from_parameters({"top_k": -1}, SamplingParams(max_tokens=10), 100).top_k == -1
+    assert sampling_from_parameters({"top_k": -1}, SamplingParams(max_tokens=10)).top_k == -1
 
 
 def test_greedy_with_repetition_penalty_matches_transformers():
