@@ -80,7 +80,7 @@ def run_level(binary: str, env: dict, url: str, model: str, concurrency: int, re
     print("$", " ".join(cmd), flush=True)
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     (out / f"pa_{model}_c{concurrency}.log").write_text(done.stdout + done.stderr)
-    if done.returncode != 0 or not export.exists():
+    if done.returncode != 0 or not export.exists() or export.stat().st_size == 0:  # killed while exporting: empty
         return {"model": model, "concurrency": concurrency, "error": (done.stdout + done.stderr)[-2000:]}
     (summary,) = summarize_export(json.loads(export.read_text()), "codes" if model == "talker" else "audio")
     return {"model": model, "concurrency": concurrency, **summary}
