@@ -28,22 +28,10 @@ class ChunkSchedule:
     # vLLM-Omni deploy defaults: first audio after 4 frames (320 ms), then every 25 frames (2 s)
     first_chunk_frames: int = 4
     chunk_frames: int = 25
-    # ramp: each later chunk holds at most as many frames as the chunks before it (1, 1, 2, 4, ... up to
-    # chunk_frames), so it is generated and decoded while the audio already sent plays: a client playing
-    # chunks as they come hears no gap once generation runs faster than real time. Without it the second
-    # chunk waits for chunk_frames new frames while only the first chunk's audio plays (a gap of about
-    # chunk_frames x the talker's step time), at the cost of fewer, larger Code2Wav forwards.
-    ramp: bool = True
 
     def __post_init__(self) -> None:
         _require_positive_int("first_chunk_frames", self.first_chunk_frames)
         _require_positive_int("chunk_frames", self.chunk_frames)
-
-    def next_size(self, emitted: int) -> int:
-        """Frames of the chunk that follows `emitted` frames already cut."""
-        if emitted == 0:
-            return self.first_chunk_frames
-        return min(self.chunk_frames, max(self.first_chunk_frames, emitted)) if self.ramp else self.chunk_frames
 
     def cutter(self) -> ChunkCutter:
         return ChunkCutter(self)
@@ -81,7 +69,7 @@ class ChunkCutter:
         self.total += n_new_frames
         windows = []
         while True:
-            size = self.schedule.next_size(self.emitted)
+            size = self.schedule.first_chunk_frames if self.emitted == 0 else self.schedule.chunk_frames
             if self.total - self.emitted < size:
                 return windows
             windows.append(self._cut(self.emitted + size))

@@ -115,12 +115,9 @@ class ChunkProfile:
     chunk_frames: int = 25
     light_first_chunk_frames: int | None = None  # while at most light_load_requests requests are in flight
     light_load_requests: int = 1
-    ramp: bool = True  # later chunks grow from the first one's size (core/chunking.py ChunkSchedule)
 
     def check(self, talker_seq_len: int) -> None:
         _int("chunks.light_load_requests", self.light_load_requests)
-        if not isinstance(self.ramp, bool):
-            raise ProfileError(f"chunks.ramp must be true or false, not {self.ramp!r}")
         sized = ["first_chunk_frames", "chunk_frames"]
         if self.light_first_chunk_frames is not None:  # null: no light-load schedule
             sized.append("light_first_chunk_frames")

@@ -115,7 +115,6 @@ def profile_spec(profile: Profile, model_path: str | None = None, resolve_model:
             **common,
             "first_chunk_frames": str(chunks.first_chunk_frames),
             "chunk_frames": str(chunks.chunk_frames),
-            "chunk_ramp": str(chunks.ramp).lower(),
             # a smaller first chunk while the server is nearly idle (core/chunking.py ChunkPolicy); unset: off
             **({"light_first_chunk_frames": str(chunks.light_first_chunk_frames),
                 "light_load_requests": str(chunks.light_load_requests)}

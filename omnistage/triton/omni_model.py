@@ -56,10 +56,10 @@ class OmniModel:
         self.processor = load_processor(source)
         media.configure(media.MediaLimits.from_parameters(params))
         self.speakers = {k.lower() for k in self.config.talker_config.speaker_id}
-        chunk_frames, ramp = int(params.get("chunk_frames", 25)), params.get("chunk_ramp", "true") == "true"
+        chunk_frames = int(params.get("chunk_frames", 25))
         light = params.get("light_first_chunk_frames")
-        self.chunk_policy = ChunkPolicy(ChunkSchedule(int(params.get("first_chunk_frames", 4)), chunk_frames, ramp),
-                                        ChunkSchedule(int(light), chunk_frames, ramp) if light else None,
+        self.chunk_policy = ChunkPolicy(ChunkSchedule(int(params.get("first_chunk_frames", 4)), chunk_frames),
+                                        ChunkSchedule(int(light), chunk_frames) if light else None,
                                         int(params.get("light_load_requests", 1)))  # fmt: skip
         # a session's stage calls all go to one replica; new sessions to the least loaded (pipeline/replicas.py)
         # finished stage streams wait here until the Responder's next cancellation query (iterator_reaper.py)

@@ -27,9 +27,6 @@ def assert_covers(windows, total):
         assert w.frames == w.end - w.start
 
 
-# ramp off: a first chunk, then every chunk_frames
-FIXED = ChunkSchedule(ramp=False)
-
 DEFAULT_ENDS = {
     0: [],
     1: [1],
@@ -45,16 +42,16 @@ DEFAULT_ENDS = {
 
 
 @pytest.mark.parametrize("total", sorted(DEFAULT_ENDS))
-def test_fixed_schedule_boundaries(total):
-    windows = all_windows(FIXED, total)
+def test_default_schedule_boundaries(total):
+    windows = all_windows(ChunkSchedule(), total)
     assert [w.end for w in windows] == DEFAULT_ENDS[total]
     assert_covers(windows, total)
     if windows:
         assert windows[0] == Window(0, windows[0].end)
 
 
-def test_fixed_schedule_windows():
-    assert all_windows(FIXED, 100) == [
+def test_default_schedule_windows():
+    assert all_windows(ChunkSchedule(), 100) == [
         Window(0, 4),
         Window(4, 29),
         Window(29, 54),
@@ -64,7 +61,7 @@ def test_fixed_schedule_windows():
 
 
 def test_windows_become_ready_at_the_right_push():
-    pushed, final = cut(FIXED, [1] * 54)
+    pushed, final = cut(ChunkSchedule(), [1] * 54)
     ready_at = [i + 1 for i, ws in enumerate(pushed) if ws]  # frames pushed when a window came out
     assert ready_at == [4, 29, 54]
     assert all(len(ws) <= 1 for ws in pushed)
@@ -72,7 +69,7 @@ def test_windows_become_ready_at_the_right_push():
 
 
 def test_one_push_can_release_several_windows():
-    schedule = FIXED
+    schedule = ChunkSchedule()
     pushed, final = cut(schedule, [3, 60, 0])
     assert pushed == [[], [Window(0, 4), Window(4, 29), Window(29, 54)], []]
     assert final == [Window(54, 63)]
@@ -82,7 +79,7 @@ def test_coverage_exactly_once():
     for first, chunk, total, step in itertools.product(
         [1, 4], [1, 7, 25], [0, 1, 3, 4, 5, 28, 29, 30, 54, 100], [1, 3, 25]
     ):
-        schedule = ChunkSchedule(first_chunk_frames=first, chunk_frames=chunk, ramp=False)
+        schedule = ChunkSchedule(first_chunk_frames=first, chunk_frames=chunk)
         windows = all_windows(schedule, total, step)
         assert_covers(windows, total)
         if windows:
@@ -92,18 +89,18 @@ def test_coverage_exactly_once():
 
 
 def test_first_chunk_of_one_frame():
-    assert all_windows(ChunkSchedule(1, 25, ramp=False), 30) == [Window(0, 1), Window(1, 26), Window(26, 30)]
+    assert all_windows(ChunkSchedule(1, 25), 30) == [Window(0, 1), Window(1, 26), Window(26, 30)]
 
 
 def test_finish_with_nothing_left():
-    cutter = ChunkCutter(FIXED)
+    cutter = ChunkCutter(ChunkSchedule())
     assert cutter.push(29) == [Window(0, 4), Window(4, 29)]
     assert cutter.finish() == []
-    assert FIXED.cutter().finish() == []
+    assert ChunkSchedule().cutter().finish() == []
 
 
 def test_cutter_misuse():
-    cutter = FIXED.cutter()
+    cutter = ChunkSchedule().cutter()
     for bad in (-1, 1.5, True, "3"):
         with pytest.raises(ValueError, match="n_new_frames"):
             cutter.push(bad)
@@ -149,21 +146,3 @@ def test_policy_gives_the_light_schedule_only_while_load_is_light():
     assert [policy.for_load(n) for n in (1, 2, 3, 64)] == [light, light, usual, usual]
     assert ChunkPolicy(usual).for_load(1) is usual  # no light schedule: always the usual one
     assert all_windows(light, 40)[0] == Window(0, 2) and all_windows(usual, 40)[0] == Window(0, 4)
-
-
-def test_ramp_doubles_up_to_chunk_frames():
-    assert [w.end for w in all_windows(ChunkSchedule(1, 25), 100)] == [1, 2, 4, 8, 16, 32, 57, 82, 100]
-    assert [w.end for w in all_windows(ChunkSchedule(4, 25), 60)] == [4, 8, 16, 32, 57, 60]
-    assert ChunkSchedule().ramp  # the default
-
-
-@pytest.mark.parametrize("first, chunk", [(1, 25), (4, 25), (2, 7), (3, 3)])
-def test_ramp_never_outruns_the_audio_already_sent(first, chunk):
-    # a chunk decoded while the audio before it plays: no later chunk is longer than that audio, so a
-    # talker faster than real time fills it before the client runs dry
-    windows = all_windows(ChunkSchedule(first, chunk), 300, step=2)
-    assert_covers(windows, 300)
-    for w in windows[1:]:
-        assert w.frames <= w.start and w.frames <= chunk
-    assert windows[1].frames == min(first, chunk)
-    assert all(w.frames == chunk for w in windows if w.start >= 2 * chunk and w.end < 300)  # then steady
