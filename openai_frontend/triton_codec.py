@@ -12,6 +12,7 @@ from tritonclient.grpc import InferInput
 
 from omnistage.core.errors import STUB_DEAD_MARK, EngineError, OmniError, StageUnavailableError, from_wire
 from omnistage.core.protocol import OMNI
+from omnistage.triton.workarounds import NOT_READY
 
 from openai_frontend.omni_client import OmniChunk
 
@@ -72,7 +73,8 @@ def error_from_message(message: str) -> OmniError:
     error = from_wire(message)
     if error is not None:
         return error
-    if STUB_DEAD_MARK in message:  # omni_ensemble's own stub died (a stage's comes as a 503 from it)
+    # omni_ensemble's own stub died, or it is being reloaded (a stage's outage comes as a 503 from it)
+    if STUB_DEAD_MARK in message or NOT_READY.search(message):
         return StageUnavailableError(f"stage unavailable (being restarted): {message}")
     return EngineError(message)
 

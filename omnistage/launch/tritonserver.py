@@ -4,13 +4,17 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import sys
+import threading
 import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from omnistage.launch.process import ManagedProcess, ProcessFailed, free_port, free_ports, port_in_use
 from omnistage.launch.triton_env import REPO_ROOT, TritonInstall, locate_triton, prepare_backends, server_env
+from omnistage.core.protocol import TRITON_KEY_HEADER
+from omnistage.triton.workarounds import python_backend_args, stale_stubs
 
 __all__ = ["TritonServer", "TritonStartError", "free_port", "free_ports"]
 
@@ -18,8 +22,11 @@ __all__ = ["TritonServer", "TritonStartError", "free_port", "free_ports"]
 _LOAD_FAILED = re.compile(r"failed to load '([^']+)'[^\n]*")
 
 
-SHM_REGION_BYTES, SHM_GROWTH_BYTES = 512 << 20, 128 << 20  # per Python stub, GPU servers only (see argv())
-PYTHON_THREAD_POOL = 512  # see argv(); omni_ensemble's max_inflight default is sized from it
+# With a key, these APIs of Triton's HTTP and gRPC ports answer only requests that carry it in
+# TRITON_KEY_HEADER (Triton's --http-restricted-api / --grpc-restricted-protocol); health, metadata, model
+# config and statistics stay open. Model control matters most: `load` with an uploaded model.py runs code
+# as the server's user.
+RESTRICTED = ("model-repository", "shared-memory", "trace", "logging")
 
 
 class TritonStartError(ProcessFailed):
@@ -49,6 +56,9 @@ class TritonServer:
         # omnistage` work in model.py even where the checkout is not pip-installed
         cwd: Path = REPO_ROOT,
         install: TritonInstall | None = None,
+        # None: every API open (tests that drive Triton directly); see RESTRICTED
+        api_key: str | None = None,
+        restrict_inference: bool = True,  # with api_key: inference needs the key as well
     ):
         self.model_repository, self.run_dir = Path(model_repository), Path(run_dir)
         self.host, self.http_port, self.grpc_port, self.metrics_port = host, http_port, grpc_port, metrics_port
@@ -56,8 +66,10 @@ class TritonServer:
         self.model_control_mode, self.load_models, self.extra_args = model_control_mode, tuple(load_models), tuple(extra_args)
         self.base_env, self.cwd = env, Path(cwd)
         self.install = install or locate_triton()
+        self.api_key, self.restrict_inference = api_key, restrict_inference
         self.process: ManagedProcess | None = None
         self._log_offset = 0
+        self._stop_supervising = threading.Event()
         # checked against GET /v2 once ready, so that a leftover server on our ports can't pass as us
         self.server_id = f"omnistage-{os.getpid()}-{http_port}"
 
@@ -98,21 +110,22 @@ class TritonServer:
             f"--exit-timeout-secs={self.exit_timeout_s}",
         ]
         args += [f"--load-model={m}" for m in self.load_models]
-        # Every open BLS call of a Python model holds a thread of this pool in the server; omni_ensemble
-        # keeps about three per request (thinker stream, talker stream, an append or code2wav call), and
-        # with 2.51's default of 32 a few dozen concurrent requests deadlock (measured: 64 did on CPU).
-        # omni_ensemble caps its requests in flight (max_inflight) to stay under this.
-        args.append(f"--backend-config=python,thread-pool-size={PYTHON_THREAD_POOL}")
+        # omni_ensemble caps its requests in flight (max_inflight) to stay under the BLS thread pool set here
+        args += python_backend_args(self.gpus)
         # GPU tensors between the Python backend and the server go through this pool; Triton's 64 MB
         # default is smaller than one batch of stage tensors (hidden states, codec frames).
         args += [f"--cuda-memory-pool-byte-size={g}:{self.cuda_pool_bytes}" for g in self.gpus]
-        if self.gpus:
-            # Each stub's shared-memory region starts at 1 MB and grows under load; on the H200 a stub died
-            # silently as soon as full-size handoffs or a burst of streams outgrew it (perf/README.md). A
-            # region this large never grows in practice (tmpfs pages are only used as touched).
-            args += [f"--backend-config=python,shm-default-byte-size={SHM_REGION_BYTES}",
-                     f"--backend-config=python,shm-growth-byte-size={SHM_GROWTH_BYTES}"]  # fmt: skip
+        if self.api_key:
+            apis = ",".join(RESTRICTED + (("inference",) if self.restrict_inference else ()))
+            # the key is in argv (visible to local users through ps); the ports bind loopback by default
+            args += [f"--http-restricted-api={apis}:{TRITON_KEY_HEADER}={self.api_key}",
+                     f"--grpc-restricted-protocol={apis}:{TRITON_KEY_HEADER}={self.api_key}"]  # fmt: skip
         return args + list(self.extra_args)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What a client of this server's restricted APIs sends with every call."""
+        return {TRITON_KEY_HEADER: self.api_key} if self.api_key else {}
 
     def start(self) -> None:
         busy = [p for p in (self.http_port, self.grpc_port, self.metrics_port) if port_in_use(p, self.host)]
@@ -124,6 +137,18 @@ class TritonServer:
         self.process = ManagedProcess("tritonserver", self.argv(backends), env, self.log_path, cwd=self.cwd)
         self._log_offset = 0
         self.process.start()
+        self._stop_supervising.clear()
+        threading.Thread(target=self._kill_stale_stubs, name="stale-stubs", daemon=True).start()
+
+    def _kill_stale_stubs(self) -> None:
+        """Stubs of instances that a reload replaced but Triton never unloaded (workarounds.py, 9)."""
+        while not self._stop_supervising.wait(2.0) and self.alive():
+            for pid in stale_stubs(self.process.pid):
+                print(f"[tritonserver] killing stub {pid}: its instance was reloaded and never unloaded", file=sys.stderr)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
     def wait_ready(self, timeout: float = 300.0, progress: Callable[[str], None] | None = None) -> float:
         assert self.process is not None, "start() first"
@@ -166,6 +191,7 @@ class TritonServer:
         return self.process is not None and self.process.alive()
 
     def stop(self) -> int | None:
+        self._stop_supervising.set()
         if self.process is None:
             return None
         return self.process.stop(grace=self.exit_timeout_s + 5.0)

@@ -17,13 +17,16 @@ from ..core.protocol import BLS_TRANSPORT, BLS_TRANSPORT_BF16_BYTES, CODE2WAV, T
 from ..pipeline.replicas import ReplicaRouter
 from .iterator_reaper import IteratorReaper
 from .tensors import bls_output, from_torch
+from .workarounds import NOT_READY
 
 def stage_error(message: str) -> OmniError:
     """Stages prefix error messages with the HTTP status (core/errors.py); keep it, and the request field at
     fault, so a client still sees a 400 as a 400."""
-    if STUB_DEAD_MARK in message:  # a dead stage is the server's outage, not a failure of this request
-        return StageUnavailableError(f"stage unavailable (being restarted): {from_wire(message) or message}")
-    return from_wire(message) or EngineError(message)
+    wire = from_wire(message)
+    if STUB_DEAD_MARK in message or (wire is None and NOT_READY.search(message)):
+        # a dead or reloading stage is the server's outage, not a failure of this request
+        return StageUnavailableError(f"stage unavailable (being restarted): {wire or message}")
+    return wire or EngineError(message)
 
 
 def _parameters(values: dict) -> dict:
