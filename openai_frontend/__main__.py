@@ -7,10 +7,11 @@ import os
 
 import uvicorn
 
-from omnistage.core.protocol import OMNI
+from omnistage.core.protocol import OMNI, TRITON_KEY_ENV, TRITON_KEY_HEADER
 from omnistage.core.voices import DEFAULT_VOICE
 
 from openai_frontend.app import create_app
+from openai_frontend.middleware import BoundedH11Protocol
 from openai_frontend.realtime.connection import RealtimeLimits
 from openai_frontend.settings import DEFAULT_VOICES, SERVED_MODEL_NAMES, MiB, RESPONSE_STYLES, FrontendSettings
 from openai_frontend.stage_watchdog import StageWatchdog
@@ -64,6 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds of uncommitted input audio a realtime session may hold")
     p.add_argument("--realtime-max-conversation-tokens", type=int, default=limits.max_conversation_tokens,
                    help="tokens a realtime conversation may reach (prompt + reply) before it is closed")
+    p.add_argument("--max-connections", type=int, default=2048,
+                   help="open connections and requests beyond this are answered 503 at once")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT, seconds in-flight requests get to finish before they are cancelled")
     return p.parse_args(argv)
@@ -95,10 +98,14 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     urls = args.triton_url or ["127.0.0.1:8001"]
 
+    # the key of Triton's restricted APIs (omnistage.launch.serve sets it; one key for every server)
+    headers = {TRITON_KEY_HEADER: os.environ[TRITON_KEY_ENV]} if os.environ.get(TRITON_KEY_ENV) else {}
+
     def make(url: str) -> TritonOmniClient:
         watchdog = None if args.no_stage_probes else StageWatchdog(
-            url, interval_s=args.probe_interval, timeout_s=args.probe_timeout, reload=not args.no_reload)
-        return TritonOmniClient(url, model_name=args.triton_model, watchdog=watchdog)
+            url, interval_s=args.probe_interval, timeout_s=args.probe_timeout, reload=not args.no_reload,
+            headers=headers)
+        return TritonOmniClient(url, model_name=args.triton_model, watchdog=watchdog, headers=headers)
 
     client = client_for(urls, make, args.probe_interval)
     app = create_app(client, settings)
@@ -110,8 +117,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"python -m openai_frontend: {exc}") from None
     # uvicorn's graceful shutdown: stop accepting, let in-flight requests (streams included) finish for up
     # to the timeout, then cancel them (which cancels their Triton requests)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=args.shutdown_timeout)  # fmt: skip
+    # a deadline for request heads (BoundedH11Protocol) and bodies (BodyLimit), a cap on connections
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, http=BoundedH11Protocol,
+                limit_concurrency=args.max_connections, timeout_graceful_shutdown=args.shutdown_timeout)  # fmt: skip
 
 
 if __name__ == "__main__":

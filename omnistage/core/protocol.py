@@ -13,6 +13,10 @@ SAMPLE_RATE = 24000  # Code2Wav output rate, mono
 # their bytes, for which Triton 2.51's stub makes no numpy array of the data (bf16_bytes.py)
 BLS_TRANSPORT = "bls_transport"
 BLS_TRANSPORT_BF16_BYTES = "bf16_bytes"
+# Triton's model control, shared memory, trace, logging and (by default) inference answer only calls that
+# carry the server's key in this header; the launcher hands it to the frontend in this environment variable
+TRITON_KEY_HEADER = "omnistage-triton-key"
+TRITON_KEY_ENV = "OMNISTAGE_TRITON_KEY"
 
 
 @dataclass(frozen=True)

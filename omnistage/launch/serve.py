@@ -6,6 +6,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import secrets
 import signal
 import sys
 import time
@@ -14,6 +16,7 @@ from pathlib import Path
 from omnistage.launch.process import ManagedProcess, ProcessFailed, port_in_use
 from omnistage.launch.render import add_profile_args, render_repository, spec_from_args
 from omnistage.launch.triton_env import REPO_ROOT
+from omnistage.core.protocol import TRITON_KEY_ENV
 from omnistage.launch.tritonserver import TritonServer
 from omnistage.models.checkpoint import speaker_names
 
@@ -36,6 +39,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--http-port", type=int, default=8000)
     ap.add_argument("--grpc-port", type=int, default=8001)
     ap.add_argument("--metrics-port", type=int, default=8002)
+    ap.add_argument("--triton-open-inference", action="store_true",
+                    help="let clients without the Triton key infer on Triton's ports (model control, shared "
+                         "memory, trace and logging still need it; see docs/reliability.md)")
     ap.add_argument("--run-dir", type=Path, default=REPO_ROOT / ".run", help="rendered repository and logs")
     ap.add_argument("--src", type=Path, default=REPO_ROOT / "model_repository", help="dir of <model>/1/model.py")
     ap.add_argument("--ready-timeout", type=float, default=900.0, help="seconds for all models to load")
@@ -65,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     triton = TritonServer(
         repo, args.run_dir, host=args.triton_host, http_port=args.http_port, grpc_port=args.grpc_port,
         metrics_port=args.metrics_port, gpus=gpus,
+        # a fresh key per start unless the deployer gives one (several servers behind one frontend share it)
+        api_key=os.environ.get(TRITON_KEY_ENV) or secrets.token_urlsafe(24), restrict_inference=not args.triton_open_inference,
     )
     frontend = ManagedProcess(
         "openai_frontend",
@@ -72,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
          "--port", str(args.api_port), "--voices", ",".join(speaker_names(args.model or profile.model)),
          "--shutdown-timeout", str(args.drain_timeout),
          *(["--probe-interval", str(args.probe_interval)] if args.probe_interval > 0 else ["--no-stage-probes"])],
-        env=None,
+        env={**os.environ, TRITON_KEY_ENV: triton.api_key},
         log_path=args.run_dir / "openai_frontend.log",
         cwd=REPO_ROOT,  # `-m openai_frontend` resolves from the checkout even when not pip-installed
     )
