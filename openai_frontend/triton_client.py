@@ -40,8 +40,9 @@ _UNAVAILABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 
 class TritonOmniClient(OmniClient):
     def __init__(self, url: str, *, model_name: str = OMNI.name, ready_timeout_s: float = 2.0,
-                 watchdog: StageWatchdog | None = None):  # fmt: skip
+                 watchdog: StageWatchdog | None = None, headers: dict[str, str] | None = None):  # fmt: skip
         self.url = url
+        self.headers = headers or {}  # Triton's key, when its inference API is restricted
         self.model_name = model_name
         self.ready_timeout_s = ready_timeout_s
         # with a watchdog, ready means every model of the server answers probes (stage_watchdog.py), and
@@ -78,7 +79,7 @@ class TritonOmniClient(OmniClient):
             return await self.watchdog.ready()
         try:
             return bool(
-                await self._grpc().is_model_ready(self.model_name, client_timeout=self.ready_timeout_s)
+                await self._grpc().is_model_ready(self.model_name, headers=self.headers, client_timeout=self.ready_timeout_s)
             )
         except InferenceServerException as exc:
             log.debug("readiness check failed: %s", exc)
@@ -94,13 +95,16 @@ class TritonOmniClient(OmniClient):
     async def stream(
         self, messages: list[dict[str, Any]], parameters: dict[str, Any], *, request_id: str = ""
     ) -> AsyncIterator[OmniChunk]:
+        if self.watchdog is not None and not self.watchdog.serving:
+            # a model is being reloaded: refused at once (503 + Retry-After) rather than failed half-way
+            raise TritonUnavailableError(f"Triton at {self.url} is restarting a failed model; retry")
         request = stream_request(messages, parameters, model_name=self.model_name, request_id=request_id)
 
         async def requests():
             yield request
 
         try:
-            responses = self._grpc().stream_infer(requests())
+            responses = self._grpc().stream_infer(requests(), headers=self.headers)
         except InferenceServerException as exc:
             raise TritonUnavailableError(f"cannot reach Triton at {self.url}: {exc}") from exc
         decoder = ResponseDecoder()

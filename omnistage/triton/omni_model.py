@@ -26,7 +26,7 @@ from .bls import BlsStageClient
 from .iterator_reaper import IteratorReaper
 from .logs import setup_logging, stop_fault_reports
 from .metrics import MetricsPublisher
-from .responder import Responder, error_response, send_final
+from .responder import Responder, answer_probe, error_response, send_final
 from .stage_model import model_parameters
 from .tensors import is_probe, read_string, request_parameters
 
@@ -69,9 +69,11 @@ class OmniModel:
         self.stages = BlsStageClient(self.reaper, replicas)
         # At most max_inflight requests run: each holds up to ~3 of the server's Python-backend BLS threads
         # (--backend-config=python,thread-pool-size), and running out of them deadlocks every request at
-        # once. Up to max_queue more wait for a turn; beyond that a request is refused at once (503).
+        # once. Up to max_queue more wait for a turn, each for at most max_queue_seconds; beyond either a
+        # request is refused (503, retryable) instead of waiting without bound.
         self.admission = Admission("omni_ensemble", int(params.get("max_inflight", 128)),
-                                   int(params.get("max_queue", 256)))  # fmt: skip
+                                   int(params.get("max_queue", 256)),
+                                   float(params.get("max_queue_seconds", 60)))  # fmt: skip
         self.requests: dict[str, OmniRequest] = {}
         # every request's threads (its own, its talker's and its Code2Wav's), reused: execute() never waits for
         # a thread to start, which under this process's busy GIL held up the requests queued behind it
@@ -112,7 +114,7 @@ class OmniModel:
         for request in requests:
             sender = request.get_response_sender()
             if is_probe(request):
-                send_final(sender)
+                answer_probe(sender, self.responder)
                 continue
             try:
                 messages = self._messages(request)
@@ -130,6 +132,8 @@ class OmniModel:
     def _serve(self, session: str, messages: list, options: OmniOptions) -> None:
         try:
             self._serve_request(session, messages, options)
+        except OmniError as e:  # e.g. no turn within max_queue_seconds: the request's own error
+            self._emit(session, None, None, e)
         except Exception as e:  # a bug here must still end the request's stream (nobody reads the pool's Future)
             log.exception("[omni_ensemble] request %s failed", session)
             self._emit(session, None, None, EngineError(f"omni_ensemble failed: {e}"))

@@ -19,6 +19,7 @@ from ..core.errors import EngineError, OmniError, to_wire
 from ..core.poll_ring import PollRing
 from .iterator_reaper import IteratorReaper
 from .tensors import output_tensors
+from .workarounds import CANCEL_GRACE_SECONDS, SEND_STALL_SECONDS, UNDELIVERABLE_MARK
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,17 @@ def cancelled_response():
     backend documents for it, with no tensors."""
     return pb_utils.InferenceResponse(error=pb_utils.TritonError("[499] cancelled by the client",
                                                                  pb_utils.TritonError.CANCELLED))  # fmt: skip
+
+
+def answer_probe(sender, responder: "Responder | None") -> None:
+    """A health probe's answer: an error while the responder's current send() has been blocked too long,
+    which a send toward a dead caller does (workarounds.py, 3): the stage must be reloaded."""
+    stalled = responder.stalled_seconds() if responder is not None else 0.0
+    if stalled < SEND_STALL_SECONDS:
+        send_final(sender)
+    else:
+        send_final(sender, error_response(EngineError(f"[{responder.name}] {UNDELIVERABLE_MARK}: a response "
+                                                      f"send has been blocked for {stalled:.0f}s")))  # fmt: skip
 
 
 def send_final(sender, response=None) -> None:
@@ -59,7 +71,8 @@ class Responder:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         # request id -> (sender, bf16_bytes): bf16_bytes for omni_ensemble's BLS calls (tensors.wants_bf16_bytes)
         self._senders: dict[str, tuple[Any, bool]] = {}
-        self._cancelled: set[str] = set()
+        self._cancelled: dict[str, float] = {}  # request id -> when its client was seen gone
+        self._send_started = 0.0  # monotonic start of the send() in progress, 0 between sends
         self._poll_ring = PollRing()  # who is asked next whether its client left
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name=f"{name}-responder", daemon=True)
@@ -110,6 +123,11 @@ class Responder:
     def active(self) -> int:
         return len(self._senders)
 
+    def stalled_seconds(self) -> float:
+        """How long the send() in progress has been blocked (0 when none is)."""
+        started = self._send_started
+        return time.monotonic() - started if started else 0.0
+
     def _loop(self) -> None:
         last_poll = 0.0
         while self._running:
@@ -130,6 +148,7 @@ class Responder:
                 t0 = time.perf_counter()
                 self._poll_cancellation()
                 self.poll_seconds += time.perf_counter() - t0
+                self._answer_abandoned()
 
     @staticmethod
     def _coalesce(items) -> "OrderedDict[str, list]":
@@ -162,7 +181,7 @@ class Responder:
         if request_id in self._cancelled:  # the client is gone: nothing more for it but the final
             if final:
                 send_final(sender, cancelled_response())
-                self._cancelled.discard(request_id)
+                self._cancelled.pop(request_id, None)
             return
 
         def response(reason):
@@ -182,6 +201,7 @@ class Responder:
             return
         t1 = time.perf_counter()
         self.encode_seconds += t1 - t0
+        self._send_started = time.monotonic()
         try:
             if data is not None:
                 sender.send(data)
@@ -202,9 +222,10 @@ class Responder:
             if not final:
                 self._end(request_id, sender, final, None)
         finally:
+            self._send_started = 0.0
             self.send_seconds += time.perf_counter() - t1
             if final:
-                self._cancelled.discard(request_id)
+                self._cancelled.pop(request_id, None)
 
     def _end(self, request_id: str, sender, final: bool, response) -> None:
         """Stops a stream early: frees the request's engine slot and, with a response, ends it with that."""
@@ -235,8 +256,26 @@ class Responder:
             if entry is None or request_id in self._cancelled:
                 continue
             if entry[0].is_cancelled():
-                self._cancelled.add(request_id)
+                self._cancelled[request_id] = time.monotonic()
                 self.on_cancel(request_id)
             else:
                 answered = True
         return answered
+
+    def _answer_abandoned(self) -> None:
+        """Ends the requests whose client left CANCEL_GRACE_SECONDS ago and which are still open: their
+        thread is stuck (in omni_ensemble, on a stream of a stage that died; workarounds.py, 4). Triton
+        then releases them, and the model instance can be unloaded."""
+        now = time.monotonic()
+        for request_id, since in list(self._cancelled.items()):
+            if now - since < CANCEL_GRACE_SECONDS:
+                continue
+            with self._lock:
+                entry = self._senders.pop(request_id, None)
+                self._registered_at.pop(request_id, None)
+            self._poll_ring.discard(request_id)
+            del self._cancelled[request_id]
+            if entry is not None:
+                log.warning("[%s] %s still open %.0fs after its client left: ended here", self.name, request_id,
+                            now - since)  # fmt: skip
+                send_final(entry[0], cancelled_response())

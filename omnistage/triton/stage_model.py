@@ -19,7 +19,7 @@ from ..models.checkpoint import load_config, load_stage, resolve_checkpoint
 from ..stages.kv_budget import kv_budget_bytes, kv_bytes_per_slot, plan_slots
 from .logs import setup_logging, stop_fault_reports
 from .metrics import StageMetrics
-from .responder import Responder, error_response, send_final
+from .responder import Responder, answer_probe, error_response, send_final
 from .tensors import request_parameters, wants_bf16_bytes
 
 log = logging.getLogger(__name__)
@@ -135,7 +135,7 @@ class StageModel:
             # Triton's own request ids are chosen by clients and may collide; sessions come from our orchestrator
             request_id = str(params.get("session") or uuid.uuid4().hex)
             if action == PROBE_ACTION:
-                send_final(sender)
+                answer_probe(sender, self.responder)
             elif action == "abort":
                 self.engine.abort(request_id)
                 send_final(sender)
