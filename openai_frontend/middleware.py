@@ -1,13 +1,16 @@
 # Pure ASGI middleware (not BaseHTTPMiddleware, which would buffer streamed responses and hide
-# disconnects): request accounting for /metrics, the optional API key, and the request body limit.
+# disconnects): request accounting for /metrics, the optional API key, the request body limit and its
+# read deadline; and the HTTP protocol's deadline for a new connection's request head.
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from openai_frontend.errors import error_body, error_response
 from openai_frontend.metrics import FrontendMetrics
@@ -60,8 +63,33 @@ class ApiKeyGuard:
         await self.app(scope, receive, send)
 
 
+# A client gets this long for its request head on a new connection, and this long between two parts of
+# its body; then the connection is closed (head) or the request answered 408 (body). Clients that send
+# slowly on purpose (slowloris) otherwise hold a connection and its buffers for as long as they like.
+HEAD_TIMEOUT_S = 10.0
+BODY_READ_TIMEOUT_S = 30.0
+
+
+class BoundedH11Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with a deadline for the first request head of a connection (after a
+    response, uvicorn's own keep-alive timeout closes an idle connection)."""
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._head_deadline = self.loop.call_later(HEAD_TIMEOUT_S, self._head_late)
+
+    def _head_late(self) -> None:
+        if self.cycle is None and not self.transport.is_closing():
+            self.transport.close()
+
+    def connection_lost(self, exc) -> None:
+        self._head_deadline.cancel()
+        super().connection_lost(exc)
+
+
 class BodyLimit:
-    """413 for request bodies over `max_bytes`: at once from Content-Length, else while the body is read."""
+    """413 for request bodies over `max_bytes`: at once from Content-Length, else while the body is read;
+    408 when the client pauses longer than BODY_READ_TIMEOUT_S inside its body."""
 
     def __init__(self, app: ASGIApp, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
@@ -72,11 +100,17 @@ class BodyLimit:
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
             return await error_response(self._too_large())(scope, receive, send)
-        seen = 0
+        seen, body_done = 0, False
 
         async def limited_receive() -> Message:
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, body_done
+            if body_done:  # after the body: only http.disconnect comes, whenever the client leaves
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), BODY_READ_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                raise HTTPException(408, f"request body not received within {BODY_READ_TIMEOUT_S:.0f}s") from None
+            body_done = message["type"] != "http.request" or not message.get("more_body", False)
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:

@@ -69,6 +69,22 @@ CONTENT_SCHEMA = {"anyOf": [
 ]}  # fmt: skip
 
 
+def check_unicode(value: Any) -> Any:
+    """JSON may escape a lone surrogate (\\ud800), which no UTF-8 encoder (and so no tokenizer) takes."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("invalid Unicode: a lone surrogate (\\ud800-\\udfff) outside a pair") from None
+    elif isinstance(value, dict):
+        for item in value.values():
+            check_unicode(item)
+    elif isinstance(value, list):
+        for item in value:
+            check_unicode(item)
+    return value
+
+
 class ToolCallFunction(_Open):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
@@ -104,6 +120,11 @@ class ChatMessage(_Open):
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a tool message needs the tool_call_id it answers")
         return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode(cls, value: Any) -> Any:  # every field: content, name and any extra one are forwarded
+        return check_unicode(value)
 
 
 class FunctionDef(_Open):

@@ -8,15 +8,24 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from openai_frontend.errors import describe
+
 T = TypeVar("T")
 
 DONE = "data: [DONE]\n\n"
+# A stream whose first event has not come after HEADERS_AFTER_S (its request is queued behind others) gets
+# its headers then, and a comment line every KEEPALIVE_S until events come: clients and proxies see a live
+# response instead of a silent connection. Errors faster than that are still plain HTTP errors.
+HEADERS_AFTER_S = 1.0
+KEEPALIVE_S = 5.0
+KEEPALIVE = b": keep-alive\n\n"
 
 
 class ClientDisconnected(Exception):
@@ -81,14 +90,34 @@ class SSEResponse(Response):
             await self.events.aclose()  # type: ignore[attr-defined]
 
     async def _send_events(self, scope: Scope, receive: Receive, send: Send) -> None:
+        first_event = asyncio.ensure_future(anext(self.events))
+        started = False
         try:
-            first = await anext(self.events)
+            # comments are only valid in an event stream (not, e.g., in a streamed audio body)
+            while self.media_type == SSEResponse.media_type:
+                done, _ = await asyncio.wait({first_event}, timeout=KEEPALIVE_S if started else HEADERS_AFTER_S)
+                if done:
+                    break
+                if not started:
+                    await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+                    started = True
+                await send({"type": "http.response.body", "body": KEEPALIVE, "more_body": True})
+            first = await first_event
         except StopAsyncIteration:
             first = None
-        except Exception as exc:  # noqa: BLE001 - rendered as the HTTP error
-            await self.on_error(exc)(scope, receive, send)
+        except Exception as exc:  # noqa: BLE001 - rendered as the HTTP error, or in-stream once headers are out
+            if not started:
+                await self.on_error(exc)(scope, receive, send)
+                return
+            await _body(send, sse_event(json.dumps(describe(exc)[1])) + DONE)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
-        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        finally:
+            if not first_event.done():
+                first_event.cancel()
+                await asyncio.gather(first_event, return_exceptions=True)
+        if not started:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         if first is not None:
             await _body(send, first)
             async for event in self.events:

@@ -12,10 +12,11 @@ from .errors import OverloadedError
 
 
 class Admission:
-    def __init__(self, name: str, max_inflight: int, max_queue: int):
+    def __init__(self, name: str, max_inflight: int, max_queue: int, max_wait_s: float | None = None):
         if max_inflight < 1 or max_queue < 0:
             raise ValueError(f"{name}: need max_inflight >= 1 and max_queue >= 0")
         self.name, self.max_inflight, self.max_queue = name, max_inflight, max_queue
+        self.max_wait_s = max_wait_s  # a request queued longer is refused (OverloadedError); None: no bound
         self._turns = threading.Semaphore(max_inflight)
         self._lock = threading.Lock()
         self.admitted = 0  # running + waiting
@@ -33,9 +34,15 @@ class Admission:
 
     @contextmanager
     def turn(self) -> Iterator[None]:
-        """Wait for a running slot; the place taken by admit() is given back on exit, whatever happens."""
+        """Wait for a running slot (at most max_wait_s, then OverloadedError); the place taken by admit() is
+        given back on exit, whatever happens."""
         try:
-            with self._turns:
+            if not self._turns.acquire(timeout=self.max_wait_s):
+                with self._lock:
+                    self.rejected += 1
+                raise OverloadedError(f"{self.name} is overloaded: no turn within {self.max_wait_s:.0f}s in its "
+                                      f"queue; retry later")  # fmt: skip
+            try:
                 with self._lock:
                     self.running += 1
                 try:
@@ -43,6 +50,8 @@ class Admission:
                 finally:
                     with self._lock:
                         self.running -= 1
+            finally:
+                self._turns.release()
         finally:
             self.leave()
 

@@ -49,3 +49,24 @@ def test_a_failing_request_and_one_that_never_ran_give_their_place_back():
 def test_limits_are_validated():
     with pytest.raises(ValueError):
         Admission("stage", max_inflight=0, max_queue=1)
+
+
+def test_a_request_queued_past_max_wait_is_refused_and_gives_its_place_back():
+    adm = Admission("stage", max_inflight=1, max_queue=1, max_wait_s=0.3)
+    release = threading.Event()
+    adm.admit()
+
+    def hold():
+        with adm.turn():
+            release.wait(5)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    time.sleep(0.1)
+    adm.admit()
+    with pytest.raises(OverloadedError, match="no turn within 0s in its queue"):
+        with adm.turn():
+            pass
+    assert adm.rejected == 1 and adm.admitted == 1  # the holder's place only
+    release.set()
+    holder.join(5)

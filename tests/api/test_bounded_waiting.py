@@ -1,0 +1,84 @@
+# Waiting has a bound on the frontend's side: a streamed reply whose first event is late (its request
+# queued) gets its headers and keep-alive comments at once, a late error after that is an error event;
+# invalid Unicode is a 400; a client that trickles its request head or pauses inside its body is cut off.
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import uvicorn
+
+from omnistage.core.errors import OverloadedError
+from openai_frontend import middleware, sse
+from openai_frontend.app import create_app
+from omnistage.launch.process import free_port
+
+from .fake_omni import Script, Step
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def test_a_late_first_event_gets_headers_and_keep_alives_at_once(server, fake, monkeypatch):
+    monkeypatch.setattr(sse, "KEEPALIVE_S", 0.3)
+    fake.script = Script(steps=[Step("Hello", delay_s=2.0), Step(" world")])
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json={"messages": USER, "stream": True},
+                      timeout=30) as r:  # fmt: skip
+        lines = [line for line in r.iter_lines() if line]
+    # the comments came while the backend had not answered: the headers had gone out before its first event
+    assert r.status_code == 200 and lines[:2] == [": keep-alive"] * 2, lines
+    assert lines[-1] == "data: [DONE]" and any('"Hello"' in line for line in lines), lines
+
+
+def test_an_error_after_the_headers_is_an_error_event(server, fake):
+    fake.script = Script(steps=[Step("", delay_s=1.5)], error=OverloadedError("no turn within 60s in its queue"))
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json={"messages": USER, "stream": True},
+                      timeout=30) as r:  # fmt: skip
+        lines = [line for line in r.iter_lines() if line]
+    assert r.status_code == 200 and lines[0] == ": keep-alive", lines
+    error = json.loads(next(line for line in lines if line.startswith('data: {"error"'))[6:])["error"]
+    assert error["type"] == "service_unavailable_error" and "no turn" in error["message"], error
+    assert lines[-1] == "data: [DONE]"
+
+
+def test_a_lone_surrogate_is_a_400_naming_the_message(http):
+    for message in ('{"role":"user","content":"a\\ud800b"}', '{"role":"user","name":"\\udfff","content":"hi"}',
+                    '{"role":"user","content":[{"type":"text","text":"\\udc00"}]}'):  # fmt: skip
+        r = http.post("/v1/chat/completions", content=f'{{"messages":[{message}],"max_tokens":2}}',
+                      headers={"Content-Type": "application/json"})  # fmt: skip
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "messages[0]" and "surrogate" in r.json()["error"]["message"]
+    ok = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "\U0001F600"}]})
+    assert ok.status_code == 200  # a proper pair (escaped by json as \ud83d\ude00) is fine
+
+
+def test_a_body_that_stops_half_way_is_a_408(server, monkeypatch):
+    monkeypatch.setattr(middleware, "BODY_READ_TIMEOUT_S", 0.5)
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{\"messages\":")  # fmt: skip
+        answer = s.recv(4096).decode()
+    assert answer.startswith("HTTP/1.1 408"), answer[:200]
+
+
+def test_a_connection_that_trickles_its_request_head_is_closed(fake, monkeypatch):
+    monkeypatch.setattr(middleware, "HEAD_TIMEOUT_S", 0.5)
+    port = free_port()
+    config = uvicorn.Config(create_app(fake, default_voice="ethan"), port=port, log_level="warning",
+                            http=middleware.BoundedH11Protocol)  # fmt: skip
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # the head never ends
+            assert s.recv(4096) == b""  # closed by the server, with no answer (not the 10 s socket timeout)
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200  # others are served
+    finally:
+        server.should_exit = True
+        thread.join(10)
