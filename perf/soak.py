@@ -166,12 +166,19 @@ def run_soak(api_url: str, metrics_url: str, triton_pid: int, frontend_pid: int,
         p.append(f"{len(result.in_stream_errors)} in-stream errors, e.g. {result.in_stream_errors[0]}")
     if result.idle_after_s is None:
         p.append(f"stages not idle 30s after the load: {result.after['gauges']}")
+    p += growth(result.before, result.after, thread_slack, fd_slack)
+    return result
+
+
+def growth(before: dict, after: dict, thread_slack: int, fd_slack: int) -> list[str]:
+    """What grew between two snapshots of tritonserver's and the frontend's process trees, beyond the slack."""
+    grew = []
     for proc in ("triton", "frontend"):
-        b, a = result.before[proc], result.after[proc]
+        b, a = before[proc], after[proc]
         for key, slack in (("threads", thread_slack), ("fds", fd_slack), ("shm_segments", 0), ("processes", 0)):
             if a[key] > b[key] + slack:
-                p.append(f"{proc} {key} grew {b[key]} -> {a[key]}")
-    return result
+                grew.append(f"{proc} {key} grew {b[key]} -> {a[key]}")
+    return grew
 
 
 def _wait(predicate, timeout: float) -> float | None:
