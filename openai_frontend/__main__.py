@@ -7,7 +7,7 @@ import os
 
 import uvicorn
 
-from omnistage.core.protocol import OMNI, TRITON_KEY_ENV, TRITON_KEY_HEADER
+from omnistage.core.protocol import OMNI, TRITON_GRPC_KEY_HEADER, TRITON_KEY_ENV
 from omnistage.core.voices import DEFAULT_VOICE
 
 from openai_frontend.app import create_app
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     urls = args.triton_url or ["127.0.0.1:8001"]
 
     # the key of Triton's restricted APIs (omnistage.launch.serve sets it; one key for every server)
-    headers = {TRITON_KEY_HEADER: os.environ[TRITON_KEY_ENV]} if os.environ.get(TRITON_KEY_ENV) else {}
+    headers = {TRITON_GRPC_KEY_HEADER: os.environ[TRITON_KEY_ENV]} if os.environ.get(TRITON_KEY_ENV) else {}
 
     def make(url: str) -> TritonOmniClient:
         watchdog = None if args.no_stage_probes else StageWatchdog(

@@ -52,7 +52,7 @@ class StageWatchdog:
     def __init__(self, url: str, *, interval_s: float = 1.0, timeout_s: float = 10.0, reload: bool = True,
                  reload_backoff_s: float = 10.0, confirm_probes: int = 3, headers: dict[str, str] | None = None):  # fmt: skip
         self.url, self.interval_s, self.timeout_s = url, interval_s, timeout_s
-        self.headers = headers or {}  # the Triton key (TRITON_KEY_HEADER), for every call
+        self.headers = headers or {}  # the Triton key (TRITON_GRPC_KEY_HEADER), for every call
         self.reload, self.reload_backoff_s, self.confirm_probes = reload, reload_backoff_s, confirm_probes
         # called with a model's name when its open requests can no longer end: before its reload
         self.on_outage: list[Callable[[str], None]] = []

@@ -14,8 +14,10 @@ SAMPLE_RATE = 24000  # Code2Wav output rate, mono
 BLS_TRANSPORT = "bls_transport"
 BLS_TRANSPORT_BF16_BYTES = "bf16_bytes"
 # Triton's model control, shared memory, trace, logging and (by default) inference answer only calls that
-# carry the server's key in this header; the launcher hands it to the frontend in this environment variable
+# carry the server's key in this header (HTTP; on gRPC with Triton's prefix); the launcher hands it to the
+# frontend in this environment variable
 TRITON_KEY_HEADER = "omnistage-triton-key"
+TRITON_GRPC_KEY_HEADER = "triton-grpc-protocol-" + TRITON_KEY_HEADER  # Triton's prefix for gRPC metadata
 TRITON_KEY_ENV = "OMNISTAGE_TRITON_KEY"
 
 
