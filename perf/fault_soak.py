@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -58,6 +59,7 @@ class FaultSoakResult:
     errors: dict = field(default_factory=dict)  # error message (first 80 chars) -> count
     faults: list = field(default_factory=list)
     idle_after_s: float | None = None
+    server_restarts: int = 0  # by TritonServer, when reloads left too many instances behind
     before: dict = field(default_factory=dict)
     after: dict = field(default_factory=dict)
     problems: list = field(default_factory=list)
@@ -157,26 +159,27 @@ def _healthy(api_url: str) -> bool:
         return False
 
 
-def inject(api_url: str, triton_pid: int, fault: Fault, recover_timeout_s: float) -> None:
+def inject(api_url: str, server_pid: Callable[[], int], fault: Fault, recover_timeout_s: float) -> None:
     """Signals the model's stub and waits until a new stub serves (new pid, /health 200)."""
     _wait(lambda: _healthy(api_url), recover_timeout_s)
-    before = set(stub_pids(triton_pid)[fault.model])
+    before = set(stub_pids(server_pid())[fault.model])
     fault.pid = max(before)  # the newest: a stale one may linger a while (workarounds.py, 9)
     fault.at = time.monotonic()
     os.kill(fault.pid, getattr(signal, fault.signal))
 
     def back() -> bool:
-        return bool(set(stub_pids(triton_pid).get(fault.model, [])) - before) and _healthy(api_url)
+        return bool(set(stub_pids(server_pid()).get(fault.model, [])) - before) and _healthy(api_url)
 
     waited = _wait(back, recover_timeout_s)
     fault.recovered_s = None if waited is None else round(time.monotonic() - fault.at, 1)
 
 
-def run_fault_soak(api_url: str, metrics_url: str, triton_pid: int, frontend_pid: int, *, concurrency: int = 32,
+def run_fault_soak(api_url: str, metrics_url: str, server_pid: Callable[[], int], frontend_pid: int, *, concurrency: int = 32,
                    faults: list[tuple[str, str]] | None = None, min_duration_s: float = 0.0, warmup_s: float = 10.0,
                    settle_s: float = 5.0, recover_timeout_s: float = 300.0, cancel_fraction: float = 0.1,
                    seed: int = 0, thread_slack: int = 16, fd_slack: int = 16) -> FaultSoakResult:  # fmt: skip
-    """faults: (model, signal) in order; default every stage, SIGKILL then SIGSTOP, each twice in a row."""
+    """faults: (model, signal) in order; default every stage, SIGKILL then SIGSTOP, each twice in a row.
+    server_pid: tritonserver's pid now (TritonServer restarts it when reloads leave too much behind)."""
     faults = faults or [(m, s) for m in STAGES for s in SIGNALS for _ in range(2)]
     result = FaultSoakResult(concurrency=concurrency, faults=[Fault(m, s) for m, s in faults])
     stop, log = threading.Event(), []
@@ -184,14 +187,16 @@ def run_fault_soak(api_url: str, metrics_url: str, triton_pid: int, frontend_pid
     warm.start()
     asyncio.run(_load(api_url, concurrency, stop, cancel_fraction, seed + 1, []))
     _wait(lambda: _idle(metrics_url), 60)
-    result.before = stats(triton_pid, frontend_pid)
+    result.before = stats(server_pid(), frontend_pid)
+    pids = {server_pid()}
 
     def driver() -> None:
         started = time.monotonic()
         try:
             time.sleep(settle_s)
             for fault in result.faults:
-                inject(api_url, triton_pid, fault, recover_timeout_s)
+                inject(api_url, server_pid, fault, recover_timeout_s)
+                pids.add(server_pid())
                 time.sleep(settle_s)  # requests served again between faults
             time.sleep(max(0.0, min_duration_s - (time.monotonic() - started)))
         finally:
@@ -204,7 +209,8 @@ def run_fault_soak(api_url: str, metrics_url: str, triton_pid: int, frontend_pid
     faults_thread.join()
     result.idle_after_s = _wait(lambda: _idle(metrics_url), 60)
     time.sleep(3.0)  # finished threads exit, idle pool threads too (core/daemon_pool.py: 1 s)
-    result.after = stats(triton_pid, frontend_pid)
+    result.after = stats(server_pid(), frontend_pid)
+    result.server_restarts = len(pids | {server_pid()}) - 1
     result.after["gauges"] = {k: v for k, v in _gauges(metrics_url).items() if v and k.endswith(
         ("slots_in_use", "requests_waiting", "responses_pending", "requests_in_flight", "pending_request_count"))}
     _summarize(result, log, thread_slack, fd_slack)
@@ -256,7 +262,7 @@ def main(argv=None) -> int:
     try:
         server.start(900)
         t0 = time.monotonic()
-        result = run_fault_soak(server.api_url, server.triton.metrics_url, server.triton.process.pid,
+        result = run_fault_soak(server.api_url, server.triton.metrics_url, lambda: server.triton.process.pid,
                                 server.frontend.pid, concurrency=args.concurrency, faults=faults,
                                 min_duration_s=args.duration)  # fmt: skip
         report["fault_soak"] = asdict(result) | {"ok": result.ok, "wall_s": round(time.monotonic() - t0, 1)}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from omnistage.launch.process import ManagedProcess, ProcessFailed, free_port, free_ports, port_in_use
 from omnistage.launch.triton_env import REPO_ROOT, TritonInstall, locate_triton, prepare_backends, server_env
-from omnistage.core.protocol import TRITON_KEY_HEADER
+from omnistage.core.protocol import TRITON_GRPC_KEY_HEADER, TRITON_KEY_HEADER
 from omnistage.triton.workarounds import python_backend_args, stale_stubs
 
 __all__ = ["TritonServer", "TritonStartError", "free_port", "free_ports"]
@@ -59,6 +59,10 @@ class TritonServer:
         # None: every API open (tests that drive Triton directly); see RESTRICTED
         api_key: str | None = None,
         restrict_inference: bool = True,  # with api_key: inference needs the key as well
+        # Each reload of a model whose stub died leaves an instance that never unloads (its ~500 backend
+        # threads, its shm region; workarounds.py, 9): after this many, the server is restarted (the
+        # frontend answers 503 + Retry-After meanwhile). 0: never.
+        restart_after_stale: int = 4,
     ):
         self.model_repository, self.run_dir = Path(model_repository), Path(run_dir)
         self.host, self.http_port, self.grpc_port, self.metrics_port = host, http_port, grpc_port, metrics_port
@@ -70,6 +74,10 @@ class TritonServer:
         self.process: ManagedProcess | None = None
         self._log_offset = 0
         self._stop_supervising = threading.Event()
+        self.restart_after_stale, self.restarts, self._stale = restart_after_stale, 0, 0
+        self.ready_timeout_s = 300.0
+        self._lifecycle = threading.Lock()  # a restart and stop() one at a time
+        self._launch: tuple[list[str], dict[str, str]] | None = None  # argv and environment, for restarts
         # checked against GET /v2 once ready, so that a leftover server on our ports can't pass as us
         self.server_id = f"omnistage-{os.getpid()}-{http_port}"
 
@@ -123,9 +131,9 @@ class TritonServer:
         return args + list(self.extra_args)
 
     @property
-    def headers(self) -> dict[str, str]:
-        """What a client of this server's restricted APIs sends with every call."""
-        return {TRITON_KEY_HEADER: self.api_key} if self.api_key else {}
+    def grpc_headers(self) -> dict[str, str]:
+        """What a gRPC client of this server's restricted APIs sends with every call."""
+        return {TRITON_GRPC_KEY_HEADER: self.api_key} if self.api_key else {}
 
     def start(self) -> None:
         busy = [p for p in (self.http_port, self.grpc_port, self.metrics_port) if port_in_use(p, self.host)]
@@ -133,25 +141,52 @@ class TritonServer:
             raise TritonStartError(f"port(s) {busy} on {self.host} already in use (a leftover tritonserver?)")
         backends = prepare_backends(self.install, self.run_dir / "triton")
         self.log_path.unlink(missing_ok=True)
-        env = server_env(self.install, self.base_env)
-        self.process = ManagedProcess("tritonserver", self.argv(backends), env, self.log_path, cwd=self.cwd)
+        self._launch = self.argv(backends), server_env(self.install, self.base_env)
         self._log_offset = 0
-        self.process.start()
+        self._spawn()
         self._stop_supervising.clear()
-        threading.Thread(target=self._kill_stale_stubs, name="stale-stubs", daemon=True).start()
+        threading.Thread(target=self._supervise, name="triton-supervisor", daemon=True).start()
 
-    def _kill_stale_stubs(self) -> None:
-        """Stubs of instances that a reload replaced but Triton never unloaded (workarounds.py, 9)."""
+    def _spawn(self) -> None:
+        argv, env = self._launch
+        self.process = ManagedProcess("tritonserver", argv, env, self.log_path, cwd=self.cwd)
+        self.process.start()
+
+    def _supervise(self) -> None:
+        """Kills the stubs of instances that a reload replaced but Triton never unloaded, and restarts the
+        server once restart_after_stale of them have piled up (workarounds.py, 9)."""
         while not self._stop_supervising.wait(2.0) and self.alive():
             for pid in stale_stubs(self.process.pid):
                 print(f"[tritonserver] killing stub {pid}: its instance was reloaded and never unloaded", file=sys.stderr)
+                self._stale += 1
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+            if self.restart_after_stale and self._stale >= self.restart_after_stale:
+                self._restart()
+
+    def _restart(self) -> None:
+        with self._lifecycle:
+            if self._stop_supervising.is_set():
+                return
+            print(f"[tritonserver] restarting: {self._stale} reloaded instances never unloaded", file=sys.stderr)
+            self.process.stop(grace=self.exit_timeout_s + 5.0)
+            self._stale = 0
+            self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+            # forked from this thread, which lives as long as the server is ours: the parent-death signal
+            # (process.py) fires when the forking thread exits
+            self._spawn()
+        try:
+            waited = self.wait_ready(self.ready_timeout_s)
+            print(f"[tritonserver] restarted, ready in {waited:.1f}s", file=sys.stderr)
+        except TritonStartError as e:
+            print(f"[tritonserver] restart failed: {e}", file=sys.stderr)
+        self.restarts += 1
 
     def wait_ready(self, timeout: float = 300.0, progress: Callable[[str], None] | None = None) -> float:
         assert self.process is not None, "start() first"
+        self.ready_timeout_s = timeout  # a restart gets as long as the first start
         try:
             waited = self.process.wait_http_ok(f"{self.http_url}/v2/health/ready", timeout, self._load_failure, progress)
         except ProcessFailed as e:
@@ -192,9 +227,10 @@ class TritonServer:
 
     def stop(self) -> int | None:
         self._stop_supervising.set()
-        if self.process is None:
-            return None
-        return self.process.stop(grace=self.exit_timeout_s + 5.0)
+        with self._lifecycle:
+            if self.process is None:
+                return None
+            return self.process.stop(grace=self.exit_timeout_s + 5.0)
 
     def __enter__(self) -> TritonServer:
         self.start_and_wait(progress=lambda m: print(m, file=sys.stderr))

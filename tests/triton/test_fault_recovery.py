@@ -13,7 +13,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from omnistage.core.protocol import TRITON_KEY_ENV, TRITON_KEY_HEADER
+from omnistage.core.protocol import TRITON_GRPC_KEY_HEADER, TRITON_KEY_ENV, TRITON_KEY_HEADER
 from omnistage.launch.render import default_spec, render_repository
 from omnistage.launch.proc_stats import stub_pids
 from omnistage.launch.triton_env import REPO_ROOT
@@ -62,7 +62,7 @@ def test_triton_ports_refuse_callers_without_the_key(frontend, keyed_server):
                      lambda: client.get_model_repository_index(), lambda: client.get_system_shared_memory_status(),
                      lambda: client.get_log_settings(), lambda: client.get_trace_settings()):  # fmt: skip
             assert TRITON_KEY_HEADER in refused(call)
-        wrong = {TRITON_KEY_HEADER: KEY[:-1]}
+        wrong = {TRITON_GRPC_KEY_HEADER: KEY[:-1]}
         assert TRITON_KEY_HEADER in refused(lambda: client.load_model("talker", headers=wrong))
         messages = grpcclient.InferInput("messages", [1], "BYTES")
         messages.set_data_from_numpy(np.array([json.dumps(body(2)["messages"]).encode()], dtype=object))
@@ -73,7 +73,7 @@ def test_triton_ports_refuse_callers_without_the_key(frontend, keyed_server):
         assert errors and TRITON_KEY_HEADER in str(errors[0]), errors
         # open: liveness, metadata, config
         assert client.is_server_live() and client.is_model_ready("talker")
-        index = client.get_model_repository_index(headers={TRITON_KEY_HEADER: KEY}, as_json=True)["models"]
+        index = client.get_model_repository_index(headers=keyed_server.grpc_headers, as_json=True)["models"]
         assert {m["name"]: m["state"] for m in index}["talker"] == "READY"
     finally:
         client.close()
@@ -102,9 +102,9 @@ def test_kills_and_stops_under_load_end_every_request_and_leak_nothing(frontend,
     """CI's version of perf/fault_soak.py: the talker killed twice in a row, omni_ensemble killed, the thinker
     stopped (a hang), at concurrency 16."""
     metrics = f"http://{keyed_server.host}:{keyed_server.metrics_port}/metrics"
-    result = run_fault_soak(frontend.url, metrics, keyed_server.process.pid, frontend.proc.pid, concurrency=16,
+    result = run_fault_soak(frontend.url, metrics, lambda: keyed_server.process.pid, frontend.proc.pid, concurrency=16,
                             faults=[("talker", "SIGKILL"), ("talker", "SIGKILL"), ("omni_ensemble", "SIGKILL"),
-                                    ("thinker", "SIGSTOP")], warmup_s=5, settle_s=3, recover_timeout_s=150)  # fmt: skip
+                                    ("thinker", "SIGSTOP")], warmup_s=5, settle_s=3, recover_timeout_s=240)  # fmt: skip
     print(json.dumps({k: v for k, v in result.__dict__.items()}, default=str, indent=1))
     assert result.ok, result.problems
     assert all(f.recovered_s is not None for f in result.faults)
