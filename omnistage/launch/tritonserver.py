@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import sys
 import threading
 import urllib.request
@@ -59,10 +58,10 @@ class TritonServer:
         # None: every API open (tests that drive Triton directly); see RESTRICTED
         api_key: str | None = None,
         restrict_inference: bool = True,  # with api_key: inference needs the key as well
-        # Each reload of a model whose stub died leaves an instance that never unloads (its ~500 backend
-        # threads, its shm region; workarounds.py, 9): after this many, the server is restarted (the
-        # frontend answers 503 + Retry-After meanwhile). 0: never.
-        restart_after_stale: int = 4,
+        # A reload of a model whose stub died or stopped with requests in flight leaves an instance that never
+        # unloads (~515 backend threads, its shm region, a stopped stub's memory; workarounds.py, 9): after
+        # this many, the server is restarted (the frontend answers 503 + Retry-After meanwhile). 0: never.
+        restart_after_stale: int = 2,
     ):
         self.model_repository, self.run_dir = Path(model_repository), Path(run_dir)
         self.host, self.http_port, self.grpc_port, self.metrics_port = host, http_port, grpc_port, metrics_port
@@ -74,7 +73,7 @@ class TritonServer:
         self.process: ManagedProcess | None = None
         self._log_offset = 0
         self._stop_supervising = threading.Event()
-        self.restart_after_stale, self.restarts, self._stale = restart_after_stale, 0, 0
+        self.restart_after_stale, self.restarts, self._stale = restart_after_stale, 0, set()
         self.ready_timeout_s = 300.0
         self._lifecycle = threading.Lock()  # a restart and stop() one at a time
         self._launch: tuple[list[str], dict[str, str]] | None = None  # argv and environment, for restarts
@@ -153,26 +152,23 @@ class TritonServer:
         self.process.start()
 
     def _supervise(self) -> None:
-        """Kills the stubs of instances that a reload replaced but Triton never unloaded, and restarts the
-        server once restart_after_stale of them have piled up (workarounds.py, 9)."""
+        """Restarts the server once restart_after_stale instances that a reload replaced have not unloaded
+        (workarounds.py, 9). Their stubs are left alone until then: killing a stub while Triton finalizes its
+        instance aborts tritonserver."""
         while not self._stop_supervising.wait(2.0) and self.alive():
-            for pid in stale_stubs(self.process.pid):
-                print(f"[tritonserver] killing stub {pid}: its instance was reloaded and never unloaded", file=sys.stderr)
-                self._stale += 1
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            if self.restart_after_stale and self._stale >= self.restart_after_stale:
+            for pid in set(stale_stubs(self.process.pid)) - self._stale:
+                print(f"[tritonserver] stub {pid}: its instance was reloaded and has not unloaded", file=sys.stderr)
+                self._stale.add(pid)
+            if self.restart_after_stale and len(self._stale) >= self.restart_after_stale:
                 self._restart()
 
     def _restart(self) -> None:
         with self._lifecycle:
             if self._stop_supervising.is_set():
                 return
-            print(f"[tritonserver] restarting: {self._stale} reloaded instances never unloaded", file=sys.stderr)
+            print(f"[tritonserver] restarting: {len(self._stale)} reloaded instances never unloaded", file=sys.stderr)
             self.process.stop(grace=self.exit_timeout_s + 5.0)
-            self._stale = 0
+            self._stale = set()
             self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
             # forked from this thread, which lives as long as the server is ours: the parent-death signal
             # (process.py) fires when the forking thread exits

@@ -33,11 +33,12 @@
 #    both omni_ensemble (bls.py) and the frontend (triton_codec.py) read the text to answer 503, retryable.
 #    Can go when Triton reports UNAVAILABLE for these on gRPC and in BLS.
 # 9. An instance replaced while requests were in flight on its dead or stopped stub never finishes
-#    unloading (stale_stubs): Triton waits for those requests, which nothing ends, so a stopped stub keeps
-#    running with its memory (on the GPU: its CUDA memory too) and a killed one stays a zombie. The
-#    launcher's TritonServer kills a stub whose instance has a newer stub once STALE_STUB_GRACE_SECONDS have
-#    passed (a zombie, with no memory, is left: only its parent can reap it). Can go when a reload of a
-#    model whose stub died ends its in-flight requests and unloads the old instance.
+#    unloading (stale_stubs): Triton waits for those requests, which nothing ends, so the instance keeps
+#    ~515 backend threads, its shm region and, for a stopped stub, its memory (on the GPU its CUDA memory
+#    too). Its stub cannot simply be killed: a stub killed while Triton finalizes its instance aborts
+#    tritonserver. The launcher's TritonServer restarts the server once restart_after_stale such instances
+#    exist. Can go when a reload of a model whose stub died ends its in-flight requests and unloads the old
+#    instance.
 from __future__ import annotations
 
 import json
