@@ -79,7 +79,8 @@ class BoundedH11Protocol(H11Protocol):
         self._head_deadline = self.loop.call_later(HEAD_TIMEOUT_S, self._head_late)
 
     def _head_late(self) -> None:
-        if self.cycle is None and not self.transport.is_closing():
+        # cycle: a request head arrived; another protocol: the connection was upgraded (a WebSocket)
+        if self.cycle is None and self.transport.get_protocol() is self and not self.transport.is_closing():
             self.transport.close()
 
     def connection_lost(self, exc) -> None:

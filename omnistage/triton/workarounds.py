@@ -39,6 +39,10 @@
 #    tritonserver. The launcher's TritonServer restarts the server once restart_after_stale such instances
 #    exist. Can go when a reload of a model whose stub died ends its in-flight requests and unloads the old
 #    instance.
+# 10. Concurrent metric calls from several threads of a stub crash the server: one publisher thread per
+#    instance writes every metric (metrics.py). Can go when the stub's metric API is thread-safe.
+# 11. BLS has no cancellation: a cancelled omni_ensemble request sends action=abort to each stage it started
+#    (pipeline/request.py). Can go when cancelling a BLS request reaches the callee's is_cancelled().
 from __future__ import annotations
 
 import json
