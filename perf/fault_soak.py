@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 
 from omnistage.launch.proc_stats import children, process_state, stub_pids, tree_stats
-from perf.soak import _body, _gauges, _idle, _wait, growth
+from perf.soak import _body, _gauges, _idle, _wait, growth, soak_server
 from perf.soak_inputs import tiny_wav_b64
 
 HUNG_AFTER_S = 180.0  # a request open this long counts as hung (a reload on the GPU takes a minute or more)
@@ -251,12 +251,7 @@ def main(argv=None) -> int:
     ap.add_argument("--run-dir", type=Path, default=Path(".run/fault_soak"))
     ap.add_argument("--out", type=Path, default=Path("fault_soak.json"))
     args = ap.parse_args(argv)
-    from omnistage.launch.process import free_ports
-    from perf.bench_server import BenchServer
-
-    http_port, grpc_port, metrics_port, api_port = free_ports(4)
-    server = BenchServer(args.model, args.device, args.run_dir, http_port=http_port, grpc_port=grpc_port,
-                         metrics_port=metrics_port, api_port=api_port)  # fmt: skip
+    server = soak_server(args.model, args.device, args.run_dir)
     faults = [(m, s) for m in args.stages.split(",") for s in SIGNALS for _ in range(args.repeat)]
     report: dict = {"command": " ".join(["python -m perf.fault_soak", *(argv or sys.argv[1:])])}
     try:

@@ -226,6 +226,16 @@ def kill_stage(api_url: str, triton_pid: int, model: str = "talker") -> dict:
     return out
 
 
+def soak_server(model: str, device: str, run_dir: Path):
+    """tritonserver and the frontend for a soak, on free ports (not started)."""
+    from omnistage.launch.process import free_ports
+    from perf.bench_server import BenchServer
+
+    http_port, grpc_port, metrics_port, api_port = free_ports(4)
+    return BenchServer(model, device, run_dir, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
+                       api_port=api_port)  # fmt: skip
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m perf.soak", description=__doc__)
     ap.add_argument("--model", default="checkpoints/tiny")
@@ -237,12 +247,7 @@ def main(argv=None) -> int:
     ap.add_argument("--run-dir", type=Path, default=Path(".run/soak"))
     ap.add_argument("--out", type=Path, default=Path("soak.json"))
     args = ap.parse_args(argv)
-    from perf.bench_server import BenchServer
-    from omnistage.launch.process import free_ports
-
-    http_port, grpc_port, metrics_port, api_port = free_ports(4)
-    server = BenchServer(args.model, args.device, args.run_dir, http_port=http_port, grpc_port=grpc_port,
-                         metrics_port=metrics_port, api_port=api_port)  # fmt: skip
+    server = soak_server(args.model, args.device, args.run_dir)
     report: dict = {"command": " ".join(["python -m perf.soak", *(argv or sys.argv[1:])])}
     try:
         server.start(900)
