@@ -76,6 +76,7 @@ class TritonServer:
         self.restart_after_stale, self.restarts, self._stale = restart_after_stale, 0, set()
         self.ready_timeout_s = 300.0
         self._lifecycle = threading.Lock()  # a restart and stop() one at a time
+        self._restarting = False  # between a restart's stop and its spawn: alive() for the launcher
         self._launch: tuple[list[str], dict[str, str]] | None = None  # argv and environment, for restarts
         # checked against GET /v2 once ready, so that a leftover server on our ports can't pass as us
         self.server_id = f"omnistage-{os.getpid()}-{http_port}"
@@ -167,12 +168,14 @@ class TritonServer:
             if self._stop_supervising.is_set():
                 return
             print(f"[tritonserver] restarting: {len(self._stale)} reloaded instances never unloaded", file=sys.stderr)
+            self._restarting = True
             self.process.stop(grace=self.exit_timeout_s + 5.0)
             self._stale = set()
             self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
             # forked from this thread, which lives as long as the server is ours: the parent-death signal
             # (process.py) fires when the forking thread exits
             self._spawn()
+            self._restarting = False
         try:
             waited = self.wait_ready(self.ready_timeout_s)
             print(f"[tritonserver] restarted, ready in {waited:.1f}s", file=sys.stderr)
@@ -219,7 +222,8 @@ class TritonServer:
         return self.process.log_tail(lines) if self.process else ""
 
     def alive(self) -> bool:
-        return self.process is not None and self.process.alive()
+        """The server runs, or is being restarted by its supervisor."""
+        return self._restarting or (self.process is not None and self.process.alive())
 
     def stop(self) -> int | None:
         self._stop_supervising.set()
