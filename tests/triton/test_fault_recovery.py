@@ -68,7 +68,10 @@ def test_triton_ports_refuse_callers_without_the_key(frontend, keyed_server):
         messages.set_data_from_numpy(np.array([json.dumps(body(2)["messages"]).encode()], dtype=object))
         errors = []
         client.start_stream(callback=lambda result, error: errors.append(error))
-        client.async_stream_infer("omni_ensemble", [messages])
+        try:  # the refusal may close the stream before the request is written: then this raises
+            client.async_stream_infer("omni_ensemble", [messages])
+        except InferenceServerException as e:
+            errors.append(e)
         client.stop_stream()
         assert errors and TRITON_KEY_HEADER in str(errors[0]), errors
         # open: liveness, metadata, config
