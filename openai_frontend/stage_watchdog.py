@@ -54,7 +54,7 @@ class StageWatchdog:
         self.url, self.interval_s, self.timeout_s = url, interval_s, timeout_s
         self.headers = headers or {}  # the Triton key (TRITON_GRPC_KEY_HEADER), for every call
         self.reload, self.reload_backoff_s, self.confirm_probes = reload, reload_backoff_s, confirm_probes
-        # called with a model's name when its open requests can no longer end: before its reload
+        # called with a model's name when its open requests cannot end (its stub died): before its reload
         self.on_outage: list[Callable[[str], None]] = []
         self.models: dict[str, ModelHealth] = {}
         self.checked = False  # one full round done

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU device call (~9 min): confirm on the H200 that the stub crash is gone, then the bench.
+# One GPU device call (~9 min): check on the H200 that the stub does not crash, then the bench.
 #  1. tools/bls_stress with large host tensors, dropped by the stub's own thread (faults in its first round
 #     on the H200) and held by the reaper as omni_ensemble holds them (omnistage/triton/iterator_reaper.py);
 #  2. the served smoke (single W1 requests, bursts of 16 and 64);

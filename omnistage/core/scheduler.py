@@ -44,7 +44,8 @@ class Batch:
 
 
 # Prompts prefilled in one engine step. Closed-loop clients come back in cohorts: with 32 a cohort of 64 W1
-# streams waits two prefill steps, not four (H200: 40.7 -> 46.0 req/s against 16, perf/README.md).
+# streams waits two prefill steps, not four (H200: 40.7 -> 46.0 req/s against 16,
+# perf/results/2026-12-04-h200-variants-3.json).
 MAX_PREFILLS_PER_STEP = 32
 # Prompt tokens prefilled in one step (a longer prompt still goes alone): 32 prompts of 2500 tokens in one
 # forward ran the H200 out of memory.

@@ -54,7 +54,7 @@ def process_state(pid: int) -> dict[str, str]:
     """A process's scheduler state as /proc shows it (R running, S sleeping, D uninterruptible: waiting in the
     kernel or a driver, where it does not even take signals, Z exited and not yet reaped), the kernel
     function it waits in and its thread count (a pool that ran dry shows as a plateau);
-    {"state": "gone"} for a pid that no longer exists."""
+    {"state": "gone"} for a pid that does not exist."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:

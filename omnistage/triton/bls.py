@@ -42,9 +42,10 @@ def _read(response, outputs: dict[str, TensorSpec]) -> dict:
         # Own the memory of every tensor, GPU (Triton's CUDA pool, reused once the response is gone) and host
         # (the response's shared memory) alike. A view would keep the response's tensor alive through DLPack
         # past the moment the reaper drops the stream's iterator (iterator_reaper.py), so the tensor would be
-        # released later, on whichever thread let go of the view, outside that protocol. Host handoffs made
-        # such views the rule (frames, text rows, Code2Wav states) and the one server freeze seen with them
-        # had omni_ensemble's threads stuck right here (perf/README.md, 2026-12-03 third session).
+        # released later, on whichever thread let go of the view, outside that protocol. Stage outputs come in
+        # host memory, so without the clone every frame and text row would be such a view; the server freeze
+        # seen with them had omni_ensemble's threads stuck right here (the sweep that froze at 32 in
+        # perf/results/2026-12-03-h200-handoff-variants.json).
         out[t.name()] = value.clone() if isinstance(value, torch.Tensor) else value
     return out
 
@@ -115,6 +116,6 @@ class BlsStageClient:
         return {stage: model for stage, router in self.routers.items() if (model := router.get(session))}
 
     def release(self, session: str) -> None:
-        """The session is over: it no longer counts towards its replicas' load."""
+        """The session is over: it stops counting towards its replicas' load."""
         for router in self.routers.values():
             router.release(session)

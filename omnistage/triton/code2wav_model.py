@@ -26,12 +26,12 @@ class Code2WavModel:
     def initialize(self, args) -> None:
         params, device, dtype = init_instance(args)
         module = load_stage(params["model_path"], "code2wav", dtype, device)
-        if device.type == "cuda":  # the measured path there (perf/README.md)
+        if device.type == "cuda":  # the measured path there (perf/results/2026-12-03-h200-streams.json)
             log.info("[code2wav] fused kernels installed: %s", fused.install(module))
         context = int(params["left_context_frames"]) if params.get("left_context_frames") else None
         runner = Code2WavRunner(module, device, dtype, context_frames=context)
         if context is not None and context < runner.conv_reach:
-            # the chunks would no longer join into the full decode: refuse rather than serve worse audio
+            # the chunks would not join into the full decode: refuse rather than serve worse audio
             raise ValueError(f"left_context_frames {context} is below this checkpoint's conv reach "
                              f"({runner.conv_reach} frames); use null or >= {runner.conv_reach}")
         self.responders = {lane: Responder(f"code2wav-{lane}", self.encode, self._cancel) for lane in ("first", "main")}

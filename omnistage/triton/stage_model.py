@@ -54,7 +54,8 @@ def init_instance(args) -> tuple[dict[str, str], torch.device, torch.dtype]:
         torch.cuda.set_device(device)
         # A GPU stage's host tensors are small, and torch's intra-op pool (a thread per core) mostly spun: on
         # the H200 host (16 cores) at 64 W1 streams the talker used 53 and Code2Wav 27 cpu-s of a 10 s level,
-        # 8 and 6 with one thread (that call: 30.8 -> 37.5 req/s; calls differ by up to ~20%, perf/README.md)
+        # 8 and 6 with one thread (that call: 30.8 -> 37.5 req/s; calls differ by up to ~20%;
+        # perf/results/2026-12-03-h200-prefix-variants.json)
         torch.set_num_threads(1)
         if params.get("memory_fraction"):  # a deploy profile's share of this GPU for this instance
             torch.cuda.set_per_process_memory_fraction(float(params["memory_fraction"]), device)
@@ -82,7 +83,8 @@ class StageModel:
                         self.STAGE, self.kv.budget_bytes / 2**20, self.max_slots, max_batch_size,
                         self.max_seq_len)  # fmt: skip
         # on CUDA the decode steps and the static prefills replay as graphs, and the fused kernels replace
-        # transformers' elementwise ops: both are the measured path there (perf/README.md); the CPU runs eager
+        # transformers' elementwise ops: both are the measured path there
+        # (perf/results/2026-12-03-h200-static-prefill.json); the CPU runs eager
         self.cuda_graphs = self.device.type == "cuda"
         self.max_prefills = min(MAX_PREFILLS_PER_STEP, self.max_slots)
         if self.device.type == "cuda":

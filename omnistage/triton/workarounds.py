@@ -22,7 +22,7 @@
 #    answered by the responder even while their thread is stuck (CANCEL_GRACE_SECONDS), so that Triton can
 #    release them and unload the old instance. Can go when ResponseIterator has cancel().
 # 5. The stub frees finished BLS iterators on a native thread without the GIL, which corrupts the heap:
-#    iterator_reaper.py. Can go when pb_stub.cc's SendCleanupId no longer drops the last reference.
+#    iterator_reaper.py. Can go when pb_stub.cc's SendCleanupId keeps the last reference.
 # 6. BLS threads deadlock at Triton's default pool of 32 (python_backend_args): every open BLS call holds
 #    a thread of the backend's pool; a few dozen concurrent omni_ensemble requests take all of them. Can go
 #    with BLS calls that hold no server thread while they wait.

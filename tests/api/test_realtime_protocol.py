@@ -257,7 +257,7 @@ async def test_max_sessions():
             await until(first, "session.created")
             error, code = await closed_after_error(srv.url)
             assert error["code"] == "server_overloaded" and code == 1013
-        await asyncio.sleep(0.2)  # the first session is gone: a new one is served
+        await asyncio.sleep(0.2)  # the earlier session has closed: a new one is served
         async with sdk(srv.url).realtime.connect(model="qwen3-omni") as again:
             assert (await until(again, "session.created")).type == "session.created"
 

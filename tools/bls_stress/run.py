@@ -1,8 +1,8 @@
 # A minimal stand-in for omni_ensemble's BLS traffic without any model, for the crash of Triton 2.51's
 # Python stub, which frees finished BLS response iterators off the GIL (omnistage/triton/iterator_reaper.py,
-# perf/README.md): rounds of CONCURRENCY streaming requests to `driver`; stops at the first hang or error
-# and prints any fatal stub stacks. --reaper holds finished iterators as omni_ensemble does, which should
-# never fault; --bf16-bytes sends host tensors the way our stages answer BLS.
+# perf/results/2026-12-03-h200.json): rounds of CONCURRENCY streaming requests to `driver`; stops at the
+# first hang or error and prints any fatal stub stacks. --reaper holds finished iterators as omni_ensemble
+# does, which should never fault; --bf16-bytes sends host tensors the way our stages answer BLS.
 #
 #   python tools/bls_stress/run.py [--concurrency 32] [--rounds 10] [--device cpu|cuda|mixed] [--state 1200000]
 #                                  [--reaper] [--bf16-bytes] [--free-probe] [--keep-views]
@@ -73,7 +73,7 @@ def main() -> int:
     ap.add_argument("--early", action="store_true", help="leave each BLS call at its first response")
     ap.add_argument("--keep-views", action="store_true", help="keep received tensors as views, not copies")
     # e.g. --triton-arg=--pinned-memory-pool-byte-size=0: the H200 machine has a 256 MB pinned pool for
-    # host tensors, this CPU machine none, and the fault shows only there (a lead, see perf/README.md)
+    # host tensors, this CPU machine none, and the fault shows only there
     ap.add_argument("--triton-arg", action="append", default=[], help="extra tritonserver argument (repeat)")
     args = ap.parse_args()
     run = Path(args.run_dir)
