@@ -144,7 +144,7 @@ def test_random_disconnects_free_every_stage_within_a_second(frontend, triton_se
 
 def test_killed_stage_fails_its_requests_turns_health_503_and_is_reloaded(frontend, triton_server):
     # start from a healthy server: the watchdog may still be reloading a stage an earlier test left dead
-    # (omni_ensemble's stub can die of heap corruption after the disconnect tests: workaround 5 of
+    # (omni_ensemble's stub can die of heap corruption after the disconnect tests: the iterator reaper of
     # omnistage/triton/workarounds.py)
     wait_for(lambda: httpx.get(f"{frontend.url}/health").status_code == 200, 60, "a healthy server to start from")
     talker = stub_pids(triton_server.server.process.pid)["talker"]

@@ -92,7 +92,7 @@ def test_snake_matches_transformers(device, dtype, length):
     code2wav = load_stage("dummy:tiny", "code2wav", dtype=dtype)
     snake = next(m for m in code2wav.modules() if type(m).__name__ in fused_ops.SNAKE_CLASSES).to(device)
     channels = snake.alpha.shape[0]
-    with torch.no_grad():  # trained values are spread around 0 (log scale), unlike the zeros of a fresh module
+    with torch.no_grad():  # trained values are centred on 0 (log scale), unlike the zeros of a fresh module
         snake.alpha.copy_(torch.randn(channels, generator=g) * 0.5)
         snake.beta.copy_(torch.randn(channels, generator=g) * 0.5)
     x = (torch.randn(3, channels, length, generator=g) * 2).to(dtype).to(device)
