@@ -48,6 +48,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a spoken reply's audio.id can be referred to by later requests for this long")
     p.add_argument("--audio-keep", type=int, default=1024, help="at most this many spoken replies are kept")
     p.add_argument("--audio-keep-mb", type=float, default=512, help="at most this much audio is kept")
+    p.add_argument("--remote-media-allow-network", action="append", default=[], metavar="CIDR",
+                   help="a network remote media may come from besides public addresses (repeatable)")
+    p.add_argument("--max-audio-seconds", type=float, default=600.0,
+                   help="longest input audio clip; compressed audio is decoded only up to it")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.add_argument("--no-stage-probes", action="store_true",
                    help="readiness from Triton's model readiness only: no probe requests to every model, no "
@@ -87,6 +91,8 @@ def settings_from_args(args: argparse.Namespace) -> FrontendSettings:
             audio_keep_s=args.audio_expiry_s,
             audio_keep_count=args.audio_keep,
             audio_keep_bytes=int(args.audio_keep_mb * MiB),
+            fetch_allowed_networks=tuple(args.remote_media_allow_network),
+            max_audio_seconds=args.max_audio_seconds,
         )
     except ValueError as exc:
         raise SystemExit(f"python -m openai_frontend: {exc}") from None

@@ -10,8 +10,9 @@ import binascii
 import io
 from typing import Any
 
-import httpx
+import numpy as np
 
+from openai_frontend import remote_media
 from openai_frontend.audio_encoding import to_pcm16, to_wav
 from openai_frontend.errors import FrontendError
 from openai_frontend.settings import FrontendSettings
@@ -19,6 +20,7 @@ from openai_frontend.settings import FrontendSettings
 PASSTHROUGH_AUDIO = {"wav", "pcm", "pcm16"}  # omni_ensemble reads these itself
 PASSTHROUGH_MIMES = {"audio/wav", "audio/x-wav", "audio/wave", "audio/vnd.wave", "audio/pcm", "audio/l16", "audio/pcm16"}
 TRANSCODED_AUDIO = ("mp3", "flac", "ogg", "opus", "aiff", "au")  # decoded by libsndfile
+DECODE_BLOCK_FRAMES = 1 << 16  # frames decoded per read while counting against the duration cap
 
 
 async def prepare_messages(messages: list[dict[str, Any]], settings: FrontendSettings) -> list[dict[str, Any]]:
@@ -26,17 +28,17 @@ async def prepare_messages(messages: list[dict[str, Any]], settings: FrontendSet
     fetched = await _fetch_remote(messages, settings)
     if not fetched and not any(_media_parts(messages)):
         return messages
-    return await asyncio.to_thread(_normalize, messages, fetched)
+    return await asyncio.to_thread(_normalize, messages, fetched, settings.max_audio_seconds)
 
 
 def _media_parts(messages):
-    """(where, kind, payload) of every image/audio part; payload is the part's inner object or string."""
+    """(where, kind, payload) of every image/audio/video part; payload is the part's inner object or string."""
     for i, message in enumerate(messages):
         content = message.get("content")
         if isinstance(content, list):
             for j, part in enumerate(content):
                 kind = part.get("type")
-                if kind in ("image_url", "audio_url", "input_audio"):
+                if kind in ("image_url", "audio_url", "video_url", "input_audio"):
                     yield f"messages[{i}].content[{j}]", kind, part.get(kind)
 
 
@@ -45,7 +47,7 @@ def _url(payload: Any) -> Any:
 
 
 async def _fetch_remote(messages, settings: FrontendSettings) -> dict[str, tuple[str, bytes]]:
-    """where -> (content type, body) of every http(s) URL, fetched concurrently."""
+    """where -> (content type, body) of every http(s) URL, fetched concurrently (remote_media.py)."""
     remote = {where: _url(p) for where, kind, p in _media_parts(messages)
               if kind != "input_audio" and isinstance(_url(p), str) and _url(p).lower().startswith(("http://", "https://"))}  # fmt: skip
     if not remote:
@@ -54,43 +56,28 @@ async def _fetch_remote(messages, settings: FrontendSettings) -> dict[str, tuple
         where = next(iter(remote))
         raise FrontendError(400, f"{where}: http(s) media URLs are disabled on this server; send a base64 data: URL "
                                  "(operators: --allow-remote-media)", param=where, code="remote_media_disabled")  # fmt: skip
-    limits = httpx.Timeout(settings.fetch_timeout_s)
-    async with httpx.AsyncClient(timeout=limits, follow_redirects=True, max_redirects=3) as client:
-        bodies = await asyncio.gather(*(_fetch(client, url, where, settings) for where, url in remote.items()))
+    allowed = remote_media.parse_networks(settings.fetch_allowed_networks)
+    async with remote_media.client(settings.fetch_timeout_s) as client:
+        bodies = await asyncio.gather(*(
+            remote_media.fetch(client, url, where, max_bytes=settings.fetch_max_bytes,
+                               timeout_s=settings.fetch_timeout_s, allowed=allowed)
+            for where, url in remote.items()))  # fmt: skip
     return dict(zip(remote, bodies))
 
 
-async def _fetch(client: httpx.AsyncClient, url: str, where: str, settings: FrontendSettings) -> tuple[str, bytes]:
-    try:
-        async with asyncio.timeout(settings.fetch_timeout_s):  # the whole download, not only each read
-            async with client.stream("GET", url) as r:
-                if r.status_code != 200:
-                    raise _bad(where, f"fetching {url} gave HTTP {r.status_code}")
-                body = bytearray()
-                async for block in r.aiter_bytes():
-                    body += block
-                    if len(body) > settings.fetch_max_bytes:
-                        raise _bad(where, f"{url} is larger than {settings.fetch_max_bytes} bytes")
-                return r.headers.get("content-type", "").split(";")[0].strip().lower(), bytes(body)
-    except (TimeoutError, httpx.TimeoutException):
-        raise _bad(where, f"fetching {url} took longer than {settings.fetch_timeout_s:g} s") from None
-    except httpx.HTTPError as exc:
-        raise _bad(where, f"cannot fetch {url}: {exc}") from None
-
-
-def _normalize(messages, fetched: dict[str, tuple[str, bytes]]) -> list[dict[str, Any]]:
+def _normalize(messages, fetched: dict[str, tuple[str, bytes]], max_seconds: float) -> list[dict[str, Any]]:
     out = []
     for i, message in enumerate(messages):
         content = message.get("content")
         if not isinstance(content, list):
             out.append(message)
             continue
-        parts = [_part(f"messages[{i}].content[{j}]", part, fetched) for j, part in enumerate(content)]
+        parts = [_part(f"messages[{i}].content[{j}]", part, fetched, max_seconds) for j, part in enumerate(content)]
         out.append({**message, "content": parts})
     return out
 
 
-def _part(where: str, part: dict[str, Any], fetched) -> dict[str, Any]:
+def _part(where: str, part: dict[str, Any], fetched, max_seconds: float) -> dict[str, Any]:
     kind = part.get("type")
     if kind == "input_audio":
         fmt = part["input_audio"]["format"].lower()
@@ -100,15 +87,15 @@ def _part(where: str, part: dict[str, Any], fetched) -> dict[str, Any]:
         if fmt not in TRANSCODED_AUDIO:
             supported = ", ".join([*sorted(PASSTHROUGH_AUDIO), *TRANSCODED_AUDIO])
             raise _bad(where, f"unsupported input_audio format {fmt!r}; supported: {supported}")
-        return {"type": "input_audio", "input_audio": {"data": _b64str(_transcode(raw, where)), "format": "wav"}}
-    if kind not in ("image_url", "audio_url"):
+        return {"type": "input_audio", "input_audio": {"data": _b64str(_transcode(raw, where, max_seconds)), "format": "wav"}}
+    if kind not in ("image_url", "audio_url", "video_url"):
         return part
     if where in fetched:
         mime, raw = fetched[where]
     else:
         mime, raw = _data_url(_url(part[kind]), where)
     if kind == "audio_url" and (where in fetched or mime not in PASSTHROUGH_MIMES):
-        mime, raw = "audio/wav", _transcode(raw, where)
+        mime, raw = "audio/wav", _transcode(raw, where, max_seconds)
     elif where not in fetched:
         return part  # a data: URL the ensemble reads as it is
     return {"type": kind, kind: {"url": f"data:{mime or 'application/octet-stream'};base64,{_b64str(raw)}"}}
@@ -137,15 +124,36 @@ def _b64str(raw: bytes) -> str:
     return base64.b64encode(raw).decode("ascii")
 
 
-def _transcode(raw: bytes, where: str) -> bytes:
-    """Any audio file libsndfile reads -> 16-bit mono WAV at its own rate (the ensemble resamples)."""
+def _transcode(raw: bytes, where: str, max_seconds: float) -> bytes:
+    """Any audio file libsndfile reads -> 16-bit mono WAV at its own rate (the ensemble resamples). Decoded
+    block by block and refused once past max_seconds: a small file may hold hours (an hour of FLAC silence
+    is under 1 MB), and a header's frame count may be absent or false, so the cap counts decoded frames."""
     import soundfile
 
     try:
-        samples, rate = soundfile.read(io.BytesIO(raw), dtype="float32", always_2d=True)
+        with soundfile.SoundFile(io.BytesIO(raw)) as f:
+            rate, cap = int(f.samplerate), int(max_seconds * f.samplerate)
+            if rate <= 0:
+                raise _bad(where, "cannot decode the audio (no sample rate)")
+            if 0 < f.frames < 1 << 62 and f.frames > cap:  # a declared length over the cap: refused unread
+                raise _too_long(where, f.frames / rate, max_seconds)
+            blocks, frames = [], 0
+            while (block := f.read(DECODE_BLOCK_FRAMES, dtype="float32", always_2d=True)).shape[0]:
+                frames += block.shape[0]
+                if frames > cap:
+                    raise _too_long(where, frames / rate, max_seconds, at_least=True)
+                blocks.append(block.mean(axis=1))  # mono as it goes: a multichannel file never sits whole
     except (soundfile.LibsndfileError, RuntimeError, TypeError, ValueError) as exc:
         raise _bad(where, f"cannot decode the audio ({exc})") from None
-    return to_wav(to_pcm16(samples.mean(axis=1)), int(rate))
+    if not blocks:
+        raise _bad(where, "the audio holds no samples")
+    return to_wav(to_pcm16(np.concatenate(blocks)), rate)
+
+
+def _too_long(where: str, seconds: float, max_seconds: float, at_least: bool = False) -> FrontendError:
+    length = f"more than {max_seconds:g} s" if at_least else f"{seconds:.0f} s"
+    return FrontendError(400, f"{where}: audio of {length} is over the limit of {max_seconds:g} s", param=where,
+                         code="audio_too_long")  # fmt: skip
 
 
 def _bad(where: str, message: str) -> FrontendError:

@@ -1,6 +1,7 @@
 # What the operator chose when starting the frontend; attached to the app as `app.state.settings`.
 from __future__ import annotations
 
+import ipaddress
 import time
 from dataclasses import dataclass, field
 
@@ -30,6 +31,10 @@ class FrontendSettings:
     audio_keep_s: int = 3600
     audio_keep_count: int = 1024
     audio_keep_bytes: int = 512 * MiB
+    # networks (CIDR) a fetch may reach beyond public addresses, e.g. an internal media store
+    fetch_allowed_networks: tuple[str, ...] = ()
+    # compressed input audio is decoded here; longer is a 400 (serve passes the profile's max_audio_seconds)
+    max_audio_seconds: float = 600.0
     created: int = field(default_factory=lambda: int(time.time()))  # /v1/models `created`
 
     def __post_init__(self) -> None:
@@ -46,8 +51,13 @@ class FrontendSettings:
             raise ValueError(f"response_style must be one of {', '.join(RESPONSE_STYLES)}, got {self.response_style!r}")
         if self.audio_keep_s < 1 or self.audio_keep_count < 0 or self.audio_keep_bytes < 0:
             raise ValueError("audio_keep_s must be positive, audio_keep_count and audio_keep_bytes not negative")
-        if self.max_body_bytes < 1024 or self.fetch_max_bytes < 1 or self.fetch_timeout_s <= 0:
+        if self.max_body_bytes < 1024 or self.fetch_max_bytes < 1 or self.fetch_timeout_s <= 0 or self.max_audio_seconds <= 0:
             raise ValueError("size limits and timeouts must be positive (max_body_bytes >= 1 KiB)")
+        try:
+            ipaddress_networks = tuple(ipaddress.ip_network(n, strict=False) for n in self.fetch_allowed_networks)
+        except ValueError as exc:
+            raise ValueError(f"fetch_allowed_networks: {exc}") from None
+        object.__setattr__(self, "fetch_allowed_networks", tuple(str(n) for n in ipaddress_networks))
 
     def model_for(self, requested: str | None) -> str:
         """The name a response carries; an unknown one is a 404 (raised by the caller)."""

@@ -1,5 +1,7 @@
-# Media in messages: compressed audio re-sent as WAV, data: URLs checked, http(s) URLs refused unless the
-# operator enabled fetching (then fetched with a timeout and a size cap from a loopback server).
+# Media in messages: compressed audio re-sent as WAV (decoded only up to the duration cap), data: URLs checked,
+# http(s) URLs refused unless the operator enabled fetching (then fetched with a timeout and a size cap from a
+# loopback server the test allows; loopback, private, link-local and metadata addresses refused otherwise, on
+# every redirect too, with errors that do not echo what the target answered).
 import base64
 import threading
 import time
@@ -105,6 +107,11 @@ class _Files(BaseHTTPRequestHandler):
     def do_GET(self):
         if self.path == "/slow.png":
             time.sleep(2)
+        if self.path.startswith("/redirect?"):
+            self.send_response(302)
+            self.send_header("Location", self.path.split("?", 1)[1])
+            self.end_headers()
+            return
         kind, body = self.files.get(self.path, (None, None))
         if body is None:
             self.send_response(404)
@@ -131,7 +138,8 @@ def files():
 @pytest.fixture(scope="module")
 def fetching():
     backend = FakeOmniClient()
-    settings = FrontendSettings(fetch_remote_media=True, fetch_timeout_s=0.5, fetch_max_bytes=10_000)
+    settings = FrontendSettings(fetch_remote_media=True, fetch_timeout_s=0.5, fetch_max_bytes=10_000,
+                                fetch_allowed_networks=("127.0.0.1/32",))  # fmt: skip
     with ThreadedUvicorn(create_app(backend, settings)) as srv:
         yield srv, backend
 
@@ -150,7 +158,8 @@ def test_remote_image_and_audio_are_fetched(fetching, files):
                                   np.frombuffer(to_pcm16(TONE), "<i2"))  # FLAC: lossless  # fmt: skip
 
 
-@pytest.mark.parametrize("path, message", [("/missing.png", "HTTP 404"), ("/big.png", "larger than 10000 bytes"),
+@pytest.mark.parametrize("path, message", [("/missing.png", "did not return a media file"),
+                                           ("/big.png", "larger than 10000 bytes"),
                                            ("/slow.png", "longer than 0.5 s")])
 def test_remote_fetch_failures_are_400(fetching, files, path, message):
     srv, backend = fetching
@@ -159,3 +168,56 @@ def test_remote_fetch_failures_are_400(fetching, files, path, message):
                    json={"messages": user({"type": "image_url", "image_url": {"url": files + path}})})  # fmt: skip
     assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
     assert backend.calls == []
+    assert "404" not in r.json()["error"]["message"].replace(files + path, "")  # what the target answered stays here
+
+
+def test_long_compressed_audio_is_refused_by_its_duration(http, fake):
+    # 11 minutes of FLAC silence is a few kB; the default cap is 600 s
+    flac = encode_audio(np.zeros(8000 * 660, dtype="<i2").tobytes(), "flac", sample_rate=8000)
+    assert len(flac) < 200_000
+    r = http.post("/v1/chat/completions", json={"messages": user(
+        {"type": "input_audio", "input_audio": {"data": b64(flac), "format": "flac"}})})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "audio_too_long" and error["param"] == "messages[0].content[1]", error
+    assert fake.calls == []
+
+
+# ---- remote fetching, public addresses only ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def public_only():
+    backend = FakeOmniClient()
+    with ThreadedUvicorn(create_app(backend, FrontendSettings(fetch_remote_media=True, fetch_timeout_s=2))) as srv:
+        yield srv, backend
+
+
+FORBIDDEN = ["http://127.0.0.1:{port}/cat.png", "http://localhost:{port}/cat.png", "http://0x7f000001:{port}/cat.png",
+             "http://2130706433:{port}/cat.png", "http://[::1]:{port}/cat.png", "http://[::ffff:127.0.0.1]:{port}/cat.png",
+             "http://169.254.169.254/latest/meta-data/", "http://10.0.0.1/x.png", "http://192.168.1.1/x.png",
+             "http://100.100.100.200/latest/meta-data/", "http://[fd00:ec2::254]/x.png", "http://0.0.0.0:{port}/cat.png"]
+
+
+@pytest.mark.parametrize("url", FORBIDDEN)
+def test_non_public_addresses_are_refused(public_only, files, url):
+    srv, backend = public_only
+    backend.reset()
+    url = url.format(port=files.rsplit(":", 1)[1])
+    r = httpx.post(f"{srv.url}/v1/chat/completions", timeout=10,
+                   json={"messages": user({"type": "image_url", "image_url": {"url": url}})})  # fmt: skip
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "remote_media_forbidden" and error["param"] == "messages[0].content[1]", error
+    assert backend.calls == []
+
+
+def test_a_redirect_to_a_forbidden_address_is_refused(fetching, files):
+    srv, backend = fetching  # loopback allowed, so the first hop is fetched; its redirect target is not
+    backend.reset()
+    for target in ("http://169.254.169.254/latest/meta-data/", "http://10.1.2.3/cat.png", "http://0x7f000002/cat.png"):
+        r = httpx.post(f"{srv.url}/v1/chat/completions", timeout=10, json={"messages": user(
+            {"type": "image_url", "image_url": {"url": f"{files}/redirect?{target}"}})})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "remote_media_forbidden", r.text
+    ok = httpx.post(f"{srv.url}/v1/chat/completions", timeout=10, json={"messages": user(
+        {"type": "image_url", "image_url": {"url": f"{files}/redirect?/cat.png"}})})
+    assert ok.status_code == 200, ok.text
+    assert backend.calls[-1]["messages"][0]["content"][1]["image_url"]["url"] == f"data:image/png;base64,{b64(PNG)}"
