@@ -98,7 +98,7 @@ class StageProfile:
 # the keys each stage takes (the others are refused by name)
 _PLACED = {"devices", "replicas", "memory_fraction"}
 _ENGINE = _PLACED | {"max_batch_size", "max_seq_len", "max_queue", "kv_cache_bytes", "sampling"}
-_MEDIA = {f.name for f in fields(MediaLimits)}
+_MEDIA = {f.name for f in fields(MediaLimits)} - {"max_prompt_tokens"}  # that one is the thinker's max_seq_len
 _KEYS = {
     "thinker": _ENGINE | {"prefix_cache_bytes"},
     "talker": _ENGINE,

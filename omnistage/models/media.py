@@ -5,10 +5,12 @@ import binascii
 import io
 import wave
 from dataclasses import dataclass, fields
+from typing import Any, Callable
 
 import numpy as np
 
 from omnistage.core.errors import BadRequestError
+from omnistage.models.media_budget import MediaBudget
 
 SAMPLE_RATE = 16000  # the Whisper feature extractor's rate
 MIN_AUDIO_SAMPLES = 400  # one n_fft window; shorter clips yield no audio-encoder frames
@@ -22,6 +24,10 @@ class MediaLimits:
     max_audio_seconds: float = 600.0  # per clip
     max_image_pixels: int = 50_000_000  # per image, as its header declares (the processor then resizes)
     max_media_items: int = 32  # images + audio clips per request
+    # decoded media (RGB bytes of images, float32 16 kHz samples of clips) of all requests being preprocessed
+    # at once in this process, counted from headers; past it a request gets a 503 (media_budget.py)
+    max_media_bytes_in_flight: int = 4 << 30
+    max_prompt_tokens: int = 1 << 20  # the thinker's context: text that cannot fit is refused untokenized
 
     @classmethod
     def from_parameters(cls, params: dict) -> "MediaLimits":
@@ -30,11 +36,21 @@ class MediaLimits:
 
 
 LIMITS = MediaLimits()  # set once per process by omni_ensemble (configure())
+BUDGET = MediaBudget(LIMITS.max_media_bytes_in_flight)
 
 
 def configure(limits: MediaLimits) -> None:
-    global LIMITS
-    LIMITS = limits
+    global LIMITS, BUDGET
+    LIMITS, BUDGET = limits, MediaBudget(limits.max_media_bytes_in_flight)
+
+
+@dataclass
+class PendingMedia:
+    """A media item whose header was read and checked: `cost` bytes once decoded, `decode()` does it."""
+
+    kind: str  # "image" | "audio"
+    cost: int
+    decode: Callable[[], Any]
 
 
 _WAV_MIMES = {"audio/wav", "audio/x-wav", "audio/wave", "audio/vnd.wave"}
@@ -60,19 +76,32 @@ def split_data_url(url, what: str) -> tuple[str, bytes]:
     return header[: -len(";base64")].split(";")[0].strip().lower(), b64decode(payload, what)
 
 
-def decode_image(raw: bytes, what: str):
+def open_image(raw: bytes, what: str) -> PendingMedia:
+    """Reads the image's header only; decode() gives the RGB PIL image."""
     from PIL import Image, UnidentifiedImageError
 
+    errors = (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError)
     try:
         image = Image.open(io.BytesIO(raw))  # reads the header only
         width, height = image.size
-        if width * height > LIMITS.max_image_pixels:
-            raise BadRequestError(f"{what}: image of {width}x{height} pixels is over the limit of "
-                                  f"{LIMITS.max_image_pixels} pixels")  # fmt: skip
-        image.load()
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+    except errors as e:
         raise BadRequestError(f"{what}: cannot decode image ({e})") from None
-    return image.convert("RGB")
+    if width * height > LIMITS.max_image_pixels:
+        raise BadRequestError(f"{what}: image of {width}x{height} pixels is over the limit of "
+                              f"{LIMITS.max_image_pixels} pixels")  # fmt: skip
+
+    def decode():
+        try:
+            image.load()
+            return image.convert("RGB")
+        except errors as e:
+            raise BadRequestError(f"{what}: cannot decode image ({e})") from None
+
+    return PendingMedia("image", 3 * width * height, decode)
+
+
+def decode_image(raw: bytes, what: str):
+    return open_image(raw, what).decode()
 
 
 def audio_format_from_mime(mime: str, what: str) -> str:
@@ -83,35 +112,53 @@ def audio_format_from_mime(mime: str, what: str) -> str:
     raise BadRequestError(f"{what}: unsupported audio type {mime!r} (supported: WAV, 16 kHz s16le PCM)")
 
 
-def decode_audio(raw: bytes, fmt: str, what: str) -> np.ndarray:
+def open_audio(raw: bytes, fmt: str, what: str) -> PendingMedia:
+    """Reads the clip's header only (its duration checked); decode() gives 16 kHz mono float32 samples."""
     fmt = fmt.lower() if isinstance(fmt, str) else fmt
     if fmt == "wav":
-        samples, rate = _read_wav(raw, what)
+        frames, rate = _wav_header(raw, what)
     elif fmt in ("pcm", "pcm16"):
         if len(raw) % 2:
             raise BadRequestError(f"{what}: s16le PCM needs an even number of bytes")
-        _check_duration(len(raw) // 2, SAMPLE_RATE, what)
-        samples, rate = np.frombuffer(raw, dtype="<i2").astype(np.float32) / 32768.0, SAMPLE_RATE
+        frames, rate = len(raw) // 2, SAMPLE_RATE
     else:
         raise BadRequestError(f"{what}: unsupported audio format {fmt!r} (supported: wav, pcm)")
+    _check_duration(frames, rate, what)
+    return PendingMedia("audio", 4 * int(frames * SAMPLE_RATE / rate) + len(raw), lambda: _decode_audio(raw, fmt, what))
+
+
+def decode_audio(raw: bytes, fmt: str, what: str) -> np.ndarray:
+    return open_audio(raw, fmt, what).decode()
+
+
+def _decode_audio(raw: bytes, fmt: str, what: str) -> np.ndarray:
+    if fmt == "wav":
+        samples, rate = _read_wav(raw, what)
+    else:
+        samples, rate = np.frombuffer(raw, dtype="<i2").astype(np.float32) / 32768.0, SAMPLE_RATE
     samples = _resample(samples, rate)
     if samples.size < MIN_AUDIO_SAMPLES:
         raise BadRequestError(f"{what}: audio too short ({samples.size} samples at {SAMPLE_RATE} Hz)")
     return samples
 
 
-def _read_wav(raw: bytes, what: str) -> tuple[np.ndarray, int]:
+def _wav_header(raw: bytes, what: str) -> tuple[int, int]:
     try:
         with wave.open(io.BytesIO(raw)) as w:
-            channels, width, rate = w.getnchannels(), w.getsampwidth(), w.getframerate()
-            if rate > 0:  # before reading: a header may declare hours of audio
-                _check_duration(w.getnframes(), rate, what)
-            frames = w.readframes(w.getnframes())
+            frames, rate, channels = w.getnframes(), w.getframerate(), w.getnchannels()
     except (wave.Error, EOFError) as e:
         # The stdlib reader handles integer PCM only (no float or compressed WAV).
         raise BadRequestError(f"{what}: cannot read WAV ({e}); send integer PCM WAV") from None
     if rate <= 0 or channels <= 0:
         raise BadRequestError(f"{what}: invalid WAV header")
+    return frames, rate
+
+
+def _read_wav(raw: bytes, what: str) -> tuple[np.ndarray, int]:
+    # the header was read and checked by open_audio: only what it declares is read (readframes stops there)
+    with wave.open(io.BytesIO(raw)) as w:
+        channels, width, rate = w.getnchannels(), w.getsampwidth(), w.getframerate()
+        frames = w.readframes(w.getnframes())
     if width == 1:  # 8-bit WAV is unsigned
         x = (np.frombuffer(frames, dtype=np.uint8).astype(np.float32) - 128.0) / 128.0
     elif width == 2:

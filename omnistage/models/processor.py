@@ -100,13 +100,15 @@ def load_processor(source):
     )
     tokenizer = _load_tokenizer(directory)
     with _allow_video_stand_in():
-        return Qwen3OmniMoeProcessor(
+        processor = Qwen3OmniMoeProcessor(
             image_processor=image_processor, video_processor=NoVideoProcessor(),
             feature_extractor=feature_extractor, tokenizer=tokenizer, chat_template=tokenizer.chat_template,
         )
+    processor.max_token_chars = max_token_chars(tokenizer)  # prepare_inputs' bound on a text's tokens
+    return processor
 
 
-def _convert_part(part, role: str, where: str, images: list, audios: list) -> dict:
+def _convert_part(part, role: str, where: str, pending: list) -> dict:
     if not isinstance(part, dict) or not isinstance(part.get("type"), str):
         raise BadRequestError(f"{where}: a content part must be an object with a 'type'")
     kind = part["type"]
@@ -118,7 +120,7 @@ def _convert_part(part, role: str, where: str, images: list, audios: list) -> di
         raise BadRequestError(f"{where}: unsupported content part type {kind!r}")
     if role != "user":
         raise BadRequestError(f"{where}: {kind} parts are only allowed in user messages")
-    if len(images) + len(audios) >= media.LIMITS.max_media_items:
+    if len(pending) >= media.LIMITS.max_media_items:
         raise BadRequestError(f"{where}: more than {media.LIMITS.max_media_items} images and audio clips")
     body = part.get(kind)
     if isinstance(body, str) and kind != "input_audio":
@@ -127,21 +129,22 @@ def _convert_part(part, role: str, where: str, images: list, audios: list) -> di
         raise BadRequestError(f"{where}: {kind} part needs a '{kind}' object")
     if kind == "image_url":
         _, raw = media.split_data_url(body.get("url"), where)
-        images.append(media.decode_image(raw, where))
+        pending.append(media.open_image(raw, where))
         return {"type": "image"}
     if kind == "input_audio":
         raw = media.b64decode(body.get("data"), where)
-        audios.append(media.decode_audio(raw, body.get("format", "wav"), where))
+        pending.append(media.open_audio(raw, body.get("format", "wav"), where))
     else:
         mime, raw = media.split_data_url(body.get("url"), where)
-        audios.append(media.decode_audio(raw, media.audio_format_from_mime(mime, where), where))
+        pending.append(media.open_audio(raw, media.audio_format_from_mime(mime, where), where))
     return {"type": "audio"}
 
 
-def _convert_messages(messages) -> tuple[list, list, list]:
+def _convert_messages(messages) -> tuple[list, list, int]:
+    """(conversation for the chat template, the media's PendingMedia in prompt order, characters of text)"""
     if not isinstance(messages, list) or not messages:
         raise BadRequestError("messages must be a non-empty list")
-    conversation, images, audios = [], [], []
+    conversation, pending, chars = [], [], 0
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
@@ -152,20 +155,39 @@ def _convert_messages(messages) -> tuple[list, list, list]:
         content = message.get("content")
         if isinstance(content, str):
             conversation.append({"role": role, "content": content})
+            chars += len(content)
             continue
         if not isinstance(content, list) or not content:
             raise BadRequestError(f"{where}: content must be a string or a non-empty list of parts")
-        parts = [_convert_part(p, role, f"{where}.content[{j}]", images, audios) for j, p in enumerate(content)]
+        parts = [_convert_part(p, role, f"{where}.content[{j}]", pending) for j, p in enumerate(content)]
+        chars += sum(len(p["text"]) for p in parts if p["type"] == "text")
         conversation.append({"role": role, "content": parts})
-    return conversation, images, audios
+    return conversation, pending, chars
+
+
+def max_token_chars(tokenizer) -> int:
+    """The most characters one token of `tokenizer` stands for (byte-level BPE: one character per byte), so
+    text of n characters is at least n / max_token_chars tokens."""
+    return max(len(token) for token in tokenizer.get_vocab())
 
 
 def prepare_inputs(processor, messages: list[dict]) -> dict:
     """OpenAI chat messages -> {input_ids [1, L], attention_mask [1, L], and when present pixel_values
     [patches, C*T*P*P], image_grid_thw [n_img, 3], input_features [n_audio, 128, frames],
-    feature_attention_mask [n_audio, frames]} as torch tensors, ready for the thinker."""
-    conversation, images, audios = _convert_messages(messages)
-    prompt = processor.tokenizer.apply_chat_template(
-        conversation, chat_template=processor.chat_template, add_generation_prompt=True, tokenize=False)
-    batch = processor(text=[prompt], images=images or None, audio=audios or None, return_tensors="pt")
+    feature_attention_mask [n_audio, frames]} as torch tensors, ready for the thinker.
+    Before anything is decoded or tokenized in full: media headers are checked against the limits, text that
+    cannot fit the context even at the tokenizer's longest token is refused, and the decoded media's bytes
+    are reserved in the process's budget (held until the tensors are built)."""
+    conversation, pending, chars = _convert_messages(messages)
+    if -(-chars // processor.max_token_chars) > media.LIMITS.max_prompt_tokens:
+        raise BadRequestError(f"the messages hold {chars} characters of text, more than the context of "
+                              f"{media.LIMITS.max_prompt_tokens} tokens can take")  # fmt: skip
+    with media.BUDGET.reserve(sum(p.cost for p in pending)):
+        decoded = [(p.kind, p.decode()) for p in pending]
+        images = [d for kind, d in decoded if kind == "image"]
+        audios = [d for kind, d in decoded if kind == "audio"]
+        del decoded
+        prompt = processor.tokenizer.apply_chat_template(
+            conversation, chat_template=processor.chat_template, add_generation_prompt=True, tokenize=False)
+        batch = processor(text=[prompt], images=images or None, audio=audios or None, return_tensors="pt")
     return {k: batch[k] for k in _OUTPUT_KEYS if k in batch}

