@@ -59,6 +59,9 @@ async def plan_chat(req: ChatCompletionRequest, settings: FrontendSettings, audi
     parameters.update(_sampling(req, ""))
     if req.max_completion_tokens is not None:  # OpenAI's newer name wins over max_tokens
         parameters["max_tokens"] = req.max_completion_tokens
+    kwargs = req.mm_processor_kwargs
+    if req.use_audio_in_video or (kwargs is not None and kwargs.use_audio_in_video):
+        parameters["use_audio_in_video"] = True
 
     tools = _offered_tools(req)
     return ChatPlan(

@@ -32,6 +32,7 @@ CONTENT_PARTS = {
     "image_url": ("url",),
     "input_audio": ("data", "format"),
     "audio_url": ("url",),
+    "video_url": ("url",),
 }
 
 
@@ -178,6 +179,12 @@ class AudioOptions(_Strict):
         return AUDIO_FORMAT_ALIASES[value.strip().lower()]
 
 
+class MMProcessorKwargs(_Open):
+    """vLLM-Omni's per-request preprocessing options; only use_audio_in_video changes anything here."""
+
+    use_audio_in_video: bool | None = None
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's; accepted, usage still comes once at the end
@@ -223,6 +230,9 @@ class ChatCompletionRequest(Sampling):
     stream: bool = False
     stream_options: StreamOptions | None = None
     sampling_params_list: Annotated[list[StageSampling | None], Field(max_length=3)] | None = None
+    # video parts bring their audio track, interleaved with the frames (top level or vLLM-Omni's kwargs)
+    use_audio_in_video: bool | None = None
+    mm_processor_kwargs: MMProcessorKwargs | None = None
     # "openai" (choices[0].message.audio / delta.audio) or "vllm-omni" (`modality` chunks, WAV per chunk);
     # None: the server's --response-style
     response_style: Literal[RESPONSE_STYLES] | None = None  # type: ignore[valid-type]

@@ -70,6 +70,9 @@ THINKER = ModelContract(
         TensorSpec("image_grid_thw", "TYPE_INT64", (-1, 3), optional=True),  # [images, 3]
         TensorSpec("input_features", "TYPE_FP32", (-1, -1, -1), optional=True),  # [audios, mels, frames]
         TensorSpec("feature_attention_mask", "TYPE_INT64", (-1, -1), optional=True),  # [audios, frames]
+        TensorSpec("pixel_values_videos", "TYPE_FP32", (-1, -1), optional=True),  # [patches, C*T*P*P]
+        TensorSpec("video_grid_thw", "TYPE_INT64", (-1, 3), optional=True),  # [videos, 3]
+        TensorSpec("video_second_per_grid", "TYPE_FP32", (-1,), optional=True),  # [videos] seconds per grid step
     ),
     outputs=(
         TensorSpec("token_ids", "TYPE_INT64", (-1,)),  # new reply tokens since the last response
@@ -82,7 +85,8 @@ THINKER = ModelContract(
         TensorSpec("prompt_tokens", "TYPE_INT64", (1,)),
         TensorSpec("finish_reason", "TYPE_STRING", (1,)),  # final response: "stop" | "length" | "abort"
     ),
-    parameters={**SAMPLING_PARAMETERS, "export_talker": "bool", BLS_TRANSPORT: "string"},
+    # use_audio_in_video: the video's audio track is interleaved with its frames (MRoPE positions)
+    parameters={**SAMPLING_PARAMETERS, "export_talker": "bool", "use_audio_in_video": "bool", BLS_TRANSPORT: "string"},
 )
 
 # ---- talker: thinker conditioning in (start, then appends), codec frames out -------------------------------
@@ -100,6 +104,8 @@ TALKER = ModelContract(
         TensorSpec("talker_special_rows", "TYPE_FP32", (6, -1), optional=True),
         TensorSpec("image_grid_thw", "TYPE_INT64", (-1, 3), optional=True),
         TensorSpec("audio_feature_lengths", "TYPE_INT64", (-1,), optional=True),
+        TensorSpec("video_grid_thw", "TYPE_INT64", (-1, 3), optional=True),
+        TensorSpec("video_second_per_grid", "TYPE_FP32", (-1,), optional=True),
     ),
     outputs=(
         TensorSpec("codes", "TYPE_INT64", (-1, CODE_GROUPS)),  # [frames, 16] new frames since the last response
@@ -150,6 +156,7 @@ OMNI = ModelContract(
     parameters={
         "modalities": "string",  # "text", "audio" or "text,audio" (default)
         "speaker": "string",
+        "use_audio_in_video": "bool",  # a video part's audio track goes in with its frames
         **SAMPLING_PARAMETERS,
         # per-stage overrides, vLLM-Omni's sampling_params_list flattened: talker_<name>
         **{f"talker_{k}": v for k, v in SAMPLING_PARAMETERS.items()},

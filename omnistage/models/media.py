@@ -23,7 +23,11 @@ class MediaLimits:
 
     max_audio_seconds: float = 600.0  # per clip
     max_image_pixels: int = 50_000_000  # per image, as its header declares (the processor then resizes)
-    max_media_items: int = 32  # images + audio clips per request
+    max_media_items: int = 32  # images + audio clips + videos per request
+    max_video_seconds: float = 600.0  # per video, as its headers declare
+    max_video_frames: int = 768  # frames sampled from one video (2 per second; Qwen's own cap is 768)
+    max_video_frame_pixels: int = 8_294_400  # per frame as declared (3840x2160); frames are then resized
+    max_video_bytes: int = 64 << 20  # encoded size of one video
     # decoded media (RGB bytes of images, float32 16 kHz samples of clips) of all requests being preprocessed
     # at once in this process, counted from headers; past it a request gets a 503 (media_budget.py)
     max_media_bytes_in_flight: int = 4 << 30
@@ -48,9 +52,10 @@ def configure(limits: MediaLimits) -> None:
 class PendingMedia:
     """A media item whose header was read and checked: `cost` bytes once decoded, `decode()` does it."""
 
-    kind: str  # "image" | "audio"
+    kind: str  # "image" | "audio" | "video"
     cost: int
     decode: Callable[[], Any]
+    fps: float | None = None  # a video's sampled frames per second
 
 
 _WAV_MIMES = {"audio/wav", "audio/x-wav", "audio/wave", "audio/vnd.wave"}

@@ -1,11 +1,14 @@
-# Offline Qwen3OmniMoeProcessor (tokenizer + Whisper features + PIL image patches) and the conversion
-# of OpenAI-style chat messages into thinker inputs.
+# Offline Qwen3OmniMoeProcessor (tokenizer + Whisper features + PIL image patches + video patches) and the
+# conversion of OpenAI-style chat messages into thinker inputs.
 import contextlib
 import json
 from pathlib import Path
 
+import numpy as np
+import torch
+
 from omnistage.core.errors import BadRequestError
-from omnistage.models import media
+from omnistage.models import media, video
 
 # The released preprocessor_config.json (one merged file for audio and image); used where a
 # checkpoint has none.
@@ -19,30 +22,52 @@ _FEATURE_KEYS = ("feature_size", "sampling_rate", "hop_length", "n_fft", "chunk_
                  "dither", "return_attention_mask")
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 _OUTPUT_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "input_features",
-                "feature_attention_mask")
+                "feature_attention_mask", "pixel_values_videos", "video_grid_thw", "video_second_per_grid")
 
 
-class NoVideoProcessor:
-    # Stand-in for Qwen2VLVideoProcessor, which needs torchvision. The processor reads merge_size
-    # even for calls without video, and model_input_names when listing inputs.
-    merge_size = 2
-    temporal_patch_size = 2
+class VideoProcessor:
+    """Sampled, resized frames (models/video.py) -> the vision encoder's patches, as transformers'
+    Qwen2VLVideoProcessor lays them out (which needs torchvision): scaled to [-1, 1] by the image mean and
+    std, padded to whole temporal patches by repeating the last frame, and cut into
+    [grid_t * grid_h * grid_w, C * temporal_patch * patch * patch] rows in merge order."""
+
     model_input_names = ["pixel_values_videos", "video_grid_thw"]
 
-    def __call__(self, *args, **kwargs):
-        raise BadRequestError("video input is not supported")
+    def __init__(self, patch_size: int, merge_size: int, temporal_patch_size: int, mean, std):
+        self.patch_size, self.merge_size, self.temporal_patch_size = patch_size, merge_size, temporal_patch_size
+        self.mean = np.asarray(mean, np.float32)
+        self.std = np.asarray(std, np.float32)
+
+    def __call__(self, videos, **_):
+        import torch
+        from transformers import BatchFeature
+
+        rows, grids = [], []
+        for frames in videos:  # [T, H, W, 3] uint8
+            x = (frames.astype(np.float32) / 255.0 - self.mean) / self.std
+            x = x.transpose(0, 3, 1, 2)  # [T, C, H, W]
+            tp, ps, ms = self.temporal_patch_size, self.patch_size, self.merge_size
+            if x.shape[0] % tp:
+                x = np.concatenate([x, np.repeat(x[-1:], tp - x.shape[0] % tp, axis=0)])
+            t, c, h, w = x.shape
+            gt, gh, gw = t // tp, h // ps, w // ps
+            x = x.reshape(gt, tp, c, gh // ms, ms, ps, gw // ms, ms, ps).transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+            rows.append(x.reshape(gt * gh * gw, c * tp * ps * ps))
+            grids.append([gt, gh, gw])
+        return BatchFeature({"pixel_values_videos": torch.from_numpy(np.concatenate(rows)),
+                             "video_grid_thw": torch.tensor(grids, dtype=torch.long)})  # fmt: skip
 
 
 @contextlib.contextmanager
-def _allow_video_stand_in():
+def _allow_video_processor():
     # Without torchvision ProcessorMixin cannot even resolve BaseVideoProcessor for its class check
-    # of the video_processor argument; skip the check for the stand-in while constructing.
+    # of the video_processor argument; skip the check for ours while constructing.
     from transformers.processing_utils import ProcessorMixin
 
     original = ProcessorMixin.check_argument_for_proper_class
 
     def check(self, name, arg):
-        return None if isinstance(arg, NoVideoProcessor) else original(self, name, arg)
+        return None if isinstance(arg, VideoProcessor) else original(self, name, arg)
 
     ProcessorMixin.check_argument_for_proper_class = check
     try:
@@ -99,16 +124,18 @@ def load_processor(source):
         image_mean=cfg["image_mean"], image_std=cfg["image_std"],
     )
     tokenizer = _load_tokenizer(directory)
-    with _allow_video_stand_in():
+    video_processor = VideoProcessor(cfg["patch_size"], cfg["merge_size"], cfg["temporal_patch_size"],
+                                     cfg["image_mean"], cfg["image_std"])  # fmt: skip
+    with _allow_video_processor():
         processor = Qwen3OmniMoeProcessor(
-            image_processor=image_processor, video_processor=NoVideoProcessor(),
+            image_processor=image_processor, video_processor=video_processor,
             feature_extractor=feature_extractor, tokenizer=tokenizer, chat_template=tokenizer.chat_template,
         )
     processor.max_token_chars = max_token_chars(tokenizer)  # prepare_inputs' bound on a text's tokens
     return processor
 
 
-def _convert_part(part, role: str, where: str, pending: list) -> dict:
+def _convert_part(part, role: str, where: str, pending: list, audio_in_video: bool) -> dict:
     if not isinstance(part, dict) or not isinstance(part.get("type"), str):
         raise BadRequestError(f"{where}: a content part must be an object with a 'type'")
     kind = part["type"]
@@ -116,12 +143,12 @@ def _convert_part(part, role: str, where: str, pending: list) -> dict:
         if not isinstance(part.get("text"), str):
             raise BadRequestError(f"{where}: a text part needs a string 'text'")
         return {"type": "text", "text": part["text"]}
-    if kind not in ("image_url", "input_audio", "audio_url"):
+    if kind not in ("image_url", "input_audio", "audio_url", "video_url"):
         raise BadRequestError(f"{where}: unsupported content part type {kind!r}")
     if role != "user":
         raise BadRequestError(f"{where}: {kind} parts are only allowed in user messages")
     if len(pending) >= media.LIMITS.max_media_items:
-        raise BadRequestError(f"{where}: more than {media.LIMITS.max_media_items} images and audio clips")
+        raise BadRequestError(f"{where}: more than {media.LIMITS.max_media_items} media items")
     body = part.get(kind)
     if isinstance(body, str) and kind != "input_audio":
         body = {"url": body}
@@ -131,6 +158,17 @@ def _convert_part(part, role: str, where: str, pending: list) -> dict:
         _, raw = media.split_data_url(body.get("url"), where)
         pending.append(media.open_image(raw, where))
         return {"type": "image"}
+    if kind == "video_url":
+        if any(p.kind == "video" for p in pending):
+            # the processor derives every video's time positions from one frame rate per request
+            raise BadRequestError(f"{where}: one video per request")
+        _, raw = media.split_data_url(body.get("url"), where)
+        plan = video.plan(raw, where, audio_in_video)
+        pending.append(media.PendingMedia("video", video.cost(plan) + len(raw),
+                                          lambda: video.decode_frames(raw, plan, where), plan.sample_fps))  # fmt: skip
+        if audio_in_video:  # its track takes the audio slot at the video's place in the prompt
+            pending.append(media.PendingMedia("audio", 0, lambda: video.decode_audio(raw, where)))
+        return {"type": "video"}
     if kind == "input_audio":
         raw = media.b64decode(body.get("data"), where)
         pending.append(media.open_audio(raw, body.get("format", "wav"), where))
@@ -140,7 +178,7 @@ def _convert_part(part, role: str, where: str, pending: list) -> dict:
     return {"type": "audio"}
 
 
-def _convert_messages(messages) -> tuple[list, list, int]:
+def _convert_messages(messages, audio_in_video: bool = False) -> tuple[list, list, int]:
     """(conversation for the chat template, the media's PendingMedia in prompt order, characters of text)"""
     if not isinstance(messages, list) or not messages:
         raise BadRequestError("messages must be a non-empty list")
@@ -159,7 +197,8 @@ def _convert_messages(messages) -> tuple[list, list, int]:
             continue
         if not isinstance(content, list) or not content:
             raise BadRequestError(f"{where}: content must be a string or a non-empty list of parts")
-        parts = [_convert_part(p, role, f"{where}.content[{j}]", pending) for j, p in enumerate(content)]
+        parts = [_convert_part(p, role, f"{where}.content[{j}]", pending, audio_in_video)
+                 for j, p in enumerate(content)]  # fmt: skip
         chars += sum(len(p["text"]) for p in parts if p["type"] == "text")
         conversation.append({"role": role, "content": parts})
     return conversation, pending, chars
@@ -171,14 +210,16 @@ def max_token_chars(tokenizer) -> int:
     return max(len(token) for token in tokenizer.get_vocab())
 
 
-def prepare_inputs(processor, messages: list[dict]) -> dict:
+def prepare_inputs(processor, messages: list[dict], use_audio_in_video: bool = False) -> dict:
     """OpenAI chat messages -> {input_ids [1, L], attention_mask [1, L], and when present pixel_values
     [patches, C*T*P*P], image_grid_thw [n_img, 3], input_features [n_audio, 128, frames],
-    feature_attention_mask [n_audio, frames]} as torch tensors, ready for the thinker.
+    feature_attention_mask [n_audio, frames], pixel_values_videos [patches, C*T*P*P], video_grid_thw [1, 3],
+    video_second_per_grid [1]} as torch tensors, ready for the thinker. use_audio_in_video: a video's audio
+    track is interleaved with its frames (as the processor and get_rope_index define).
     Before anything is decoded or tokenized in full: media headers are checked against the limits, text that
     cannot fit the context even at the tokenizer's longest token is refused, and the decoded media's bytes
     are reserved in the process's budget (held until the tensors are built)."""
-    conversation, pending, chars = _convert_messages(messages)
+    conversation, pending, chars = _convert_messages(messages, use_audio_in_video)
     if -(-chars // processor.max_token_chars) > media.LIMITS.max_prompt_tokens:
         raise BadRequestError(f"the messages hold {chars} characters of text, more than the context of "
                               f"{media.LIMITS.max_prompt_tokens} tokens can take")  # fmt: skip
@@ -186,8 +227,14 @@ def prepare_inputs(processor, messages: list[dict]) -> dict:
         decoded = [(p.kind, p.decode()) for p in pending]
         images = [d for kind, d in decoded if kind == "image"]
         audios = [d for kind, d in decoded if kind == "audio"]
+        videos = [d for kind, d in decoded if kind == "video"]
+        fps = [p.fps for p in pending if p.kind == "video"]
         del decoded
         prompt = processor.tokenizer.apply_chat_template(
             conversation, chat_template=processor.chat_template, add_generation_prompt=True, tokenize=False)
-        batch = processor(text=[prompt], images=images or None, audio=audios or None, return_tensors="pt")
-    return {k: batch[k] for k in _OUTPUT_KEYS if k in batch}
+        batch = processor(text=[prompt], images=images or None, audio=audios or None, videos=videos or None,
+                          fps=fps[0] if fps else None, use_audio_in_video=use_audio_in_video, return_tensors="pt")
+    out = {k: batch[k] for k in _OUTPUT_KEYS if k in batch}
+    if "video_second_per_grid" in out:
+        out["video_second_per_grid"] = torch.as_tensor(out["video_second_per_grid"], dtype=torch.float32)
+    return out

@@ -36,6 +36,7 @@ CHAT_TEMPLATE = (
     "{%- if part['type'] == 'text' %}{{- part['text'] }}"
     "{%- elif part['type'] == 'image' %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
     "{%- elif part['type'] == 'audio' %}{{- '<|audio_start|><|audio_pad|><|audio_end|>' }}"
+    "{%- elif part['type'] == 'video' %}{{- '<|vision_start|><|video_pad|><|vision_end|>' }}"
     "{%- else %}{{- raise_exception('unsupported content part type: ' + part['type']) }}"
     "{%- endif %}{%- endfor %}{%- endif %}"
     "{{- '<|im_end|>\\n' }}"

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from ..core.errors import BadRequestError
 from ..core.protocol import SAMPLING_PARAMETERS
-from ..core.sampling import SamplingParams, sampling_from_parameters
+from ..core.sampling import SamplingParams, coerce_parameter, sampling_from_parameters
 from ..core.voices import DEFAULT_VOICE, resolve_voice
 
 MODALITIES = {"text": (True, False), "audio": (False, True), "text,audio": (True, True), "audio,text": (True, True)}
@@ -20,10 +20,12 @@ class OmniOptions:
     speaker: str
     thinker_parameters: dict  # forwarded as the thinker request's parameters
     talker_parameters: dict
+    use_audio_in_video: bool = False  # video parts bring their audio track (preprocessing and the thinker)
 
     @classmethod
     def from_parameters(cls, parameters: dict, speakers: set[str], default_speaker: str = DEFAULT_VOICE) -> "OmniOptions":
-        known = set(SAMPLING_PARAMETERS) | {f"talker_{k}" for k in SAMPLING_PARAMETERS} | {"modalities", "speaker"}
+        known = (set(SAMPLING_PARAMETERS) | {f"talker_{k}" for k in SAMPLING_PARAMETERS}
+                 | {"modalities", "speaker", "use_audio_in_video"})
         unknown = sorted(set(parameters) - known - _TRITON_RESERVED)
         if unknown:
             raise BadRequestError(f"unknown parameter(s): {', '.join(unknown)}", param=unknown[0], code="unknown_parameter")
@@ -39,7 +41,10 @@ class OmniOptions:
         # reject bad values now (400 before anything starts); the context bound is each stage's own
         sampling_from_parameters(thinker, SamplingParams())
         sampling_from_parameters(talker, SamplingParams())
-        return cls(want_text, want_audio, speaker, thinker, talker)
+        audio_in_video = coerce_parameter("use_audio_in_video", bool, parameters.get("use_audio_in_video", False))
+        if audio_in_video:
+            thinker["use_audio_in_video"] = True
+        return cls(want_text, want_audio, speaker, thinker, talker, audio_in_video)
 
 
 # parameters Triton itself may attach to a request

@@ -36,6 +36,9 @@ _THINKER_INPUTS = {  # processor output -> thinker input, with the wire dtype
     "image_grid_thw": torch.int64,
     "input_features": torch.float32,
     "feature_attention_mask": torch.int64,
+    "pixel_values_videos": torch.float32,
+    "video_grid_thw": torch.int64,
+    "video_second_per_grid": torch.float32,
 }
 
 
@@ -212,7 +215,7 @@ class OmniRequest:
 
     def _start_talker(self, rows: torch.Tensor, end: bool) -> None:
         inputs = dict(self._cond, text_rows=rows)
-        for name in ("image_grid_thw",):
+        for name in ("image_grid_thw", "video_grid_thw", "video_second_per_grid"):
             if self.inputs.get(name) is not None:
                 inputs[name] = self.inputs[name]
         if self.inputs.get("feature_attention_mask") is not None:

@@ -21,6 +21,8 @@ class TalkerPrompt:
     text_end: bool = False  # no more rows will come
     image_grid_thw: torch.Tensor | None = None
     audio_feature_lengths: torch.Tensor | None = None
+    video_grid_thw: torch.Tensor | None = None
+    video_second_per_grid: torch.Tensor | None = None
 
     def append(self, rows: torch.Tensor | None, end: bool) -> None:
         if rows is not None and rows.numel():
@@ -51,7 +53,7 @@ class PromptBuilder:
         self.positions = torch.arange(max_seq_len, device=device)  # a text-only prompt's are a prefix
 
     def _media(self, seq: Sequence) -> PromptRows:
-        """The talker prompt rows generate() builds for a prompt with images or audio: user turn (media rows
+        """The talker prompt rows generate() builds for a prompt with images, audio or video: user turn (media rows
         through hidden_projection, the rest through text_projection), assistant header + tts specials over the
         codec prefix (nothink, think bos/eos, speaker, pad, bos), the first reply row; MRoPE positions from
         get_rope_index. Text-only prompts take _text_only."""
@@ -69,15 +71,18 @@ class PromptBuilder:
         embeds = torch.cat([user_part, self._assistant_rows(special[None], first_text[None], [seq])[0]])  # [L, D]
         tts_eos, tts_pad = special[4], special[5]
         ids = torch.cat([cond.user_ids.to(self.device), torch.full((9,), self.tts_pad_id, device=self.device)])[None]
+        # generate() hands the talker the grids but not use_audio_in_video: its positions count video and audio
+        # rows apart even where the thinker's interleave them
         positions, deltas = t.get_rope_index(
-            ids, _opt(p.image_grid_thw, self.device), None, torch.ones_like(ids), False,
-            _opt(p.audio_feature_lengths, self.device), None,
+            ids, _opt(p.image_grid_thw, self.device), _opt(p.video_grid_thw, self.device), torch.ones_like(ids),
+            False, _opt(p.audio_feature_lengths, self.device), _opt(p.video_second_per_grid, self.device),
         )  # fmt: skip
         return PromptRows(embeds, positions[:, 0], int(deltas.reshape(-1)[0]), tts_eos, tts_pad, False)
 
     def build(self, seqs: list[Sequence]) -> list[PromptRows]:
         """Every sequence's prompt rows: text-only prompts together (_text_only), media ones one by one."""
-        plain = [s for s in seqs if s.payload.image_grid_thw is None and s.payload.audio_feature_lengths is None]
+        plain = [s for s in seqs if s.payload.image_grid_thw is None and s.payload.audio_feature_lengths is None
+                 and s.payload.video_grid_thw is None]  # fmt: skip
         batched = dict(zip(map(id, plain), self._text_only(plain))) if plain else {}
         return [batched[id(s)] if id(s) in batched else self._media(s) for s in seqs]
 

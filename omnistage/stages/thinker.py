@@ -27,10 +27,14 @@ class ThinkerPrompt:
     input_features: torch.Tensor | None = None
     feature_attention_mask: torch.Tensor | None = None
     export_talker: bool = False  # also produce what the talker needs
+    pixel_values_videos: torch.Tensor | None = None
+    video_grid_thw: torch.Tensor | None = None
+    video_second_per_grid: torch.Tensor | None = None  # [videos] seconds of video per temporal grid step
+    use_audio_in_video: bool = False  # the videos' audio tracks are interleaved with their frames
 
     @property
     def is_text_only(self) -> bool:
-        return self.pixel_values is None and self.input_features is None
+        return self.pixel_values is None and self.input_features is None and self.pixel_values_videos is None
 
 
 @dataclass
@@ -99,8 +103,8 @@ class ThinkerRunner(DecoderRunner):
         """Every prompt of a step, one of four ways: text-only prompts that start with a kept prefix prefill
         only the rest (ChunkPrefill); prompts with audio/image rows that fit the static buffers, joined by the
         step's other fresh prompts while rows remain, in one MediaPrefill forward; other text-only prompts
-        that fit the static buffers together (StaticPrefill); all graph-replayed on CUDA. The rest (long
-        prompts) runs one by one through transformers' own forward, eager."""
+        that fit the static buffers together (StaticPrefill); all graph-replayed on CUDA. The rest (video,
+        long prompts) runs one by one through transformers' own forward, eager."""
         text = [s for s in seqs if s.payload.is_text_only]
         # only prompts the chunk prefill could serve look up and keep prefixes (a 2500-token W2 prompt's
         # blocks would only push the shared ones out)
@@ -110,7 +114,8 @@ class ThinkerRunner(DecoderRunner):
         fresh = [s for s in text if all(s is not h for h in hits)
                  and s.payload.input_ids.numel() <= self.static_prefill.max_tokens][: self.static_prefill.max_rows]
         mp = self.media_prefill
-        media = [s for s in seqs if not s.payload.is_text_only and self.prompt_tokens(s) <= mp.max_tokens][: mp.max_rows]
+        media = [s for s in seqs if not s.payload.is_text_only and s.payload.pixel_values_videos is None
+                 and self.prompt_tokens(s) <= mp.max_tokens][: mp.max_rows]
         joined = media + fresh[: mp.max_rows - len(media)] if media else []
         fresh = [s for s in fresh if all(s is not j for j in joined)]
         results = (self._prefill_static(hits, found) if hits else []) + (self._prefill_static(fresh) if fresh else [])
@@ -183,6 +188,10 @@ class ThinkerRunner(DecoderRunner):
             image_grid_thw=_to(p.image_grid_thw, self.device),
             input_features=_to(p.input_features, self.device, self.dtype),
             feature_attention_mask=_to(p.feature_attention_mask, self.device),
+            pixel_values_videos=_to(p.pixel_values_videos, self.device, self.dtype),
+            video_grid_thw=_to(p.video_grid_thw, self.device),
+            video_second_per_grid=_to(p.video_second_per_grid, self.device),
+            use_audio_in_video=p.use_audio_in_video,
             past_key_values=past,
             use_cache=True,
             output_hidden_states=p.export_talker,

@@ -38,12 +38,18 @@ def thinker_sequence(session: str, inputs: Tensors, params: dict, defaults: Samp
         image_grid_thw=inputs.get("image_grid_thw"),
         input_features=inputs.get("input_features"),
         feature_attention_mask=inputs.get("feature_attention_mask"),
+        pixel_values_videos=inputs.get("pixel_values_videos"),
+        video_grid_thw=inputs.get("video_grid_thw"),
+        video_second_per_grid=inputs.get("video_second_per_grid"),
+        use_audio_in_video=coerce_parameter("use_audio_in_video", bool, params.get("use_audio_in_video", False)),
         export_talker=coerce_parameter("export_talker", bool, params.get("export_talker", False)),
     )
     if (prompt.pixel_values is None) != (prompt.image_grid_thw is None):
         raise BadRequestError("pixel_values and image_grid_thw go together")
     if (prompt.input_features is None) != (prompt.feature_attention_mask is None):
         raise BadRequestError("input_features and feature_attention_mask go together")
+    if (prompt.pixel_values_videos is None) != (prompt.video_grid_thw is None):
+        raise BadRequestError("pixel_values_videos and video_grid_thw go together")
     return Sequence(session, sampling_from_parameters(params, defaults), prompt)
 
 
@@ -77,7 +83,9 @@ def talker_sequence(
     cond = TalkerConditioning(inputs["talker_user_rows"], inputs["talker_user_is_mm"].bool(),
                               inputs["talker_user_ids"].long(), inputs["talker_special_rows"])  # fmt: skip
     prompt = TalkerPrompt(cond, speakers[speaker], image_grid_thw=inputs.get("image_grid_thw"),
-                          audio_feature_lengths=inputs.get("audio_feature_lengths"))  # fmt: skip
+                          audio_feature_lengths=inputs.get("audio_feature_lengths"),
+                          video_grid_thw=inputs.get("video_grid_thw"),
+                          video_second_per_grid=inputs.get("video_second_per_grid"))  # fmt: skip
     prompt.append(inputs["text_rows"], text_end(params))
     return Sequence(session, sampling_from_parameters(params, defaults), prompt)
 

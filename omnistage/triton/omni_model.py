@@ -143,7 +143,7 @@ class OmniModel:
         # preprocessing (audio features, image patches) runs inside the turn too: that bounds its memory
         with self.admission.turn():
             try:
-                inputs = thinker_inputs(prepare_inputs(self.processor, messages))
+                inputs = thinker_inputs(prepare_inputs(self.processor, messages, options.use_audio_in_video))
             except OmniError as e:
                 emit(None, None, e)
                 return
