@@ -221,3 +221,29 @@ def test_a_redirect_to_a_forbidden_address_is_refused(fetching, files):
         {"type": "image_url", "image_url": {"url": f"{files}/redirect?/cat.png"}})})
     assert ok.status_code == 200, ok.text
     assert backend.calls[-1]["messages"][0]["content"][1]["image_url"]["url"] == f"data:image/png;base64,{b64(PNG)}"
+
+
+# ---- video ----------------------------------------------------------------------------------------------
+VIDEO_URL = "data:video/mp4;base64," + b64(b"\x00\x00\x00\x1cftypisom")  # the ensemble reads it; here only passed on
+
+
+@pytest.mark.parametrize("extra, flag", [({}, None), ({"use_audio_in_video": True}, True),
+                                         ({"mm_processor_kwargs": {"use_audio_in_video": True}}, True),
+                                         ({"mm_processor_kwargs": {"use_audio_in_video": False}}, None)])  # fmt: skip
+def test_video_parts_pass_through_with_use_audio_in_video(openai_client, fake, extra, flag):
+    part = {"type": "video_url", "video_url": {"url": VIDEO_URL}}
+    openai_client.chat.completions.create(model="qwen3-omni", messages=user(part), modalities=["text"], extra_body=extra)
+    call = fake.calls[0]
+    assert call["messages"][0]["content"][1] == part
+    assert call["parameters"].get("use_audio_in_video") is flag
+
+
+def test_remote_video_is_fetched_into_a_data_url(fetching, files):
+    srv, backend = fetching
+    backend.reset()
+    _Files.files["/clip.mp4"] = ("video/mp4", b"\x00\x00\x00\x1cftypisom" + b"\x00" * 100)
+    r = httpx.post(f"{srv.url}/v1/chat/completions", timeout=10, json={"messages": user(
+        {"type": "video_url", "video_url": {"url": f"{files}/clip.mp4"}})})
+    assert r.status_code == 200, r.text
+    url = backend.calls[0]["messages"][0]["content"][1]["video_url"]["url"]
+    assert url == "data:video/mp4;base64," + b64(_Files.files["/clip.mp4"][1])
