@@ -4,6 +4,9 @@
 # whole prefix up to the block's end. Blocks are admitted on their second sighting: a prompt's unique tail
 # (W1's user sentence) costs a digest on the host, never a device copy, while a shared system prompt is
 # kept from its second request on. Entries are evicted least recently used first.
+# Media placeholder ids say only how many rows an image or clip takes, not what it shows: a prompt with media
+# passes `salts`, a digest of each item's decoded content folded into the block where the item starts, so
+# two clips of one length name different blocks from there on (and, by the chain, every block after).
 from __future__ import annotations
 
 import hashlib
@@ -37,16 +40,18 @@ class PrefixIndex:
         return len(self._entries)
 
     @staticmethod
-    def names(ids: list[int]) -> list[bytes]:
+    def names(ids: list[int], salts: dict[int, bytes] | None = None) -> list[bytes]:
+        """salts: block number -> digest of the media items starting in that block."""
         out, previous = [], b""
         for start in range(0, len(ids) - 1 - (len(ids) - 1) % BLOCK, BLOCK):
             block = array("q", ids[start : start + BLOCK]).tobytes()
-            previous = hashlib.blake2b(previous + block, digest_size=16).digest()
+            salt = salts.get(start // BLOCK, b"") if salts else b""
+            previous = hashlib.blake2b(previous + block + salt, digest_size=16).digest()
             out.append(previous)
         return out
 
-    def match(self, ids: list[int]) -> PrefixMatch:
-        names = self.names(ids)
+    def match(self, ids: list[int], salts: dict[int, bytes] | None = None) -> PrefixMatch:
+        names = self.names(ids, salts)
         entries = []
         for name in names:
             entry = self._entries.get(name)
@@ -56,18 +61,20 @@ class PrefixIndex:
             entries.append(entry)
         return PrefixMatch(names, entries)
 
-    def admit(self, match: PrefixMatch) -> list[tuple[int, int]]:
+    def admit(self, match: PrefixMatch, first_sighting: bool = False) -> list[tuple[int, int]]:
         """Counts a sighting of each of the prompt's blocks past its kept prefix; those seen admit_after times
+        (once with first_sighting: prompts with media, whose encoders and prefill cost too much to run twice)
         take a pool entry (evicting the least recently used) as long as every block before them is kept too (a
         block is no use without its predecessors). Returns (block number, entry) pairs: the caller copies
         those blocks from the prompt's slot into the pool."""
+        admit_after = 1 if first_sighting else self.admit_after
         admitted, chained = [], self.capacity > 0
         for number in range(len(match.entries), len(match.names)):
             name = match.names[number]
             if name in self._entries:
                 continue  # kept meanwhile, by an earlier prompt of the same step
             seen = self._seen.pop(name, 0) + 1
-            if not chained or seen < self.admit_after:
+            if not chained or seen < admit_after:
                 chained = False
                 self._seen[name] = seen
                 continue

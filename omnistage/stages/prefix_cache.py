@@ -22,11 +22,14 @@ class PrefixCache:
         self.k = torch.zeros(shape, dtype=cache.k_all.dtype, device=cache.k_all.device)
         self.v = torch.zeros_like(self.k)
         self.index = PrefixIndex(capacity)
+        # pool entry -> the accept layer's hidden rows [n, D] of the media rows in that block (prompts with
+        # media that feed a talker need them for its conditioning; K/V alone do not give them back)
+        self.media_rows: dict[int, torch.Tensor] = {}
         self.hit_tokens = 0  # prompt tokens served from the pool, over all prefills
         self.prompt_tokens = 0  # prompt tokens of the prompts looked up
 
-    def match(self, ids: list[int]) -> PrefixMatch:
-        found = self.index.match(ids)
+    def match(self, ids: list[int], salts: dict[int, bytes] | None = None) -> PrefixMatch:
+        found = self.index.match(ids, salts)
         self.prompt_tokens += len(ids)
         return found
 
@@ -41,11 +44,20 @@ class PrefixCache:
             layers, n, heads, _, head_dim = blocks.shape
             slots[:, slot, :, : n * BLOCK] = blocks.transpose(1, 2).reshape(layers, heads, n * BLOCK, head_dim)
 
-    def store(self, slot: int, found: PrefixMatch) -> None:
-        """After the prompt's prefill: copies the blocks the index admits from the slot into the pool."""
-        admitted = self.index.admit(found)
+    def store(self, slot: int, found: PrefixMatch, media_rows: dict[int, torch.Tensor] | None = None,
+              first_sighting: bool = False) -> None:  # fmt: skip
+        """After the prompt's prefill: copies the blocks the index admits from the slot into the pool.
+        media_rows: block number -> its media rows' accept-layer hidden states, kept with the block;
+        first_sighting: keep the blocks from their first prompt on (PrefixIndex.admit)."""
+        admitted = self.index.admit(found, first_sighting)
         if not admitted:
             return
+        for number, entry in admitted:  # an entry taken over from an evicted block drops that block's rows
+            rows = media_rows.get(number) if media_rows else None
+            if rows is None:
+                self.media_rows.pop(entry, None)
+            else:
+                self.media_rows[entry] = rows
         numbers, entries = to_device([[n for n, _ in admitted], [e for _, e in admitted]], self.k.device)
         end = (max(n for n, _ in admitted) + 1) * BLOCK
         for pool, slots in ((self.k, self.cache.k_all), (self.v, self.cache.v_all)):

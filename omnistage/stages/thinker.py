@@ -15,6 +15,7 @@ from .chunk_prefill import ChunkPrefill
 from .conditioning import TalkerConditioning
 from .host_copy import outputs_to_host, to_device, to_host
 from .media_prefill import MediaPrefill
+from .media_prefix import MediaPrefixPrefill
 from .prefix_cache import PrefixCache
 from .runner import DecoderRunner
 
@@ -78,6 +79,8 @@ class ThinkerRunner(DecoderRunner):
         self.prefix = PrefixCache(self.cache, prefix_cache_bytes) if prefix_cache_bytes else None
         self.chunk_prefill = (ChunkPrefill("thinker", model.model, self.cache, max_rows=min(max_prefills, max_slots),
                                            cuda_graphs=cuda_graphs) if self.prefix else None)  # fmt: skip
+        # prompts with media one at a time, taking kept prefixes keyed by the media's content (media_prefix.py)
+        self.media_prefix = MediaPrefixPrefill(self)
         self.eos_ids = {config.im_end_token_id, 151643}  # <|im_end|>, <|endoftext|>
         self.accept_layer = config.talker_config.accept_hidden_layer
         t = config.thinker_config
@@ -100,11 +103,12 @@ class ThinkerRunner(DecoderRunner):
 
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> list[StepResult]:
-        """Every prompt of a step, one of four ways: text-only prompts that start with a kept prefix prefill
-        only the rest (ChunkPrefill); prompts with audio/image rows that fit the static buffers, joined by the
-        step's other fresh prompts while rows remain, in one MediaPrefill forward; other text-only prompts
-        that fit the static buffers together (StaticPrefill); all graph-replayed on CUDA. The rest (video,
-        long prompts) runs one by one through transformers' own forward, eager."""
+        """Every prompt of a step, one of five ways: text-only prompts that start with a kept prefix prefill
+        only the rest (ChunkPrefill); audio/image prompts that fit the static buffers, joined by the step's
+        other fresh prompts while rows remain, in one MediaPrefill forward; other text-only prompts that fit
+        the static buffers together (StaticPrefill); all graph-replayed on CUDA. Prompts with video, media
+        prompts whose kept prefix reaches into their media, and media prompts too long for the buffers run
+        one by one through MediaPrefixPrefill; long text-only prompts through transformers' forward, eager."""
         text = [s for s in seqs if s.payload.is_text_only]
         # only prompts the chunk prefill could serve look up and keep prefixes (a 2500-token W2 prompt's
         # blocks would only push the shared ones out)
@@ -113,21 +117,32 @@ class ThinkerRunner(DecoderRunner):
         hits = self._chunk_hits(text, found)
         fresh = [s for s in text if all(s is not h for h in hits)
                  and s.payload.input_ids.numel() <= self.static_prefill.max_tokens][: self.static_prefill.max_rows]
-        mp = self.media_prefill
-        media = [s for s in seqs if not s.payload.is_text_only and s.payload.pixel_values_videos is None
-                 and self.prompt_tokens(s) <= mp.max_tokens][: mp.max_rows]
-        joined = media + fresh[: mp.max_rows - len(media)] if media else []
+        kept = {id(s): self.media_prefix.match(s.payload) for s in seqs if not s.payload.is_text_only}
+        rows = self.media_prefill.max_rows
+        media = [s for s in seqs if id(s) in kept and self._media_batches(s, kept[id(s)])][:rows]
+        joined = media + fresh[: rows - len(media)] if media else []
         fresh = [s for s in fresh if all(s is not j for j in joined)]
         results = (self._prefill_static(hits, found) if hits else []) + (self._prefill_static(fresh) if fresh else [])
-        results += self._prefill_media(joined) if joined else []
+        results += self._prefill_media(joined, kept) if joined else []
         batched = {id(r.seq) for r in results}
-        results += [self._prefill_eager(s) for s in seqs if id(s) not in batched]
+        results += [self._prefill_eager(s) if s.payload.is_text_only else self.media_prefix.prefill(s, kept[id(s)])
+                    for s in seqs if id(s) not in batched]  # fmt: skip
         for seq in text:  # keep the blocks worth keeping (copied in stream order: after the prefill)
             if id(seq) in found:
                 self.prefix.store(seq.slot, found[id(seq)])
         # the talker's conditioning was gathered after the tokens' sync: one more sync (none on the CPU)
         outputs_to_host([r.output for r in results], self.device)
         return results
+
+    def _media_batches(self, seq: Sequence, found) -> bool:
+        """Whether a prompt with media takes the batched MediaPrefill: audio/image prompts that fit its buffers,
+        unless a kept prefix covers their media (MediaPrefixPrefill then skips encoding it). The
+        MediaPrefill has no video encoder and no audio-in-video interleave."""
+        p = seq.payload
+        if p.pixel_values_videos is not None or p.use_audio_in_video:
+            return False
+        fits = self.prompt_tokens(seq) <= self.media_prefill.max_tokens
+        return fits and not self.media_prefix.reaches_media(p, found)
 
     def _warm_up_payload(self) -> ThinkerPrompt:
         """A short user turn and the assistant header, feeding a talker (its conditioning is built too)."""
@@ -184,14 +199,6 @@ class ThinkerRunner(DecoderRunner):
         out = self.model(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
-            pixel_values=_to(p.pixel_values, self.device, self.dtype),
-            image_grid_thw=_to(p.image_grid_thw, self.device),
-            input_features=_to(p.input_features, self.device, self.dtype),
-            feature_attention_mask=_to(p.feature_attention_mask, self.device),
-            pixel_values_videos=_to(p.pixel_values_videos, self.device, self.dtype),
-            video_grid_thw=_to(p.video_grid_thw, self.device),
-            video_second_per_grid=_to(p.video_second_per_grid, self.device),
-            use_audio_in_video=p.use_audio_in_video,
             past_key_values=past,
             use_cache=True,
             output_hidden_states=p.export_talker,
@@ -236,9 +243,10 @@ class ThinkerRunner(DecoderRunner):
         return [self._prefilled_text(seq, e.shape[0], token, e, e, rows, i)
                 for i, (seq, e, token) in enumerate(zip(seqs, embeds, tokens.tolist()))]  # fmt: skip
 
-    def _prefill_media(self, seqs: list[Sequence]) -> list[StepResult]:
+    def _prefill_media(self, seqs: list[Sequence], kept: dict) -> list[StepResult]:
         """Prompts with audio/image rows, with the step's other fresh prompts, in one MediaPrefill forward
-        (stages/media_prefill.py); the talker's conditioning takes its rows from that forward's buffers."""
+        (stages/media_prefill.py); the talker's conditioning takes its rows from that forward's buffers, and
+        the media prompts' blocks are kept (`kept`: their prefix matches) for later prompts with that media."""
         last, deltas = self.media_prefill.run([s.payload for s in seqs], [s.slot for s in seqs])
         tokens = self._sample(self.model.lm_head(last), seqs)
         rows = self._text_rows(tokens, seqs)
@@ -246,8 +254,10 @@ class ThinkerRunner(DecoderRunner):
         for i, (seq, token, delta) in enumerate(zip(seqs, tokens.tolist(), deltas)):
             n = self.prompt_tokens(seq)
             embeds = self.media_prefill.embeds_out(i, n).clone()  # a static buffer, rewritten by the next step
-            results.append(self._prefilled_text(seq, n, token, embeds, self.media_prefill.accept_out[i, :n], rows, i,
-                                                rope_delta=delta))  # fmt: skip
+            hidden = self.media_prefill.accept_out[i, :n]
+            results.append(self._prefilled_text(seq, n, token, embeds, hidden, rows, i, rope_delta=delta))
+            if kept.get(id(seq)) is not None:
+                self.media_prefix.store(seq, kept[id(seq)], hidden)
         return results
 
     def _prefilled_text(self, seq: Sequence, n: int, token: int, embeds, hidden, rows, i: int,
@@ -324,8 +334,3 @@ class ThinkerRunner(DecoderRunner):
         )
         return cond, embeds[a + 3 :].float()
 
-
-def _to(t: torch.Tensor | None, device, dtype=None) -> torch.Tensor | None:
-    if t is None:
-        return None
-    return t.to(device=device, dtype=dtype) if dtype is not None and t.is_floating_point() else t.to(device)

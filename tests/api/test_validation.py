@@ -13,7 +13,7 @@ BAD_BODIES = {
     "messages not a list": ({"messages": "hi"}, "messages"),
     "role unknown": ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
     "content wrong type": ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-    "content part unknown": ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "x"}}]}]},
+    "content part unknown": ({"messages": [{"role": "user", "content": [{"type": "file", "file": {"file_id": "x"}}]}]},
                              "messages[0].content"),
     "part type not a string": ({"messages": [{"role": "user", "content": [{"type": {"a": 1}}]}]}, "messages[0].content"),
     "image_url without url": ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},

@@ -1,0 +1,197 @@
+# Prefill of a thinker prompt with media (images, audio, video), reusing the prefix cache's K/V where a kept
+# prefix allows. The cache's block names carry a digest of each media item's decoded content (its patches or
+# features, grid and timing), folded in at the block where the item starts, so placeholder ids that only say
+# how long an item is can never make two different items share K/V. A kept prefix is used when it ends
+#   - before the prompt's first media row: the rest (all media included) is prefilled after it, or
+#   - after its last media row: the rest is text; when the prompt feeds a talker, the media rows' accept-layer
+#     hidden states kept with the blocks stand in for the ones the skipped forward would have given.
+# Otherwise it is cut back to the blocks before the first media row. With no cache, the whole prompt runs.
+# Blocks are kept from their first prompt on, so a second request with the same media (or the next turn of a
+# conversation that resends it) encodes nothing.
+# One forward of transformers' thinker either way (its multimodal merge, deepstack and MRoPE positions).
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from transformers import DynamicCache
+
+from ..core.engine import StepResult
+from ..core.prefix_index import BLOCK, PrefixMatch
+from ..core.scheduler import Sequence
+from .host_copy import to_device
+
+
+class MediaPrefixPrefill:
+    def __init__(self, runner):
+        self.runner = runner  # ThinkerRunner: model, cache, prefix cache, sampling and output helpers
+        t = runner.config.thinker_config
+        self.ids = {name: getattr(t, f"{name}_token_id") for name in ("audio", "image", "video", "vision_start",
+                                                                          "audio_start")}  # fmt: skip
+        self.mm_ids = torch.tensor([self.ids["audio"], self.ids["image"], self.ids["video"]])
+
+    def match(self, p) -> PrefixMatch | None:
+        """The kept prefix of prompt p that this prefill can take (see the header); None without a cache."""
+        if self.runner.prefix is None:
+            return None
+        ids = p.input_ids.cpu()
+        return self._usable(self.runner.prefix.match(ids.tolist(), self.salts(p, ids)), self._media_rows(ids),
+                            p.export_talker)  # fmt: skip
+
+    def reaches_media(self, p, found: PrefixMatch | None) -> bool:
+        """Whether the kept prefix covers media rows of p: only then does this prefill save encoder work."""
+        mm = self._media_rows(p.input_ids.cpu())
+        return found is not None and mm.numel() > 0 and found.tokens > int(mm[0])
+
+    def store(self, seq: Sequence, found: PrefixMatch, hidden: torch.Tensor | None) -> None:
+        """Keeps the prompt's blocks (in its slot after a prefill) from this first sighting on, with its media
+        rows' accept-layer hidden states when given (`hidden`: [L, D], every row of the prompt)."""
+        mm = self._media_rows(seq.payload.input_ids.cpu())
+        rows = self._rows_by_block(mm, hidden) if hidden is not None else None
+        self.runner.prefix.store(seq.slot, found, rows, first_sighting=True)
+
+    @torch.inference_mode()
+    def prefill(self, seq: Sequence, found: PrefixMatch | None) -> StepResult:
+        """One prompt with media, after the kept prefix `found` (match()) when there is one."""
+        from .thinker import ThinkerOutput, _SlotState  # thinker.py imports this module
+
+        r, p = self.runner, seq.payload
+        ids = p.input_ids.cpu()
+        mm = self._media_rows(ids)
+        first = int(mm[0]) if mm.numel() else ids.numel()
+        if found is not None:
+            r.prefix.load(seq.slot, found)
+        start = found.tokens if found is not None else 0
+        media = start <= first  # the rest holds every media row: its media go in with it
+        positions, deltas = self._positions(p, ids)
+        past = DynamicCache(config=r.text_config)
+        for layer, (k, v) in enumerate(zip(r.cache.k, r.cache.v)):
+            if start:
+                past.update(k[seq.slot : seq.slot + 1, :, :start], v[seq.slot : seq.slot + 1, :, :start], layer)
+        dev = r.device
+        out = r.model(
+            input_ids=to_device(ids[start:], dev)[None],
+            position_ids=positions[:, :, start:],
+            pixel_values=_to(p.pixel_values, dev, r.dtype) if media else None,
+            image_grid_thw=_to(p.image_grid_thw, dev) if media else None,
+            input_features=_to(p.input_features, dev, r.dtype) if media else None,
+            feature_attention_mask=_to(p.feature_attention_mask, dev) if media else None,
+            pixel_values_videos=_to(p.pixel_values_videos, dev, r.dtype) if media else None,
+            video_grid_thw=_to(p.video_grid_thw, dev) if media else None,
+            video_second_per_grid=_to(p.video_second_per_grid, dev) if media else None,
+            use_audio_in_video=p.use_audio_in_video,
+            past_key_values=past,
+            use_cache=True,
+            output_hidden_states=p.export_talker,
+        )
+        length = r.cache.load_prefill(seq.slot, past)
+        r.slots[seq.slot] = _SlotState(length, int(deltas.reshape(-1)[0]), 0)
+        token = r._sample(out.logits[:, -1], [seq])
+        talker = tail = hidden = None
+        if p.export_talker:
+            head = r.model.get_input_embeddings()(to_device(ids[:start], dev))  # [start, D] layer-0 rows
+            embeds = torch.cat([head, out.hidden_states[0][0]])
+            hidden = torch.cat([self._kept_rows(head, mm, found), out.hidden_states[r.accept_layer][0]])
+            talker, tail = r._talker_conditioning(ids, embeds, hidden)
+        if found is not None:
+            self.store(seq, found, hidden)
+        output = ThinkerOutput(talker=talker, prompt_tokens=length, text_rows=tail)
+        return r._accept(seq, int(token[0]), output, r._text_rows(token, [seq]))
+
+    def _media_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.isin(ids, self.mm_ids).nonzero().squeeze(1)  # host: media row positions
+
+    # ---- keys ---------------------------------------------------------------------------------------------
+    def salts(self, p, ids: torch.Tensor) -> dict[int, bytes]:
+        """Block number -> digest of the media items whose rows start in it, items in prompt order (the
+        processor's: images, videos and clips each consumed in the order their markers appear)."""
+        items = self._item_digests(p)
+        salts: dict[int, bytes] = {}
+        vs, as_ = self.ids["vision_start"], self.ids["audio_start"]
+        marks = ((ids == vs) | (ids == as_)).nonzero().squeeze(1).tolist()
+        ids = ids.tolist()
+        for pos in marks:
+            if ids[pos] == as_ and pos > 0 and ids[pos - 1] == vs:
+                continue  # the audio half of a video with its track: digested with the video
+            nxt = ids[pos + 1] if pos + 1 < len(ids) else -1
+            kind = "audio" if ids[pos] == as_ else "image" if nxt == self.ids["image"] else "video"
+            if not items[kind]:
+                continue
+            digest = items[kind].pop(0)
+            if kind == "video" and p.use_audio_in_video and items["audio"]:
+                digest += items["audio"].pop(0)
+            block = pos // BLOCK
+            salts[block] = salts.get(block, b"") + digest
+        return salts
+
+    def _item_digests(self, p) -> dict[str, list[bytes]]:
+        out: dict[str, list[bytes]] = {"image": [], "video": [], "audio": []}
+        for kind, rows, grids in (("image", p.pixel_values, p.image_grid_thw),
+                                  ("video", p.pixel_values_videos, p.video_grid_thw)):  # fmt: skip
+            if rows is None:
+                continue
+            extra = p.video_second_per_grid if kind == "video" else None
+            for i, part in enumerate(rows.split(grids.prod(-1).tolist())):
+                timing = extra[i : i + 1] if extra is not None else None
+                out[kind].append(_digest(grids[i], part, timing))
+        if p.input_features is not None:
+            for features, mask in zip(p.input_features, p.feature_attention_mask):
+                n = int(mask.sum())
+                out["audio"].append(_digest(torch.tensor([n]), features[:, :n]))
+        return out
+
+    # ---- reuse --------------------------------------------------------------------------------------------
+    def _usable(self, found: PrefixMatch, mm: torch.Tensor, export: bool) -> PrefixMatch:
+        """The kept prefix cut to what this prefill can take (see the header)."""
+        if not mm.numel():
+            return found
+        covers_all = found.tokens > int(mm[-1])
+        if covers_all and export:
+            blocks = (mm // BLOCK).unique().tolist()
+            covers_all = all(found.entries[b] in self.runner.prefix.media_rows for b in blocks)
+        if not covers_all:
+            found = PrefixMatch(found.names, found.entries[: int(mm[0]) // BLOCK])
+        return found
+
+    def _kept_rows(self, head: torch.Tensor, mm: torch.Tensor, found: PrefixMatch | None) -> torch.Tensor:
+        """Accept-layer rows of the kept prefix for the talker: the kept media rows at their places, the
+        layer-0 rows elsewhere (text rows take those)."""
+        start = head.shape[0]
+        kept = mm[mm < start]
+        if not kept.numel():
+            return head
+        rows = torch.cat([self.runner.prefix.media_rows[found.entries[b]] for b in (kept // BLOCK).unique().tolist()])
+        head = head.clone()
+        head[to_device(kept, head.device)] = rows.to(head.dtype)
+        return head
+
+    @staticmethod
+    def _rows_by_block(mm: torch.Tensor, hidden: torch.Tensor) -> dict[int, torch.Tensor]:
+        blocks = mm // BLOCK
+        return {int(b): hidden[to_device(mm[blocks == b], hidden.device)] for b in blocks.unique().tolist()}
+
+    def _positions(self, p, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """MRoPE positions [3, 1, L] and the rope delta of the whole prompt (transformers' get_rope_index)."""
+        r = self.runner
+        ids = to_device(ids, r.device)[None]
+        lengths = p.feature_attention_mask.sum(-1) if p.feature_attention_mask is not None else None
+        return r.model.get_rope_index(
+            ids, _to(p.image_grid_thw, r.device), _to(p.video_grid_thw, r.device), torch.ones_like(ids),
+            p.use_audio_in_video, _to(lengths, r.device), _to(p.video_second_per_grid, r.device),
+        )  # fmt: skip
+
+
+def _digest(*tensors) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    for t in tensors:
+        if t is not None:
+            t = t.detach().cpu().contiguous()
+            h.update(str((t.dtype, tuple(t.shape))).encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.digest()
+
+
+def _to(t: torch.Tensor | None, device, dtype=None) -> torch.Tensor | None:
+    if t is None:
+        return None
+    return t.to(device=device, dtype=dtype) if dtype is not None and t.is_floating_point() else t.to(device)

@@ -1,0 +1,116 @@
+# Prefix reuse for prompts with media on the tiny checkpoint: the prefix cache's keys carry each media item's
+# content digest, so two different clips (or images) of one size never share K/V (each prefill equals a full
+# one and generate()), and a conversation that resends an earlier turn with its clip takes that turn's K/V, media rows
+# included, with generate()'s tokens and the talker conditioning of a full prefill.
+import base64
+
+import numpy as np
+import pytest
+import torch
+
+from omnistage.core.prefix_index import BLOCK, PrefixIndex
+from omnistage.core.sampling import SamplingParams
+from omnistage.models.processor import prepare_inputs
+from omnistage.stages.thinker import ThinkerPrompt, ThinkerRunner
+
+from .. import oracle
+from .test_stage_oracle import run_thinker, running
+
+REPLY = 6
+SYSTEM = {"role": "system", "content": "You are a helpful voice assistant; listen to the clip and answer. " * 2}
+AUDIO_PAD, IMAGE_PAD = 151675, 151655
+QUESTION = "What is it? Describe the sound in a few words, and say how long it lasts and how loud it is."
+
+
+def _clip(seed: int) -> dict:
+    return {"type": "input_audio", "input_audio": {"data": oracle.wav_base64(seconds=1.0, seed=seed), "format": "wav"}}
+
+
+def _prompt(inputs) -> ThinkerPrompt:
+    return ThinkerPrompt(inputs["input_ids"][0], inputs.get("pixel_values"), inputs.get("image_grid_thw"),
+                         inputs.get("input_features"), inputs.get("feature_attention_mask"), export_talker=True)
+
+
+def _runner(hf_model, prefix_bytes):
+    return ThinkerRunner(hf_model.thinker, hf_model.config, max_slots=4, max_seq_len=512, device="cpu",
+                         dtype=torch.float32, prefix_cache_bytes=prefix_bytes)  # fmt: skip
+
+
+def test_two_clips_of_one_length_name_different_blocks_from_the_clips_block_on(hf_model, processor):
+    a, b = (prepare_inputs(processor, [SYSTEM, {"role": "user", "content": [_clip(s), {"type": "text", "text": "Hi"}]}])
+            for s in (1, 2))  # fmt: skip
+    assert torch.equal(a["input_ids"], b["input_ids"])  # same placeholders: only the content differs
+    runner = _runner(hf_model, 1 << 20)
+    ids = a["input_ids"][0]
+    names_a = PrefixIndex.names(ids.tolist(), runner.media_prefix.salts(_prompt(a), ids))
+    names_b = PrefixIndex.names(ids.tolist(), runner.media_prefix.salts(_prompt(b), ids))
+    first_media_block = int((ids == AUDIO_PAD).nonzero()[0]) // BLOCK
+    assert names_a[:first_media_block] == names_b[:first_media_block]  # the system prompt is shared
+    assert all(x != y for x, y in zip(names_a[first_media_block:], names_b[first_media_block:]))
+
+
+def _same_kv(a: ThinkerRunner, b: ThinkerRunner, slot: int, n: int) -> None:
+    for got, ref in zip(a.cache.k + a.cache.v, b.cache.k + b.cache.v):
+        torch.testing.assert_close(got[slot, :, :n], ref[slot, :, :n], rtol=1e-4, atol=1e-5)
+
+
+def _item(kind: str, variant: int) -> dict:
+    """Two items of one kind and size that differ in content: images of random pixels, or a tone and a chirp."""
+    if kind == "image":
+        return {"type": "image_url", "image_url": {"url": oracle.png_data_url(seed=variant)}}
+    t = np.arange(16000) / 16000
+    x = 0.9 * np.sin(2 * np.pi * (440 * t if variant == 1 else (100 + 3000 * t) * t))
+    pcm = base64.b64encode((x * 32767).astype("<i2").tobytes()).decode()
+    return {"type": "input_audio", "input_audio": {"data": pcm, "format": "pcm"}}
+
+
+@pytest.mark.parametrize("kind", ["audio", "image"])
+@torch.inference_mode()
+def test_a_different_item_of_the_same_size_is_never_served_from_the_cache(kind, hf_model, processor):
+    # Each prefill is compared with a full one (no cache): reply tokens, K/V and the talker's conditioning.
+    # The two items' K/V differ by far more than that comparison's tolerance, so K/V taken from the other
+    # item would fail it (the tiny checkpoint's greedy tokens alone barely depend on a clip's content).
+    cached, plain = _runner(hf_model, 8 << 20), _runner(hf_model, 0)
+    msgs = {v: [SYSTEM, {"role": "user", "content": [_item(kind, v), {"type": "text", "text": QUESTION}]}] for v in (1, 2)}
+    inputs = {v: prepare_inputs(processor, m) for v, m in msgs.items()}
+    assert torch.equal(inputs[1]["input_ids"], inputs[2]["input_ids"])
+    pad = hf_model.config.thinker_config.audio_token_id if kind == "audio" else IMAGE_PAD
+    first, last = (int(i) for i in (inputs[1]["input_ids"][0] == pad).nonzero()[[0, -1], 0])
+    n = inputs[1]["input_ids"].shape[1]
+    want = {v: oracle.generate(hf_model, inputs[v], REPLY, 2)[0] for v in (1, 2)}
+    kv = {}
+    for i, v in enumerate([1, 1, 1, 2, 2, 1]):
+        hits_before, slot = cached.prefix.hit_tokens, i % 4
+        seq = lambda name: running(name, SamplingParams(max_tokens=REPLY), _prompt(inputs[v]), slot=slot)  # noqa: E731
+        got, _ = run_thinker(cached, seq(f"c{i}"))
+        ref, _ = run_thinker(plain, seq(f"p{i}"))
+        assert got.token_ids == want[v] == ref.token_ids, (i, v)
+        torch.testing.assert_close(got.talker.user_rows, ref.talker.user_rows, rtol=1e-4, atol=1e-5)
+        _same_kv(cached, plain, slot, n)
+        kv[v] = torch.stack([k[slot, :, :n] for k in cached.cache.k])
+        hit = cached.prefix.hit_tokens - hits_before
+        if i in (1, 4):  # media prompts' blocks are kept from their first sighting: the item's blocks too
+            assert hit > last, (i, hit)
+        if i == 3:  # the other item after three of the first: at most the blocks before it came from the cache
+            assert hit <= first // BLOCK * BLOCK, hit
+    assert not torch.allclose(kv[1], kv[2], rtol=1e-4, atol=1e-5)  # what a wrong reuse would show
+
+
+@torch.inference_mode()
+def test_a_resent_turn_with_its_clip_reuses_its_kv_and_talker_rows(hf_model, processor):
+    cached, plain = _runner(hf_model, 8 << 20), _runner(hf_model, 0)
+    turn1 = [SYSTEM, {"role": "user", "content": [_clip(3), {"type": "text", "text": QUESTION}]}]
+    turn2 = turn1 + [{"role": "assistant", "content": "A tone."}, {"role": "user", "content": "Say it again, slower."}]
+    turn2b = turn1 + [{"role": "assistant", "content": "A tone."}, {"role": "user", "content": "And louder?"}]
+    for i, msgs in enumerate([turn1, turn2, turn2b]):
+        inputs = prepare_inputs(processor, msgs)
+        want, _, _ = oracle.generate(hf_model, inputs, REPLY, 2)
+        hits_before = cached.prefix.hit_tokens
+        got, _ = run_thinker(cached, running(f"c{i}", SamplingParams(max_tokens=REPLY), _prompt(inputs), slot=i))
+        ref, _ = run_thinker(plain, running(f"p{i}", SamplingParams(max_tokens=REPLY), _prompt(inputs), slot=i))
+        assert got.token_ids == want == ref.token_ids, i
+        torch.testing.assert_close(got.talker.user_rows, ref.talker.user_rows, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got.text_rows, ref.text_rows, rtol=1e-4, atol=1e-5)
+        last_media = int((inputs["input_ids"][0] == AUDIO_PAD).nonzero()[-1])
+        if i > 0:  # turn 1's blocks, clip included, were kept from turn 1 on
+            assert cached.prefix.hit_tokens - hits_before > last_media, i
