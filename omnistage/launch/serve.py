@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
          "--port", str(args.api_port), "--voices", ",".join(speaker_names(args.model or profile.model)),
          "--shutdown-timeout", str(args.drain_timeout),
          *(["--max-audio-seconds", str(seconds)]
-           if (seconds := profile.stages["omni_ensemble"].settings.get("max_audio_seconds")) else []),
+           if (seconds := profile.stages["omni_ensemble"].media.get("max_audio_seconds")) else []),
          *(["--probe-interval", str(args.probe_interval)] if args.probe_interval > 0 else ["--no-stage-probes"])],
         env={**os.environ, TRITON_KEY_ENV: triton.api_key},
         log_path=args.run_dir / "openai_frontend.log",
