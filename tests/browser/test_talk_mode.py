@@ -57,7 +57,7 @@ def test_talk_hears_a_turn_plays_the_answer_and_is_interrupted(browser, server, 
     page.on("pageerror", lambda exc: errors.append(str(exc)))
     try:
         page.goto(server.url)
-        page.wait_for_function("() => demoState.model === 'qwen3-omni'")
+        page.wait_for_function("() => demoState.model === 'Qwen/Qwen3-Omni-30B-A3B-Instruct'")
         page.select_option("#voice", "aiden")
         page.click("#talk")
         page.wait_for_function("() => talkState.status === 'listening'")

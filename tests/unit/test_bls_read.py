@@ -10,7 +10,7 @@ import torch
 from torch.utils import dlpack
 
 from omnistage.core.bf16_bytes import to_bf16_bytes
-from omnistage.core.protocol import CODE2WAV
+from omnistage.core.protocol import THINKER
 
 
 class StubTensor:  # what a BLS response's output tensor offers: its name and a DLPack view of its memory
@@ -48,13 +48,13 @@ def bls(monkeypatch):
 
 
 def test_read_copies_host_tensors_out_of_the_response(bls):
-    audio, frames = torch.randn(3840), torch.tensor([7], dtype=torch.int64)
-    carriers = {"audio": to_bf16_bytes(audio), "past_frames": to_bf16_bytes(frames)}
+    audio, frames = torch.randn(3, 2048), torch.tensor([7], dtype=torch.int64)  # a float and an int output
+    carriers = {"text_rows": to_bf16_bytes(audio), "token_ids": to_bf16_bytes(frames)}
     response = StubResponse([StubTensor(name, c) for name, c in carriers.items()])
-    out = bls._read(response, {t.name: t for t in CODE2WAV.outputs})
-    assert torch.equal(out["audio"], audio) and torch.equal(out["past_frames"], frames)
+    out = bls._read(response, {t.name: t for t in THINKER.outputs})
+    assert torch.equal(out["text_rows"], audio) and torch.equal(out["token_ids"], frames)
     for name, carrier in carriers.items():
         assert out[name].untyped_storage().data_ptr() != carrier.untyped_storage().data_ptr(), name
     want = audio.clone()
-    carriers["audio"].zero_()  # the response's memory reused: what was read stays
-    assert torch.equal(out["audio"], want) and not torch.equal(audio, want)
+    carriers["text_rows"].zero_()  # the response's memory reused: what was read stays
+    assert torch.equal(out["text_rows"], want) and not torch.equal(audio, want)
