@@ -223,30 +223,23 @@ def w2(n_prompts: int = 32, tokenizer=None, seed: int = 0, prompt_tokens: int = 
     )
 
 
+def _media_in(name: str, description: str, prompts: list[list[dict]]) -> Workload:
+    """A media-in workload with W1's forced lengths (18 reply tokens, 46 frames)."""
+    return Workload(name=name, description=description, reply_tokens=18, frames=46, concurrency=(1, 16, 32, 64),
+                    prompts=prompts)  # fmt: skip
+
+
 def w3(n_prompts: int = 64, seed: int = 0) -> Workload:
     from perf.media_workloads import voice_chat_prompts
 
-    return Workload(
-        name="w3",
-        description="voice chat: a 5 s 16 kHz speech-like clip (~65 audio tokens) + a short instruction",
-        reply_tokens=18,
-        frames=46,
-        concurrency=(1, 16, 32, 64),
-        prompts=voice_chat_prompts(n_prompts, seed),
-    )
+    return _media_in("w3", "voice chat: a 5 s 16 kHz speech-like clip (~65 audio tokens) + a short instruction",
+                     voice_chat_prompts(n_prompts, seed))  # fmt: skip
 
 
 def w4(n_prompts: int = 64, seed: int = 0) -> Workload:
     from perf.media_workloads import image_prompts
 
-    return Workload(
-        name="w4",
-        description="image: one 448x448 picture (196 vision tokens) + a question",
-        reply_tokens=18,
-        frames=46,
-        concurrency=(1, 16, 32, 64),
-        prompts=image_prompts(n_prompts, seed),
-    )
+    return _media_in("w4", "image: one 448x448 picture (196 vision tokens) + a question", image_prompts(n_prompts, seed))
 
 
 BUILDERS = {"w1": (w1, 1088), "w2": (w2, 32), "w3": (w3, 64), "w4": (w4, 64)}
