@@ -128,9 +128,6 @@ async def test_manual_commit_text_reply(frontend):
     assert done.response.usage.output_token_details.text_tokens == 4
 
 
-@pytest.mark.xfail(strict=True, reason="a kept prefix serves a media prompt only when it ends before the prompt's "
-                                       "first media row or after its last (stages/media_prefix.py); turn 1's only "
-                                       "whole 16-token block ends inside its clip")  # fmt: skip
 async def test_second_turn_prefill_hits_the_prefix_cache(frontend, triton):
     async with sdk(frontend.url).realtime.connect(model="qwen3-omni") as conn:
         await configure(conn, SHORT, output_modalities=["text"])
