@@ -101,7 +101,10 @@ async def test_barge_in_frees_every_stage_within_a_second(frontend, triton):
         await configure(conn, ENDLESS)
         await stream_audio(conn, utterance(1.0))
         await until(conn, "response.output_audio.delta", timeout=TURN_S)
-        assert any(held(metrics(triton)).values())
+        deadline = time.monotonic() + 3.0  # the gauges are published every 0.25 s: wait for the answer's slots
+        while not any(held(metrics(triton)).values()):
+            assert time.monotonic() < deadline, "no stage holds the endless answer while it plays"
+            await asyncio.sleep(0.05)
         await stream_audio(conn, utterance(0.6, silence_s=0.0, f0=190.0))  # the user talks over the answer
         await until(conn, "input_audio_buffer.speech_started")
         started = time.monotonic()
