@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 
 from omnistage.launch.proc_stats import children, process_state, stub_pids, tree_stats
-from perf.soak import _body, _gauges, _idle, _wait, growth, soak_server
+from perf.soak import CheckedRun, _body, _post_or_leave, _gauges, _idle, _wait, growth, soak_server
 from perf.soak_inputs import tiny_wav_b64
 
 HUNG_AFTER_S = 180.0  # a request open this long counts as hung (a reload on the GPU takes a minute or more)
@@ -51,22 +51,14 @@ class Fault:
 
 
 @dataclass
-class FaultSoakResult:
+class FaultSoakResult(CheckedRun):
     concurrency: int = 0
     requests: int = 0
     outcomes: dict = field(default_factory=dict)  # completed / failed_cleanly / client_left / hung / broken
     statuses: dict = field(default_factory=dict)
     errors: dict = field(default_factory=dict)  # error message (first 80 chars) -> count
     faults: list = field(default_factory=list)
-    idle_after_s: float | None = None
     server_restarts: int = 0  # by TritonServer, when reloads left too many instances behind
-    before: dict = field(default_factory=dict)
-    after: dict = field(default_factory=dict)
-    problems: list = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
 
 
 def rss_mb(pid: int) -> float:
@@ -94,13 +86,9 @@ def stats(triton_pid: int, frontend_pid: int) -> dict:
 async def _request(http: httpx.AsyncClient, body: dict, leave_after: int | None) -> tuple[str, int | str, str]:
     """(outcome, status, error message)"""
     if not body["stream"]:
-        task = asyncio.ensure_future(http.post("/v1/chat/completions", json=body))
-        done, _ = await asyncio.wait({task}, timeout=None if leave_after is None else leave_after / 10)
-        if not done:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        r = await _post_or_leave(http, body, leave_after)
+        if r is None:
             return "client_left", 0, ""
-        r = task.result()
         if r.status_code == 200:
             return "completed", 200, ""
         try:

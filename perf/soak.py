@@ -34,7 +34,22 @@ IDLE_GAUGES = ("slots_in_use", "requests_waiting", "responses_pending")
 
 
 @dataclass
-class SoakResult:
+class CheckedRun:
+    """What every soak records beside its counts: the server idle again, process stats before and after, and
+    each check that failed (ok: none did)."""
+
+    idle_after_s: float | None = None
+    before: dict = field(default_factory=dict)
+    after: dict = field(default_factory=dict)
+    problems: list = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+@dataclass
+class SoakResult(CheckedRun):
     duration_s: float = 0.0
     concurrency: int = 0
     requests: int = 0
@@ -44,14 +59,6 @@ class SoakResult:
     statuses: dict = field(default_factory=dict)
     in_stream_errors: list = field(default_factory=list)
     kinds: dict = field(default_factory=dict)
-    idle_after_s: float | None = None
-    before: dict = field(default_factory=dict)
-    after: dict = field(default_factory=dict)
-    problems: list = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
 
 
 def _gauges(metrics_url: str) -> dict[str, float]:
@@ -88,18 +95,25 @@ def _body(rng: random.Random, wav: str) -> tuple[dict, str]:
     return body, kind
 
 
+async def _post_or_leave(http: httpx.AsyncClient, body: dict, leave_after: int | None):
+    """A non-streamed chat request; None when the client left after leave_after tenths of a second."""
+    task = asyncio.ensure_future(http.post("/v1/chat/completions", json=body))
+    done, _ = await asyncio.wait({task}, timeout=None if leave_after is None else leave_after / 10)
+    if not done:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return None
+    return task.result()
+
+
 async def _one(http: httpx.AsyncClient, body: dict, leave_after: int | None, result: SoakResult) -> None:
     """One request; leave_after: close the connection after that many SSE events (or, not streamed, after
     that many tenths of a second), like a client that goes away."""
     if not body["stream"]:
-        task = asyncio.ensure_future(http.post("/v1/chat/completions", json=body))
-        done, _ = await asyncio.wait({task}, timeout=None if leave_after is None else leave_after / 10)
-        if not done:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        r = await _post_or_leave(http, body, leave_after)
+        if r is None:
             result.cancelled_by_client += 1
             return
-        r = task.result()
         result.statuses[r.status_code] = result.statuses.get(r.status_code, 0) + 1
         result.completed += r.status_code == 200
         return
