@@ -163,9 +163,13 @@ def test_attention_writes_kv_into_the_cache_as_update_does(on_cpu_too, device, d
     if cache_kind == "decode_step":
         plain_cache.cache.k[0].copy_(fused_cache.cache.k[0])
         plain_cache.cache.v[0].copy_(fused_cache.cache.v[0])
-    want, _ = attn(hidden, rope, None, _UpdateOnly(plain_cache))  # the cache's own update()
-    got, _ = attn(hidden, rope, None, fused_cache)
-    assert torch.equal(got, want)
+    mask = getattr(fused_cache, "mask", None)  # a decode step's rows attend to their own positions
+    want, _ = attn(hidden, rope, mask, _UpdateOnly(plain_cache))  # the cache's own update(), gathered
+    got, _ = attn(hidden, rope, mask, fused_cache)
+    if device == "cuda" and cache_kind == "decode_step":  # the paged decode kernel: its own summation order
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    else:
+        assert torch.equal(got, want)
     k_of = (lambda c: c.k[0]) if cache_kind == "lockstep" else (lambda c: c.cache.k[0])
     v_of = (lambda c: c.v[0]) if cache_kind == "lockstep" else (lambda c: c.cache.v[0])
     assert torch.equal(k_of(fused_cache), k_of(plain_cache)) and torch.equal(v_of(fused_cache), v_of(plain_cache))
