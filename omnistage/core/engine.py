@@ -33,7 +33,9 @@ class StageRunner(Protocol):
     def prefill(self, seqs: list[Sequence]) -> list[StepResult]: ...
     def decode(self, seqs: list[Sequence]) -> list[StepResult]: ...
     def release(self, seq: Sequence) -> None: ...  # drop per-sequence device state
-    # optional: prompt_tokens(seq) -> int, its prompt's length, for the scheduler's max_prefill_tokens
+    # optional: prompt_tokens(seq) -> int, its prompt's length, for the scheduler's max_prefill_tokens; with
+    # a block pool also kv_tokens(seq) -> int (positions after its next decode step) and preempt(seq) (drop
+    # its slot's state and blocks, keeping what a recompute needs)
 
 
 # emit(request_id, output, finish_reason, error): finish_reason or error set means the stream ends
@@ -92,10 +94,19 @@ class StageEngine:
 
     def stats(self) -> dict:
         s = self.scheduler
+        blocks = s.blocks
         return {
             "slots_in_use": s.slots_in_use,
             "running": len(s.running),
             "waiting": len(s.waiting),
+            # why requests wait: for a slot (rows) or for KV blocks (memory); steps that left some waiting
+            "waiting_for_slots": len(s.waiting) if s.wait_reason == "slots" else 0,
+            "waiting_for_blocks": len(s.waiting) if s.wait_reason == "blocks" else 0,
+            "steps_waiting_for_slots": s.waits["slots"],
+            "steps_waiting_for_blocks": s.waits["blocks"],
+            "preemptions": s.preemptions,
+            "kv_blocks_used": blocks.used_blocks if blocks else 0,
+            "kv_blocks_total": blocks.num_blocks - 1 if blocks else 0,
             "steps": self.steps,
             "last_batch_size": self.last_batch_size,
             "last_step_ms": round(self.last_step_seconds * 1e3, 3),
@@ -126,8 +137,13 @@ class StageEngine:
                 inbox, self._inbox = self._inbox, []
             for kind, item in inbox:
                 self._apply(kind, item)
-            batch = self.scheduler.schedule(self.runner.is_ready, getattr(self.runner, "prompt_tokens", None))
-            idle = not batch
+            batch = self.scheduler.schedule(self.runner.is_ready, getattr(self.runner, "prompt_tokens", None),
+                                            getattr(self.runner, "kv_tokens", None))  # fmt: skip
+            for seq in batch.preempted:  # back in the queue, recomputed when it is admitted again
+                log.info("[%s] %s preempted for KV blocks", self.name, seq.request_id)
+                self.runner.preempt(seq)
+                seq.slot = -1
+            idle = not batch and not batch.preempted
             if batch:
                 self._step(batch.prefills, batch.decodes)
         for seq in list(self.scheduler.running.values()) + list(self.scheduler.waiting):

@@ -1,5 +1,5 @@
-# Which block-aligned prompt prefixes have their K/V kept by a stage's prefix cache, and in which pool
-# entry (torch-free; stages/prefix_cache.py owns the device memory). A block is BLOCK consecutive prompt
+# Which block-aligned prompt prefixes have their K/V kept by a stage's prefix cache, and in which block of
+# the stage's paged KV pool (torch-free; stages/prefix_cache.py holds the blocks). A block is BLOCK consecutive prompt
 # tokens; it is named by a digest of its tokens chained to its predecessor's name, so a name stands for the
 # whole prefix up to the block's end. Blocks are admitted on their second sighting: a prompt's unique tail
 # (W1's user sentence) costs a digest on the host, never a device copy, while a shared system prompt is
@@ -14,13 +14,13 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
-BLOCK = 16
+from .block_pool import BLOCK
 
 
 @dataclass
 class PrefixMatch:
     names: list[bytes]  # the prompt's cacheable blocks (at most (L - 1) // BLOCK: one token is always computed)
-    entries: list[int]  # pool entries of its longest kept prefix: blocks 0 .. len(entries) - 1
+    entries: list[int]  # pool blocks of its longest kept prefix: blocks 0 .. len(entries) - 1
 
     @property
     def tokens(self) -> int:
@@ -28,11 +28,12 @@ class PrefixMatch:
 
 
 class PrefixIndex:
+    """capacity: how many pool blocks the index keeps at most."""
+
     def __init__(self, capacity: int, admit_after: int = 2):
         self.capacity = capacity
         self.admit_after = admit_after
-        self._entries: OrderedDict[bytes, int] = OrderedDict()  # name -> pool entry, least recently used first
-        self._free = list(range(capacity - 1, -1, -1))
+        self._entries: OrderedDict[bytes, int] = OrderedDict()  # name -> pool block, least recently used first
         self._seen: OrderedDict[bytes, int] = OrderedDict()  # sightings of blocks not kept (bounded)
         self._max_seen = max(1024, 8 * capacity)
 
@@ -61,14 +62,32 @@ class PrefixIndex:
             entries.append(entry)
         return PrefixMatch(names, entries)
 
-    def admit(self, match: PrefixMatch, first_sighting: bool = False) -> list[tuple[int, int]]:
+    def blocks(self) -> list[int]:
+        """The kept pool blocks, least recently used first."""
+        return list(self._entries.values())
+
+    def forget(self, blocks: set[int]) -> None:
+        """Stops keeping these pool blocks."""
+        for name in [n for n, b in self._entries.items() if b in blocks]:
+            del self._entries[name]
+
+    def kept_run(self, match: PrefixMatch) -> int:
+        """How many of the match's leading blocks are still kept as matched."""
+        n = 0
+        while n < len(match.entries) and self._entries.get(match.names[n]) == match.entries[n]:
+            n += 1
+        return n
+
+    def admit(self, match: PrefixMatch, blocks: list[int], first_sighting: bool = False
+              ) -> tuple[list[tuple[int, int]], list[int]]:  # fmt: skip
         """Counts a sighting of each of the prompt's blocks past its kept prefix; those seen admit_after times
         (once with first_sighting: prompts with media, whose encoders and prefill cost too much to run twice)
-        take a pool entry (evicting the least recently used) as long as every block before them is kept too (a
-        block is no use without its predecessors). Returns (block number, entry) pairs: the caller copies
-        those blocks from the prompt's slot into the pool."""
+        are kept (evicting the least recently used beyond capacity) as long as every block before them is
+        kept too (a block is no use without its predecessors). blocks: the prompt's pool blocks, in order.
+        Returns the (block number, pool block) pairs kept now and the pool blocks evicted: the caller holds
+        the first and lets go of the second."""
         admit_after = 1 if first_sighting else self.admit_after
-        admitted, chained = [], self.capacity > 0
+        admitted, evicted, chained = [], [], self.capacity > 0
         for number in range(len(match.entries), len(match.names)):
             name = match.names[number]
             if name in self._entries:
@@ -78,12 +97,10 @@ class PrefixIndex:
                 chained = False
                 self._seen[name] = seen
                 continue
-            if not self._free:
-                _, entry = self._entries.popitem(last=False)
-                self._free.append(entry)
-            entry = self._free.pop()
-            self._entries[name] = entry
-            admitted.append((number, entry))
+            if len(self._entries) >= self.capacity:
+                evicted.append(self._entries.popitem(last=False)[1])
+            self._entries[name] = blocks[number]
+            admitted.append((number, blocks[number]))
         while len(self._seen) > self._max_seen:
             self._seen.popitem(last=False)
-        return admitted
+        return admitted, evicted

@@ -1,7 +1,13 @@
-# Iteration-level scheduler (torch-free): who gets a KV slot, who is prefilled this step, who decodes.
-# A sequence holds one slot from admission to finish/abort; slots are the rows of the stage's static
-# KV cache, handed out lowest-first so the active rows stay packed at the front (decode batches are
-# rows [0, n) of the cache, no gather).
+# Iteration-level scheduler (torch-free): who gets a slot, who is prefilled this step, who decodes, and, with
+# a paged KV cache (core/block_pool.py), who must give its blocks back. A sequence holds one slot (its batch
+# row) from admission to finish/abort/preemption, handed out lowest-first so the active rows stay packed at
+# the front (decode batches are rows [0, n) of the cache, no gather).
+# Memory decides admission: a waiting sequence is admitted when its prompt's blocks and a reserve for its
+# reply fit beside what the running sequences have reserved. A stage whose sequences can be recomputed (the
+# thinker) reserves a little and, when a decode step needs more blocks than are free, preempts the newest
+# running sequence: its blocks go back, and it waits at the head of the queue to be prefilled again from
+# its prompt and the tokens it had generated. A stage whose sequences cannot be recomputed (the talker)
+# reserves each sequence's whole reply, so its decode steps always find their blocks.
 from __future__ import annotations
 
 import enum
@@ -10,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .block_pool import BlockPool, blocks_for
 from .errors import BadRequestError, OverloadedError
 from .sampling import SamplingParams
 
@@ -32,12 +39,16 @@ class Sequence:
     generated: list[int] = field(default_factory=list)  # token ids, for penalties and stop checks
     added_at: float = 0.0  # perf_counter() when the engine took it (StageEngine.add)
     answered: bool = False  # an output of it was emitted
+    admitted: int = -1  # admission order (the newest running sequence is preempted first)
+    reserved_blocks: int = 0  # blocks reserved at admission: prompt, first decode position, reply reserve
+    preemptions: int = 0
 
 
 @dataclass
 class Batch:
     prefills: list[Sequence]
     decodes: list[Sequence]
+    preempted: list[Sequence] = field(default_factory=list)  # gave their blocks back: the runner drops them
 
     def __bool__(self) -> bool:
         return bool(self.prefills or self.decodes)
@@ -50,6 +61,9 @@ MAX_PREFILLS_PER_STEP = 32
 # Prompt tokens prefilled in one step (a longer prompt still goes alone): 32 prompts of 2500 tokens in one
 # forward ran the H200 out of memory.
 MAX_PREFILL_TOKENS = 16384
+# Reply positions reserved at admission for a sequence that can be recomputed: a W1 reply (18 tokens) and
+# then some, so a full pool makes requests wait rather than preempt each other at once.
+REPLY_RESERVE_TOKENS = 64
 
 
 class Scheduler:
@@ -58,16 +72,25 @@ class Scheduler:
     activations (80k tokens of W2 on the H200) ran the device out of memory and failed them all."""
 
     def __init__(self, max_slots: int, max_prefills_per_step: int = 8, max_waiting: int = 1024,
-                 max_prefill_tokens: int | None = None):  # fmt: skip
+                 max_prefill_tokens: int | None = None, blocks: BlockPool | None = None,
+                 reply_reserve: int | None = REPLY_RESERVE_TOKENS):  # fmt: skip
+        """blocks: the paged KV cache's pool (None: slots alone decide); reply_reserve: reply positions
+        reserved at admission, None: the whole reply (sequences that cannot be recomputed, never preempted)."""
         if max_slots < 1:
             raise ValueError("max_slots must be >= 1")
         self.max_slots = max_slots
         self.max_prefills_per_step = max_prefills_per_step
         self.max_waiting = max_waiting
         self.max_prefill_tokens = max_prefill_tokens
+        self.blocks, self.reply_reserve = blocks, reply_reserve
         self._free = list(range(max_slots))  # min-heap
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}
+        self._admitted = 0
+        self.preemptions = 0
+        # why the head of the queue waited at the last step: "slots", "blocks" or None (it did not)
+        self.wait_reason: str | None = None
+        self.waits = {"slots": 0, "blocks": 0}  # steps that left requests waiting, by reason
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.running or any(s.request_id == request_id for s in self.waiting)
@@ -85,12 +108,28 @@ class Scheduler:
         self.waiting.append(seq)
 
     def schedule(self, is_ready: Callable[[Sequence], bool] = lambda s: True,
-                 prompt_tokens: Callable[[Sequence], int] | None = None) -> Batch:  # fmt: skip
-        """prompt_tokens(seq): its prompt's length, for max_prefill_tokens (no budget without it)."""
+                 prompt_tokens: Callable[[Sequence], int] | None = None,
+                 kv_tokens: Callable[[Sequence], int] | None = None) -> Batch:  # fmt: skip
+        """prompt_tokens(seq): its prompt's length, for max_prefill_tokens and the blocks a prefill takes;
+        kv_tokens(seq): positions a running sequence's cache holds after its next decode step. Both are
+        needed with a block pool."""
         decodes = [s for s in self.running.values() if is_ready(s)]
+        preempted = self._make_room(decodes, kv_tokens) if self.blocks is not None else []
         prefills = []
         budget = self.max_prefill_tokens if prompt_tokens is not None else None
-        while self.waiting and self._free and len(prefills) < self.max_prefills_per_step:
+        spare = self._spare_blocks() if self.blocks is not None else 0
+        self.wait_reason = None
+        while self.waiting and len(prefills) < self.max_prefills_per_step:
+            if not self._free:
+                self.wait_reason = "slots"
+                break
+            if self.blocks is not None:
+                need = self._reserved_blocks(self.waiting[0], prompt_tokens(self.waiting[0]))
+                if preempted or need > spare:  # no admission in a step that had to preempt
+                    self.wait_reason = "blocks"
+                    break
+                spare -= need
+                self.waiting[0].reserved_blocks = need
             if budget is not None:
                 tokens = prompt_tokens(self.waiting[0])
                 if prefills and tokens > budget:
@@ -99,15 +138,56 @@ class Scheduler:
             seq = self.waiting.popleft()
             seq.slot = heapq.heappop(self._free)
             seq.status = SeqStatus.RUNNING
+            seq.admitted, self._admitted = self._admitted, self._admitted + 1
             self.running[seq.request_id] = seq
             prefills.append(seq)
-        return Batch(prefills, decodes)
+        if self.wait_reason is not None:
+            self.waits[self.wait_reason] += 1
+        return Batch(prefills, decodes, preempted)
+
+    # ---- blocks -------------------------------------------------------------------------------------------
+    def _reserved_blocks(self, seq: Sequence, prompt: int) -> int:
+        """Blocks a sequence of `prompt` positions reserves: its prompt, the position its first decode step
+        writes, and its reply reserve."""
+        reply = seq.params.max_tokens if self.reply_reserve is None else min(seq.params.max_tokens, self.reply_reserve)
+        return blocks_for(prompt + 1 + reply)
+
+    def _spare_blocks(self) -> int:
+        """Blocks to be had (free, or kept by a prefix cache alone) beyond what the running sequences have
+        reserved and not taken yet."""
+        outstanding = sum(max(0, s.reserved_blocks - self.blocks.held(s.slot)) for s in self.running.values())
+        return self.blocks.available_blocks - outstanding
+
+    def _make_room(self, decodes: list[Sequence], kv_tokens) -> list[Sequence]:
+        """Preempts the newest running sequences until this step's decodes find their blocks; returns them."""
+        preempted = []
+        need = {id(s): self.blocks.needed(s.slot, kv_tokens(s)) for s in decodes}
+        while sum(need.values()) > self.blocks.available_blocks and self.reply_reserve is not None:
+            victim = max(self.running.values(), key=lambda s: s.admitted)
+            if len(self.running) == 1:
+                break  # alone, it has the whole pool: the runner fails it if even that is too little
+            self._preempt(victim)
+            preempted.append(victim)
+            if need.pop(id(victim), None) is not None:
+                decodes.remove(victim)
+        return preempted
+
+    def _preempt(self, seq: Sequence) -> None:
+        del self.running[seq.request_id]
+        heapq.heappush(self._free, seq.slot)
+        self.blocks.release(seq.slot)
+        seq.status = SeqStatus.WAITING
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:
-        """Frees the sequence's slot; used for normal completion, errors and aborts alike."""
+        """Frees the sequence's slot and blocks; used for normal completion, errors and aborts alike."""
         if seq.status is SeqStatus.RUNNING:
             del self.running[seq.request_id]
             heapq.heappush(self._free, seq.slot)
+            if self.blocks is not None:
+                self.blocks.release(seq.slot)
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED

@@ -42,11 +42,12 @@ if fused_ops.available():
     @triton.jit
     def _qkv_into_cache_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr, start,
                                q_rows, kv_rows, heads_q, heads_k, seq, s_b, s_t, cs_b, cs_t, c_b, c_h, c_t, eps_q,
-                               eps_k, HALF: tl.constexpr, HAS_POS: tl.constexpr):  # fmt: skip
+                               eps_k, HALF: tl.constexpr, HAS_POS: tl.constexpr, PAGED: tl.constexpr):  # fmt: skip
         # one program per (batch, head, position) row of q, then of k, then of v; qkv [B, T, (Hq + 2 Hk) * D]
         # with a contiguous last dim. q rows (normed, rotated) go to q [B, Hq, T, D] contiguous, k rows
         # (normed, rotated) and v rows (as they are) to K/V buffers [B', Hk, L, D] (strides c_b, c_h, c_t,
-        # shared) at position start + t (+ pos[b] per batch row with HAS_POS): a cache, or fresh tensors
+        # shared) at position start + t (+ pos[b] per batch row with HAS_POS): a cache, or fresh tensors;
+        # PAGED: a paged pool viewed as [1, Hk, P, D], at its row pos[b, t]
         row = tl.program_id(0).to(tl.int64)
         is_q = row < q_rows
         is_k = (row >= q_rows) & (row < q_rows + kv_rows)
@@ -58,10 +59,13 @@ if fused_ops.available():
         i = tl.arange(0, HALF)
         src = qkv_ptr + b * s_b + t * s_t + column
         x1, x2 = tl.load(src + i).to(tl.float32), tl.load(src + HALF + i).to(tl.float32)
-        position = start + t
-        if HAS_POS:
-            position += tl.load(pos_ptr + b)
-        cached = b * c_b + h * c_h + position * c_t
+        if PAGED:
+            cached = h * c_h + tl.load(pos_ptr + b * seq + t) * c_t
+        else:
+            position = start + t
+            if HAS_POS:
+                position += tl.load(pos_ptr + b)
+            cached = b * c_b + h * c_h + position * c_t
         if is_q | is_k:
             w_ptr = tl.where(is_q, qw_ptr, kw_ptr)
             n1, n2 = _norm_half(x1, x2, w_ptr, tl.where(is_q, eps_q, eps_k), i, HALF, dt)
@@ -114,9 +118,11 @@ def qk_norm_rope(qkv: torch.Tensor, heads_q: int, heads_k: int, q_norm, k_norm, 
 
 
 def qkv_into_cache(qkv: torch.Tensor, heads_q: int, heads_k: int, q_norm, k_norm, cos, sin, k_cache, v_cache,
-                   start: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                   start: int = 0, positions: torch.Tensor | None = None,
+                   phys: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """qk_norm_rope, with k (normed, rotated) and v written into K/V buffers [B', Hk, L, D] (same strides) at
-    position start + t of batch row b (+ positions[b] when given); returns q [B, Hq, T, D]."""
+    position start + t of batch row b (+ positions[b] when given), or with phys [B, T] (a paged pool viewed
+    as [1, Hk, P, D]) at position phys[b, t]; returns q [B, Hq, T, D]."""
     batch, seq, _ = qkv.shape
     dim = q_norm.weight.shape[0]
     q = torch.empty(batch, heads_q, seq, dim, dtype=qkv.dtype, device=qkv.device)
@@ -129,9 +135,10 @@ def qkv_into_cache(qkv: torch.Tensor, heads_q: int, heads_k: int, q_norm, k_norm
     # heads, thinker) kept three idle warps each and took ~53 us per layer on the H200
     _qkv_into_cache_kernel[(q_rows + 2 * kv_rows,)](
         qkv, q_norm.weight, k_norm.weight, cos, sin, q, k_cache, v_cache,
-        positions if positions is not None else q, start, q_rows, kv_rows, heads_q, heads_k, seq,
-        qkv.stride(0), qkv.stride(1), cs_b, cos.stride(1), *k_cache.stride()[:3], q_norm.variance_epsilon,
-        k_norm.variance_epsilon, HALF=dim // 2, HAS_POS=positions is not None, num_warps=1)  # fmt: skip
+        phys if phys is not None else positions if positions is not None else q, start, q_rows, kv_rows, heads_q,
+        heads_k, seq, qkv.stride(0), qkv.stride(1), cs_b, cos.stride(1), *k_cache.stride()[:3],
+        q_norm.variance_epsilon, k_norm.variance_epsilon, HALF=dim // 2, HAS_POS=positions is not None,
+        PAGED=phys is not None, num_warps=1)  # fmt: skip
     return q
 
 
@@ -184,7 +191,11 @@ def _attention_forward(self, hidden_states, position_embeddings, attention_mask,
     target = past_key_values.kv_target(self.layer_idx, seq) if hasattr(past_key_values, "kv_target") else None
     if target is not None:  # the cache takes K and V in place: one kernel instead of three
         q = qkv_into_cache(qkv, heads_q, heads_k, self.q_norm, self.k_norm, *position_embeddings, target.k, target.v,
-                           target.start, target.positions)  # fmt: skip
+                           target.start, target.positions, target.phys)  # fmt: skip
+        # a paged decode step attends through its block tables in one kernel (None: it gathers instead)
+        paged = past_key_values.attend(self.layer_idx, q, self.scaling) if hasattr(past_key_values, "attend") else None
+        if paged is not None:
+            return gemv.linear(paged.reshape(batch, seq, -1), self.o_proj.weight, self.o_proj.bias), None
         k, v = past_key_values.attended(self.layer_idx, seq)
     else:
         q, k, v = qk_norm_rope(qkv, heads_q, heads_k, self.q_norm, self.k_norm, *position_embeddings)

@@ -1,9 +1,10 @@
-# Prefill of prompt suffixes into slots whose first positions already hold the prompt's prefix (copied from
-# the prefix cache, stages/prefix_cache.py), replayed as a CUDA graph per (rows, tokens, kv) bucket like
-# StaticPrefill. Row r's tokens sit at positions starts[r] .. starts[r] + tokens - 1 of slot slots[r]; each
-# layer writes their K/V there and attends causally over the slot's positions [0, kv): the kept prefix and
-# the suffix so far. Rows are right-padded to the bucket's tokens (the padded positions lie past the
-# prompt, are masked for its real tokens and are overwritten by its decode steps before anything reads
+# Prefill of prompt suffixes into slots whose first positions already hold the prompt's prefix (blocks of
+# the prefix cache, shared by reference: stages/prefix_cache.py), replayed as a CUDA graph per (rows,
+# tokens, kv) bucket like StaticPrefill. Row r's tokens sit at positions starts[r] .. starts[r] + tokens - 1
+# of slot slots[r]; each layer writes their K/V into the slot's blocks and attends causally over the
+# slot's positions [0, kv) read through its block table: the kept prefix and the suffix so far. Rows are
+# right-padded to the bucket's tokens (the padded positions lie past the prompt, in its last block or the
+# null block, are masked for its real tokens and are overwritten by its decode steps before anything reads
 # them); padding rows repeat row 0. Text-only prompts: MRoPE positions equal on every section.
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import torch
 from ..models.layer_stack import run_layers
 from .cuda_graphs import GraphBank, batch_buckets, bucket_for
 from .host_copy import to_device
-from .kv_cache import SlotKVCache
+from ..core.block_pool import BLOCK, blocks_for
+from .paged_kv import PagedKVCache, PagedWriter
 from .static_prefill import load_padded
 
 # longer suffixes prefill in full (StaticPrefill). W1's are ~38 tokens: padded to 64 they made 40% of a
@@ -22,9 +24,9 @@ KV_BUCKETS = (256, 512)
 
 
 class ChunkPrefill:
-    def __init__(self, name: str, text_model, cache: SlotKVCache, *, max_rows: int, cuda_graphs: bool):
+    def __init__(self, name: str, text_model, cache: PagedKVCache, *, max_rows: int, cuda_graphs: bool):
         self.text_model, self.cache = text_model, cache
-        device, dtype = cache.k[0].device, cache.k[0].dtype
+        device, dtype = cache.device, cache.dtype
         hidden = text_model.norm.weight.shape[0]
         self.max_rows, self.max_tokens = max_rows, TOKEN_BUCKETS[-1]
         self.max_kv = min(KV_BUCKETS[-1], cache.max_len)
@@ -54,6 +56,9 @@ class ChunkPrefill:
         """embeds: per prompt its suffix [T_i, D] on the device; starts: where each suffix begins in its slot.
         Returns the normed hidden state at each suffix's last token, [n, D] (a static buffer's view)."""
         n, lengths = len(embeds), [e.shape[0] for e in embeds]
+        for slot, start, length in zip(slots, starts, lengths):
+            self.cache.grow(slot, start + length)
+        self.cache.sync()
         rows, tokens, kv_len = self.shape_for(n, max(lengths), max(starts))
         pad = load_padded(self.embeds, embeds, rows, tokens)
         index = [slots + slots[:1] * pad, starts + starts[:1] * pad, [x - 1 for x in lengths + lengths[:1] * pad]]
@@ -62,37 +67,25 @@ class ChunkPrefill:
         return self.hidden_out[:n]
 
     def capture_all(self) -> None:
-        """Captures every bucket while no slot is in use (they write into slot 0)."""
+        """Captures every bucket while no slot is in use (they write into the null block)."""
         if not self.bank.enabled:
             return
+        self.cache.sync()
         self.index.zero_()
         keys = [(r, t, k) for r in self.row_buckets for t in TOKEN_BUCKETS for k in self.kv_buckets if t <= k]
         self.bank.capture_all(keys, lambda key: lambda: self._run(*key))
 
     def _run(self, rows: int, tokens: int, kv_len: int) -> None:
+        kv_len = blocks_for(kv_len) * BLOCK  # a gather reads whole blocks
         embeds = self.embeds[:rows, :tokens]
         slots, starts, last = self.index[0, :rows], self.index[1, :rows], self.index[2, :rows]
         positions = starts[:, None] + torch.arange(tokens, device=embeds.device)[None, :]  # [rows, tokens]
         position_embeddings = self.text_model.rotary_emb(embeds, positions[None].expand(3, rows, tokens))
         # [rows, 1, tokens, kv_len]: each token sees the slot's positions up to its own
         mask = (torch.arange(kv_len, device=embeds.device)[None, None, :] <= positions[:, :, None])[:, None]
-        writer = _ChunkWriter(self.cache, slots, positions, kv_len)
+        writer = PagedWriter(self.cache, slots, positions, kv_len)
         hidden = run_layers(self.text_model.layers, embeds, attention_mask=mask, position_embeddings=position_embeddings,
                             past_key_values=writer)  # fmt: skip
         last_hidden = hidden[torch.arange(rows, device=hidden.device), last]  # [rows, D]
         self.hidden_out[:rows].copy_(self.text_model.norm(last_hidden))
 
-
-class _ChunkWriter:
-    """Duck-types transformers' Cache.update(): row r's new K/V go to positions[r] of slot slots[r], and
-    attention reads positions [0, kv_len) of each row's slot."""
-
-    def __init__(self, cache: SlotKVCache, slots: torch.Tensor, positions: torch.Tensor, kv_len: int):
-        self.cache, self.slots, self.positions, self.kv_len = cache, slots, positions, kv_len
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        k, v = self.cache.k[layer_idx], self.cache.v[layer_idx]
-        rows = self.slots[:, None]
-        k[rows, :, self.positions] = key_states.transpose(1, 2)  # [rows, tokens, kv_heads, head_dim]
-        v[rows, :, self.positions] = value_states.transpose(1, 2)
-        return k[self.slots, :, : self.kv_len], v[self.slots, :, : self.kv_len]

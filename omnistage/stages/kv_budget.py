@@ -1,38 +1,45 @@
-# How many KV-cache slots a stage instance gets: max_batch_size, or fewer where the memory given to the KV
-# cache (kv_cache_bytes) cannot hold that many slots of max_seq_len tokens. Without a budget,
-# max_batch_size holds as configured.
+# How many blocks a stage's paged KV pool gets (stages/paged_kv.py): the profile's kv_cache_bytes over the
+# bytes of one block, plus the null block. Without a budget, as many as max_batch_size sequences of
+# max_seq_len tokens take.
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
+from ..core.block_pool import BLOCK, blocks_for
 
-def kv_bytes_per_slot(text_config, max_seq_len: int, dtype: torch.dtype) -> int:
-    """K and V of every layer for one slot of max_seq_len positions (SlotKVCache's layout)."""
-    per_position = 2 * text_config.num_hidden_layers * text_config.num_key_value_heads * text_config.head_dim
-    return per_position * max_seq_len * dtype.itemsize
+
+def kv_bytes_per_token(text_config, dtype: torch.dtype) -> int:
+    """K and V of every layer for one position."""
+    t = text_config
+    return 2 * t.num_hidden_layers * t.num_key_value_heads * t.head_dim * dtype.itemsize
 
 
 @dataclass(frozen=True)
 class KVPlan:
-    slots: int
-    per_slot_bytes: int
-    budget_bytes: int | None  # None: no budget given, max_batch_size as configured
+    slots: int  # sequences decoded together (max_batch_size)
+    blocks: int  # pool blocks, the null block included
+    block_bytes: int
+    budget_bytes: int | None  # None: no budget given
 
     @property
     def cache_bytes(self) -> int:
-        return self.slots * self.per_slot_bytes
+        return self.blocks * self.block_bytes
+
+    @property
+    def tokens(self) -> int:
+        """Positions the pool holds for sequences (the null block is nobody's)."""
+        return (self.blocks - 1) * BLOCK
 
 
-def plan_slots(max_slots: int, per_slot_bytes: int, budget_bytes: int | None) -> KVPlan:
-    if budget_bytes is None:
-        return KVPlan(max_slots, per_slot_bytes, None)
-    fits = budget_bytes // per_slot_bytes
-    if fits < 1:
-        raise ValueError(f"the KV cache budget of {budget_bytes / 2**20:.1f} MiB holds no slot of "
-                         f"{per_slot_bytes / 2**20:.1f} MiB: raise the budget or lower max_seq_len")  # fmt: skip
-    return KVPlan(min(max_slots, fits), per_slot_bytes, budget_bytes)
+def plan_pool(text_config, dtype: torch.dtype, slots: int, max_seq_len: int, budget_bytes: int | None) -> KVPlan:
+    block_bytes = kv_bytes_per_token(text_config, dtype) * BLOCK
+    usable = budget_bytes // block_bytes if budget_bytes is not None else slots * blocks_for(max_seq_len)
+    if usable < blocks_for(max_seq_len):
+        raise ValueError(f"the KV cache budget of {budget_bytes / 2**20:.1f} MiB holds {usable * BLOCK} tokens, less "
+                         f"than one sequence of max_seq_len {max_seq_len}: raise the budget or lower max_seq_len")  # fmt: skip
+    return KVPlan(slots, usable + 1, block_bytes, budget_bytes)
 
 
 def kv_budget_bytes(params: dict[str, str]) -> int | None:

@@ -19,15 +19,15 @@ from ..core.errors import BadRequestError
 from ..models.layer_stack import run_layers
 from .audio_encoder import AudioEncoder, encoded_length
 from .host_copy import to_device
-from .kv_cache import SlotKVCache
-from .static_prefill import StaticPrefill, _SlotWriter
+from .paged_kv import PagedKVCache, PagedWriter
+from .static_prefill import StaticPrefill
 
 
 class MediaPrefill(StaticPrefill):
     """StaticPrefill's buffers, buckets and graphs, plus per-row MRoPE positions, deepstack rows, the
     accept layer's rows and the media encoders."""
 
-    def __init__(self, name: str, thinker, cache: SlotKVCache, *, max_rows: int, max_tokens: int,
+    def __init__(self, name: str, thinker, cache: PagedKVCache, *, max_rows: int, max_tokens: int,
                  accept_layer: int, cuda_graphs: bool):  # fmt: skip
         from .vision_encoder import VisionEncoder  # transformers' vision helpers: imported with the runner
 
@@ -73,6 +73,9 @@ class MediaPrefill(StaticPrefill):
         After it, embeds_out(i) and accept_out[i] hold prompt i's input embeddings and accept-layer rows
         (static buffers: read before the next run)."""
         n, lengths = len(prompts), [int(p.input_ids.numel()) for p in prompts]
+        for slot, length in zip(slots, lengths):
+            self.cache.grow(slot, length)
+        self.cache.sync()
         rows, tokens = self.shape_for(n, max(lengths))
         ids = torch.zeros(rows, tokens, dtype=torch.long)
         positions = torch.zeros(3, rows, tokens, dtype=torch.long)
@@ -139,7 +142,8 @@ class MediaPrefill(StaticPrefill):
     def _run(self, rows: int, tokens: int) -> None:
         hidden = self.embeds[:rows, :tokens]
         position_embeddings = self.text_model.rotary_emb(hidden, self.positions[:, :rows, :tokens])
-        writer = _SlotWriter(self.cache, self.slots[:rows], tokens)
+        steps = torch.arange(tokens, device=hidden.device)[None].expand(rows, tokens)
+        writer = PagedWriter(self.cache, self.slots[:rows], steps, None)
         layers = self.text_model.layers
         for start, end in self.spans:
             if start == self.accept_layer:

@@ -65,9 +65,9 @@ class MediaPrefixPrefill:
         media = start <= first  # the rest holds every media row: its media go in with it
         positions, deltas = self._positions(p, ids)
         past = DynamicCache(config=r.text_config)
-        for layer, (k, v) in enumerate(zip(r.cache.k, r.cache.v)):
-            if start:
-                past.update(k[seq.slot : seq.slot + 1, :, :start], v[seq.slot : seq.slot + 1, :, :start], layer)
+        if start:
+            for layer, (k, v) in enumerate(zip(*r.cache.read(seq.slot, start))):
+                past.update(k, v, layer)
         dev = r.device
         out = r.model(
             input_ids=to_device(ids[start:], dev)[None],
@@ -84,18 +84,18 @@ class MediaPrefixPrefill:
             use_cache=True,
             output_hidden_states=p.export_talker,
         )
-        length = r.cache.load_prefill(seq.slot, past)
+        length = r.cache.load_prefill(seq.slot, past, start=start)
         r.slots[seq.slot] = _SlotState(length, int(deltas.reshape(-1)[0]), 0)
         token = r._sample(out.logits[:, -1], [seq])
         talker = tail = hidden = None
-        if p.export_talker:
+        if p.export_talker and not p.resumed_from:
             head = r.model.get_input_embeddings()(to_device(ids[:start], dev))  # [start, D] layer-0 rows
             embeds = torch.cat([head, out.hidden_states[0][0]])
             hidden = torch.cat([self._kept_rows(head, mm, found), out.hidden_states[r.accept_layer][0]])
             talker, tail = r._talker_conditioning(ids, embeds, hidden)
         if found is not None:
             self.store(seq, found, hidden)
-        output = ThinkerOutput(talker=talker, prompt_tokens=length, text_rows=tail)
+        output = ThinkerOutput(talker=talker, prompt_tokens=None if p.resumed_from else length, text_rows=tail)
         return r._accept(seq, int(token[0]), output, r._text_rows(token, [seq]))
 
     def _media_rows(self, ids: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 # DecoderRunner: what the thinker and talker runners share. Each owns a transformers decoder stack on its
-# device, a static KV cache of max_slots slots with one state per occupied slot, a sampler, and the two
+# device, a paged KV cache of max_slots slots (rows) over one pool of blocks with one state per occupied
+# slot, a sampler, and the two
 # static paths that replay as CUDA graphs on cuda (one decode step over every occupied slot, and the
 # prefill of text-only prompts); off cuda the same code runs eagerly. A runner adds its stage's prompts,
 # outputs and step logic (prefill, decode) on top.
@@ -11,7 +12,8 @@ import torch
 
 from ..core.sampling import SamplingParams
 from ..core.scheduler import Sequence, SeqStatus
-from .kv_cache import SlotKVCache
+from .kv_budget import plan_pool
+from .paged_kv import PagedKVCache
 from .sampler import Sampler
 from .static_decode import StaticDecoder
 from .static_prefill import StaticPrefill
@@ -28,15 +30,17 @@ class DecoderRunner:
 
     def __init__(self, model, config, text_config, *, max_slots: int, max_seq_len: int, device, dtype, seed: int,
                  cuda_graphs: bool, max_prefills: int, head: Callable[[torch.Tensor], torch.Tensor],
-                 embed: Callable[[torch.Tensor], torch.Tensor] | None):  # fmt: skip
+                 embed: Callable[[torch.Tensor], torch.Tensor] | None, kv_cache_bytes: int | None = None):  # fmt: skip
         """head: [rows, D] -> [rows, vocab] logits; embed: token ids -> input rows, None where the stage
-        feeds input embeddings itself (the talker)."""
+        feeds input embeddings itself (the talker); max_seq_len: positions per sequence (its context);
+        kv_cache_bytes: the pool's budget (stages/kv_budget.py)."""
         self.model, self.config, self.device, self.dtype = model, config, torch.device(device), dtype
         self.text_config = text_config
         self.max_seq_len = max_seq_len
         t = text_config
-        self.cache = SlotKVCache(t.num_hidden_layers, max_slots, t.num_key_value_heads, max_seq_len, t.head_dim, dtype,
-                                 self.device)  # fmt: skip
+        self.kv_plan = plan_pool(t, dtype, max_slots, max_seq_len, kv_cache_bytes)
+        self.cache = PagedKVCache(t.num_hidden_layers, max_slots, t.num_key_value_heads, t.head_dim,
+                                  num_blocks=self.kv_plan.blocks, max_len=max_seq_len, dtype=dtype, device=self.device)  # fmt: skip
         self.slots: list = [None] * max_slots  # each occupied slot's state (the runner's own dataclass)
         self.sampler = Sampler(self.device, seed)
         self.decoder = StaticDecoder(self.STAGE, model.model, self.cache, head, t.vocab_size, embed,
@@ -49,9 +53,19 @@ class DecoderRunner:
         return True
 
     def release(self, seq: Sequence) -> None:
+        self.preempt(seq)
+        self.sampler.release(seq.request_id)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Drops the sequence's slot state and blocks, keeping what its recompute needs (its sampler)."""
         if 0 <= seq.slot < len(self.slots):
             self.slots[seq.slot] = None
-        self.sampler.release(seq.request_id)
+            self.cache.release(seq.slot)
+
+    def kv_tokens(self, seq: Sequence) -> int:
+        """Positions the sequence's cache holds once its next decode step has run."""
+        state = self.slots[seq.slot] if 0 <= seq.slot < len(self.slots) else None
+        return state.length + 1 if state is not None else 0
 
     @torch.inference_mode()
     def capture_graphs(self) -> None:

@@ -1,6 +1,9 @@
-# One batched decode step of a transformers decoder stack over rows [0, rows) of a SlotKVCache, driven
-# from static buffers so that it can be replayed as a CUDA graph per (rows bucket, kv bucket). Shared by
-# the thinker (token ids in, LM logits out) and the talker (input embeddings in, codec logits out).
+# One batched decode step of a transformers decoder stack over rows [0, rows) of a PagedKVCache, driven
+# from static buffers so that it can be replayed as a CUDA graph per rows bucket: the paged decode kernel
+# (models/paged_attention.py) reads each row's blocks to its own length from the block tables, so the graph
+# does not depend on the rows' lengths. Where that kernel does not run (no triton), attention gathers the
+# rows' blocks up to a kv bucket and the graphs are per (rows bucket, kv bucket). Shared by the thinker
+# (token ids in, LM logits out) and the talker (input embeddings in, codec logits out).
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -10,7 +13,8 @@ import torch
 from .cuda_graphs import GraphBank, batch_buckets, bucket_for, length_buckets
 from .decoder_step import decode_step
 from .host_copy import to_device
-from .kv_cache import SlotKVCache
+from ..models import fused_ops
+from .paged_kv import PagedKVCache
 
 
 class StaticDecoder:
@@ -18,7 +22,7 @@ class StaticDecoder:
         self,
         name: str,
         text_model,  # .layers, .norm, .rotary_emb
-        cache: SlotKVCache,
+        cache: PagedKVCache,
         head: Callable[[torch.Tensor], torch.Tensor],  # [rows, D] -> [rows, V]
         head_dim: int,  # V
         embed: Callable[[torch.Tensor], torch.Tensor] | None,  # ids [rows] -> [rows, D]; None: embeddings in
@@ -26,13 +30,14 @@ class StaticDecoder:
         cuda_graphs: bool,
     ):
         self.text_model, self.cache, self.head, self.embed = (text_model, cache, head, embed)
-        rows, device = cache.slots, cache.k[0].device
+        rows, device = cache.slots, cache.device
         hidden = text_model.norm.weight.shape[0]
-        dtype = cache.k[0].dtype
+        dtype = cache.dtype
         self.bank = GraphBank(name, device, cuda_graphs)
         # padding rows only pay off when a graph replays; eager steps run at the exact size
         self.row_buckets = batch_buckets(rows) if self.bank.enabled else None
-        self.kv_buckets = length_buckets(cache.max_len) if self.bank.enabled else None
+        paged_kernel = fused_ops.available()
+        self.kv_buckets = ([cache.max_len] if paged_kernel else length_buckets(cache.max_len)) if self.bank.enabled else None
         self.index = torch.zeros(2, rows, dtype=torch.long, device=device)  # positions, rope deltas
         self.ids = torch.zeros(rows, dtype=torch.long, device=device)
         self.embeds = torch.zeros(rows, 1, hidden, dtype=dtype, device=device)
@@ -55,6 +60,7 @@ class StaticDecoder:
         self.index[:, :rows].copy_(to_device([positions + [0] * pad, deltas + [0] * pad], self.index.device))
         if ids is not None:
             self.ids[:rows].copy_(to_device(ids + [0] * pad, self.ids.device))
+        self.cache.sync()
         self.bank.run((rows, kv_len), lambda: self._run(rows, kv_len))
         return rows, kv_len
 
@@ -63,6 +69,7 @@ class StaticDecoder:
         if not self.bank.enabled:
             return
         self.index.zero_()
+        self.cache.sync()
         keys = [(r, k) for r in self.row_buckets for k in self.kv_buckets]
         self.bank.capture_all(keys, lambda key: lambda: self._run(*key))
 

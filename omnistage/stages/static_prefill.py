@@ -3,9 +3,10 @@
 # to launch them, one prompt or sixteen (perf/results/2026-12-03-h200-static-prefill.json), and at 64 concurrent W1
 # requests the talker spent a third of its time there. A slot's prompt always starts at position 0 (no
 # prefix cache), so attention is causal self-attention over the new tokens alone: each layer writes its
-# K/V into the slots and attends to the tokens it was given. Rows are right-padded to the bucket's tokens
-# (causal attention never looks right, and the positions past a prompt are overwritten by its decode
-# steps before anything reads them); padding rows repeat row 0, writing the same values to the same slot.
+# K/V into the slots' blocks and attends to the tokens it was given. Rows are right-padded to the bucket's
+# tokens (causal attention never looks right; positions past a prompt land in its last block, overwritten
+# by its decode steps before anything reads them, or in the null block); padding rows repeat row 0,
+# writing the same values to the same blocks.
 # Text-only prompts only: their MRoPE positions are 0..L-1 in every section.
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 from ..models.layer_stack import run_layers
 from .cuda_graphs import GraphBank, batch_buckets, bucket_for
 from .host_copy import to_device
-from .kv_cache import SlotKVCache
+from .paged_kv import PagedKVCache, PagedWriter
 
 
 def token_buckets(max_tokens: int, step: int = 64) -> list[int]:
@@ -33,10 +34,10 @@ def load_padded(buffer: torch.Tensor, embeds: list[torch.Tensor], rows: int, tok
 
 
 class StaticPrefill:
-    def __init__(self, name: str, text_model, cache: SlotKVCache, *, max_rows: int, max_tokens: int,
+    def __init__(self, name: str, text_model, cache: PagedKVCache, *, max_rows: int, max_tokens: int,
                  cuda_graphs: bool):  # fmt: skip
         self.text_model, self.cache = text_model, cache
-        device, dtype = cache.k[0].device, cache.k[0].dtype
+        device, dtype = cache.device, cache.dtype
         hidden = text_model.norm.weight.shape[0]
         self.max_rows, self.max_tokens = max_rows, min(max_tokens, cache.max_len)
         self.bank = GraphBank(f"{name}_prefill", device, cuda_graphs)
@@ -61,6 +62,9 @@ class StaticPrefill:
         """embeds: per prompt [L_i, D] on the device; slots: where each prompt's K/V goes. Returns the normed
         hidden state at each prompt's last position, [n, D] (a view of a static buffer: copy to keep)."""
         n, lengths = len(embeds), [e.shape[0] for e in embeds]
+        for slot, length in zip(slots, lengths):
+            self.cache.grow(slot, length)
+        self.cache.sync()
         rows, tokens = self.shape_for(n, max(lengths))
         pad = load_padded(self.embeds, embeds, rows, tokens)
         index = to_device([slots + slots[:1] * pad, [x - 1 for x in lengths + lengths[:1] * pad]], self.slots.device)
@@ -70,9 +74,10 @@ class StaticPrefill:
         return self.hidden_out[:n]
 
     def capture_all(self) -> None:
-        """Captures every (rows, tokens) bucket while no slot is in use (they write into slot 0)."""
+        """Captures every (rows, tokens) bucket while no slot is in use (they write into the null block)."""
         if not self.bank.enabled:
             return
+        self.cache.sync()
         self.slots.zero_()
         self.last.zero_()
         keys = [(r, t) for r in self.row_buckets for t in self.token_buckets]
@@ -82,23 +87,11 @@ class StaticPrefill:
         embeds = self.embeds[:rows, :tokens]
         positions = torch.arange(tokens, device=embeds.device).view(1, 1, tokens).expand(3, rows, tokens)
         position_embeddings = self.text_model.rotary_emb(embeds, positions)
-        writer = _SlotWriter(self.cache, self.slots[:rows], tokens)
+        steps = torch.arange(tokens, device=embeds.device)[None].expand(rows, tokens)
+        writer = PagedWriter(self.cache, self.slots[:rows], steps, None)
         # no mask: sdpa runs causal over the new tokens
         hidden = run_layers(self.text_model.layers, embeds, attention_mask=None, position_embeddings=position_embeddings,
                             past_key_values=writer)  # fmt: skip
         last = hidden[torch.arange(rows, device=hidden.device), self.last[:rows]]  # [rows, D]
         self.hidden_out[:rows].copy_(self.text_model.norm(last))
 
-
-class _SlotWriter:
-    """Duck-types transformers' Cache.update() for a prefill from position 0: the new K/V of row r go to
-    positions [0, tokens) of slot slots[r], and attention reads the new tokens only."""
-
-    def __init__(self, cache: SlotKVCache, slots: torch.Tensor, tokens: int):
-        self.cache, self.slots, self.tokens = cache, slots, tokens
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        k, v = self.cache.k[layer_idx], self.cache.v[layer_idx]
-        k[:, :, : self.tokens].index_copy_(0, self.slots, key_states)
-        v[:, :, : self.tokens].index_copy_(0, self.slots, value_states)
-        return key_states, value_states

@@ -42,14 +42,17 @@ class _SlotState:
 
 class TalkerRunner(DecoderRunner):
     STAGE = "talker"
+    # a frame's input is the previous frame's codes, which leave with the response: a preempted sequence
+    # could not be recomputed, so the scheduler reserves a talker sequence's whole reply when it admits it
+    RECOMPUTES = False
 
     def __init__(self, model, config, *, max_slots: int, max_seq_len: int, device, dtype, seed: int = 0,
-                 cuda_graphs: bool = False, max_prefills: int = 16):  # fmt: skip
+                 cuda_graphs: bool = False, max_prefills: int = 16, kv_cache_bytes: int | None = None):  # fmt: skip
         tc = config.talker_config
         text = tc.text_config
         super().__init__(model, config, text, max_slots=max_slots, max_seq_len=max_seq_len, device=device,
                          dtype=dtype, seed=seed, cuda_graphs=cuda_graphs, max_prefills=max_prefills,
-                         head=model.codec_head, embed=None)  # fmt: skip
+                         head=model.codec_head, embed=None, kv_cache_bytes=kv_cache_bytes)  # fmt: skip
         # transformers' talker reads config.audio_config for audio prompts' MRoPE, which only the thinker has
         if not hasattr(model.config, "audio_config"):
             model.config.audio_config = config.thinker_config.audio_config
@@ -146,6 +149,8 @@ class TalkerRunner(DecoderRunner):
 
     # ---- internals ----------------------------------------------------------------------------------------
     def _prefill_batch(self, seqs: list[Sequence]) -> list[StepResult]:
+        for seq in seqs:  # a prefill starts its slot afresh
+            self.cache.release(seq.slot)
         prompts = self.prompts.build(seqs)
         lengths = [p.embeds.shape[0] for p in prompts]
         if all(p.text_only for p in prompts) and self.static_prefill.fits(len(seqs), max(lengths)):
@@ -199,6 +204,8 @@ class TalkerRunner(DecoderRunner):
         slots = to_device([s.slot for s in seqs], self.device)
         # rows of occupied slots that are not stepping (waiting for text) write at their next free position
         self.decoder.embeds[slots, 0] = self.codec_sums[slots] + self._text_inputs(seqs)
+        for seq in seqs:
+            self.cache.grow(seq.slot, self.slots[seq.slot].length + 1)
         states = self._step_states()
         self.decoder.step([st.length if st else 0 for st in states], [st.rope_delta if st else 0 for st in states])
         self.hidden[slots] = self.decoder.hidden_out[slots]

@@ -1,9 +1,10 @@
-# ThinkerRunner: owns the thinker's weights, its static KV cache and per-slot decode state.
-# Prefill runs transformers' own thinker forward (batch 1, eager: multimodal merge, MRoPE index,
-# deepstack), then its KV moves into the request's slot; decode batches every running request.
+# ThinkerRunner: owns the thinker's weights, its paged KV cache and per-slot decode state. Prefill writes a
+# prompt's K/V into its slot's blocks (static, chunk and media prefills; transformers' own forward for the
+# rest); decode batches every running request. A sequence preempted for memory (core/scheduler.py) comes
+# back as a prompt of its original prompt and the tokens it had generated, and goes on from there.
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import DynamicCache
@@ -32,6 +33,9 @@ class ThinkerPrompt:
     video_grid_thw: torch.Tensor | None = None
     video_second_per_grid: torch.Tensor | None = None  # [videos] seconds of video per temporal grid step
     use_audio_in_video: bool = False  # the videos' audio tracks are interleaved with their frames
+    # a preempted sequence's prompt when it comes back: the original prompt's length (input_ids then go on
+    # with the tokens it had generated, recomputed in its prefill); 0: a first prefill
+    resumed_from: int = 0
 
     @property
     def is_text_only(self) -> bool:
@@ -64,12 +68,15 @@ class _SlotState:
 
 class ThinkerRunner(DecoderRunner):
     STAGE = "thinker"
+    RECOMPUTES = True  # a preempted sequence can be recomputed from its prompt and generated tokens
 
     def __init__(self, model, config, *, max_slots: int, max_seq_len: int, device, dtype, seed: int = 0,
-                 cuda_graphs: bool = False, max_prefills: int = 16, prefix_cache_bytes: int = 0):  # fmt: skip
+                 cuda_graphs: bool = False, max_prefills: int = 16, prefix_cache_bytes: int = 0,
+                 kv_cache_bytes: int | None = None):  # fmt: skip
         super().__init__(model, config, config.thinker_config.text_config, max_slots=max_slots,
                          max_seq_len=max_seq_len, device=device, dtype=dtype, seed=seed, cuda_graphs=cuda_graphs,
-                         max_prefills=max_prefills, head=model.lm_head, embed=model.get_input_embeddings())  # fmt: skip
+                         max_prefills=max_prefills, head=model.lm_head, embed=model.get_input_embeddings(),
+                         kv_cache_bytes=kv_cache_bytes)  # fmt: skip
         # prompts with audio/image rows prefill batched, with the step's other fresh prompts
         self.media_prefill = MediaPrefill(self.STAGE, model, self.cache, max_rows=self.static_prefill.max_rows,
                                           max_tokens=self.static_prefill.max_tokens,
@@ -91,7 +98,9 @@ class ThinkerRunner(DecoderRunner):
 
     # ---- engine hooks -------------------------------------------------------------------------------------
     def prompt_tokens(self, seq: Sequence) -> int:
-        return int(seq.payload.input_ids.numel())
+        """Its prompt's length; a preempted sequence's prompt goes on with the tokens it had generated."""
+        p = seq.payload
+        return (p.resumed_from or int(p.input_ids.numel())) + len(seq.generated) if seq.num_generated else int(p.input_ids.numel())
 
     def validate(self, seq: Sequence) -> None:
         length = self.prompt_tokens(seq)
@@ -109,6 +118,10 @@ class ThinkerRunner(DecoderRunner):
         the static buffers together (StaticPrefill); all graph-replayed on CUDA. Prompts with video, media
         prompts whose kept prefix reaches into their media, and media prompts too long for the buffers run
         one by one through MediaPrefixPrefill; long text-only prompts through transformers' forward, eager."""
+        for seq in seqs:  # a prefill starts its slot afresh (resumed sequences from their generated tokens)
+            self.cache.release(seq.slot)
+            if seq.num_generated:
+                self._resume(seq)
         text = [s for s in seqs if s.payload.is_text_only]
         # only prompts the chunk prefill could serve look up and keep prefixes (a 2500-token W2 prompt's
         # blocks would only push the shared ones out)
@@ -133,6 +146,14 @@ class ThinkerRunner(DecoderRunner):
         # the talker's conditioning was gathered after the tokens' sync: one more sync (none on the CPU)
         outputs_to_host([r.output for r in results], self.device)
         return results
+
+    def _resume(self, seq: Sequence) -> None:
+        """The sequence was preempted after generating seq.generated: its prompt becomes the original prompt and
+        those tokens, whose prefill picks its next token as its next decode step would have."""
+        p = seq.payload
+        original = p.resumed_from or int(p.input_ids.numel())
+        ids = torch.cat([p.input_ids[:original].cpu(), torch.tensor(seq.generated, dtype=p.input_ids.dtype)])
+        seq.payload = replace(p, input_ids=ids, resumed_from=original)
 
     def _media_batches(self, seq: Sequence, found) -> bool:
         """Whether a prompt with media takes the batched MediaPrefill: audio/image prompts that fit its buffers,
@@ -176,6 +197,8 @@ class ThinkerRunner(DecoderRunner):
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> list[StepResult]:
         # every occupied slot up to the highest takes part (a just-prefilled one too), see StaticDecoder.step
+        for seq in seqs:
+            self.cache.grow(seq.slot, self.slots[seq.slot].length + 1)
         states = self._step_states()
         self.decoder.step([s.length if s else 0 for s in states], [s.rope_delta if s else 0 for s in states],
                           [s.last_token if s else 0 for s in states])  # fmt: skip
@@ -208,9 +231,9 @@ class ThinkerRunner(DecoderRunner):
         self.slots[seq.slot] = _SlotState(length, int(deltas.reshape(-1)[0]) if deltas is not None else 0, 0)
         token = self._sample(out.logits[:, -1], [seq])
         talker = tail = None
-        if p.export_talker:
+        if p.export_talker and not p.resumed_from:
             talker, tail = self._talker_conditioning(p.input_ids, out.hidden_states[0][0], out.hidden_states[self.accept_layer][0])
-        output = ThinkerOutput(talker=talker, prompt_tokens=length, text_rows=tail)
+        output = ThinkerOutput(talker=talker, prompt_tokens=None if p.resumed_from else length, text_rows=tail)
         return self._accept(seq, int(token[0]), output, self._text_rows(token, [seq]))
 
     def _chunk_hits(self, seqs: list[Sequence], found: dict) -> list[Sequence]:
@@ -267,9 +290,10 @@ class ThinkerRunner(DecoderRunner):
         `rows` (the first token's text row, or None)."""
         self.slots[seq.slot] = _SlotState(n, rope_delta, 0)
         talker = tail = None
-        if seq.payload.export_talker:
+        resumed = seq.payload.resumed_from
+        if seq.payload.export_talker and not resumed:
             talker, tail = self._talker_conditioning(seq.payload.input_ids, embeds, hidden)
-        output = ThinkerOutput(talker=talker, prompt_tokens=n, text_rows=tail)
+        output = ThinkerOutput(talker=talker, prompt_tokens=None if resumed else n, text_rows=tail)
         return self._accept(seq, token, output, None if rows is None else rows[i : i + 1])
 
     def _text_rows(self, tokens: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor | None:

@@ -108,12 +108,17 @@ _STAGE_GAUGES = {
     "batch_size": "sequences in the last engine step",
     "step_ms": "duration of the last engine step in milliseconds",
     "responses_pending": "requests with an open response stream",
-    "kv_cache_slots": "KV-cache slots of the instance (max_batch_size, or fewer within its KV budget)",
-    "kv_cache_bytes": "bytes of the instance's KV cache",
+    "kv_cache_slots": "rows of the instance's decode batch (max_batch_size)",
+    "kv_cache_bytes": "bytes of the instance's paged KV pool",
+    "kv_blocks_used": "KV pool blocks held by sequences or kept prefixes",
+    "kv_blocks_total": "KV pool blocks (16 positions each)",
+    "requests_waiting_for_slots": "requests queued because every slot (batch row) is taken",
+    "requests_waiting_for_blocks": "requests queued because the KV pool cannot hold their prompt and reserve",
     "gpu_memory_peak_bytes": "peak GPU memory torch allocated in the instance (0 on CPU)",
 }
 _STAGE_COUNTERS = {
     "steps_total": "engine steps run",
+    "preemptions_total": "running sequences sent back to the queue for KV blocks (recomputed later)",
     "responses_total": "responses sent",
     "prefill_seconds_total": "seconds the engine spent in prefills",
     "decode_seconds_total": "seconds the engine spent in decode steps (its busy share: / wall time)",
@@ -179,6 +184,11 @@ class StageMetrics(MetricsPublisher):
             "first_response_seconds_total": self.responder.first_response_seconds,
             "kv_cache_slots": self.kv.slots,
             "kv_cache_bytes": self.kv.cache_bytes,
+            "kv_blocks_used": s["kv_blocks_used"],
+            "kv_blocks_total": s["kv_blocks_total"],
+            "requests_waiting_for_slots": s["waiting_for_slots"],
+            "requests_waiting_for_blocks": s["waiting_for_blocks"],
+            "preemptions_total": s["preemptions"],
             "gpu_memory_peak_bytes": self._peak_gpu_bytes(),
         }
         if "prefix_cache_hit_tokens_total" in self.counters:

@@ -13,10 +13,10 @@ import torch
 from ..core.engine import StageEngine
 from ..core.errors import PROBE_ACTION, BadRequestError, OmniError
 from ..core.sampling import SamplingParams
-from ..core.scheduler import MAX_PREFILL_TOKENS, MAX_PREFILLS_PER_STEP, Scheduler, Sequence
+from ..core.scheduler import MAX_PREFILL_TOKENS, MAX_PREFILLS_PER_STEP, REPLY_RESERVE_TOKENS, Scheduler, Sequence
 from ..models import experts, fused
 from ..models.checkpoint import load_config, load_stage, resolve_checkpoint
-from ..stages.kv_budget import kv_budget_bytes, kv_bytes_per_slot, plan_slots
+from ..stages.kv_budget import kv_budget_bytes
 from .logs import setup_logging, stop_fault_reports
 from .metrics import StageMetrics
 from .responder import Responder, answer_probe, error_response, send_final
@@ -71,17 +71,10 @@ class StageModel:
         self.config = load_config(source)
         model = load_stage(source, self.STAGE, self.dtype, self.device,
                            experts_implementation=experts.NAME if self.device.type == "cuda" else None)
-        self.max_seq_len = int(self.params.get("max_seq_len", 1024))
-        # slots: max_batch_size, or fewer where the KV budget (if any) holds fewer (stages/kv_budget.py)
-        max_batch_size = int(self.params.get("max_batch_size", 8))
-        text_config = getattr(self.config, f"{self.STAGE}_config").text_config
-        self.kv = plan_slots(max_batch_size, kv_bytes_per_slot(text_config, self.max_seq_len, self.dtype),
-                             kv_budget_bytes(self.params))  # fmt: skip
-        self.max_slots = self.kv.slots
-        if self.max_slots < max_batch_size:
-            log.warning("[%s] the KV budget of %.0f MiB holds %d of max_batch_size %d slots of %d tokens",
-                        self.STAGE, self.kv.budget_bytes / 2**20, self.max_slots, max_batch_size,
-                        self.max_seq_len)  # fmt: skip
+        self.max_seq_len = int(self.params.get("max_seq_len", 1024))  # context per sequence
+        # rows: max_batch_size; the paged KV pool: the KV budget's blocks (stages/kv_budget.py)
+        self.max_slots = int(self.params.get("max_batch_size", 8))
+        self.kv_cache_bytes = kv_budget_bytes(self.params)
         # on CUDA the decode steps and the static prefills replay as graphs, and the fused kernels replace
         # transformers' elementwise ops: both are the measured path there
         # (perf/results/2026-12-03-h200-static-prefill.json); the CPU runs eager
@@ -97,16 +90,19 @@ class StageModel:
         runner.capture_graphs()
         runner.warm_up()
         self.responder = Responder(self.STAGE, self.encode, self._cancel)
+        self.kv = runner.kv_plan
         scheduler = Scheduler(self.max_slots, self.max_prefills, int(self.params.get("max_queue", 1024)),
-                              MAX_PREFILL_TOKENS)  # fmt: skip
+                              MAX_PREFILL_TOKENS, blocks=runner.cache.pool,
+                              reply_reserve=REPLY_RESERVE_TOKENS if runner.RECOMPUTES else None)  # fmt: skip
         self.engine = StageEngine(self.STAGE, runner, scheduler, self.responder.emit)
         self.responder.start()
         self.engine.start()
         instance = args.get("model_instance_name", self.STAGE)
         self.metrics = StageMetrics(self.STAGE, instance, self.engine, self.responder, self.kv, self.device)
         self.metrics.start()
-        log.info("[%s] ready on %s (%s), %d slots x %d tokens, KV cache %.1f MiB", self.STAGE, self.device,
-                 self.dtype, self.max_slots, self.max_seq_len, self.kv.cache_bytes / 2**20)  # fmt: skip
+        log.info("[%s] ready on %s (%s), %d rows, context %d tokens, KV pool %.1f MiB (%d tokens)", self.STAGE,
+                 self.device, self.dtype, self.max_slots, self.max_seq_len, self.kv.cache_bytes / 2**20,
+                 self.kv.tokens)  # fmt: skip
 
     def build_runner(self, model):
         raise NotImplementedError

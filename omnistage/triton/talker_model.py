@@ -18,7 +18,7 @@ class TalkerModel(StageModel):
         self.speakers = {k.lower(): v for k, v in self.config.talker_config.speaker_id.items()}
         return TalkerRunner(model, self.config, max_slots=self.max_slots, max_seq_len=self.max_seq_len,
                             device=self.device, dtype=self.dtype, cuda_graphs=self.cuda_graphs,
-                            max_prefills=self.max_prefills)  # fmt: skip
+                            max_prefills=self.max_prefills, kv_cache_bytes=self.kv_cache_bytes)  # fmt: skip
 
     def sequence_from(self, request, params: dict, request_id: str):
         inputs = input_tensors(request, TALKER)

@@ -14,7 +14,7 @@ class ThinkerModel(StageModel):
     def build_runner(self, model):
         return ThinkerRunner(model, self.config, max_slots=self.max_slots, max_seq_len=self.max_seq_len,
                              device=self.device, dtype=self.dtype, cuda_graphs=self.cuda_graphs,
-                             max_prefills=self.max_prefills,
+                             max_prefills=self.max_prefills, kv_cache_bytes=self.kv_cache_bytes,
                              prefix_cache_bytes=int(self.params.get("prefix_cache_bytes") or 0))  # fmt: skip
 
     def sequence_from(self, request, params: dict, request_id: str):

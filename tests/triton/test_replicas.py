@@ -3,7 +3,7 @@
 # replicas, every talker and code2wav call of a request lands on its replica, outputs equal generate() (with
 # the talker greedy by the profile's sampling default), a cancelled request frees its slots on the replica
 # that held them, and omni_ensemble publishes its handoff / TTFP / RTF histograms. The talkers run with a
-# KV budget that holds 2 of their 8 slots.
+# KV pool of 2.5 sequences of max_seq_len.
 import re
 import time
 
@@ -15,7 +15,8 @@ from omnistage.launch.render import profile_spec
 from omnistage.launch.triton_env import REPO_ROOT
 from omnistage.models.checkpoint import load_config
 from omnistage.models.processor import prepare_inputs
-from omnistage.stages.kv_budget import kv_bytes_per_slot
+from omnistage.core.block_pool import BLOCK
+from omnistage.stages.kv_budget import kv_bytes_per_token
 
 from .. import oracle
 from .conftest import RepoSpec
@@ -23,12 +24,12 @@ from .omni_client import OmniStream
 from .test_omni_pipeline import FRAMES, GREEDY, REPLY, gauge, infer_count, wait_for
 
 REPLICAS = {"thinker": ["thinker", "thinker_1"], "talker": ["talker", "talker_1"], "code2wav": ["code2wav", "code2wav_1"]}
-TALKER_SLOTS = 2  # of max_batch_size 8 (the base profile's): what the talkers' KV budget holds
+TALKER_POOL_TOKENS = 2560  # 2.5 sequences of the base profile's max_seq_len, 1024
 
 
 def talker_kv_budget(tiny_checkpoint) -> int:
     text = load_config(tiny_checkpoint).talker_config.text_config
-    return int((TALKER_SLOTS + 0.5) * kv_bytes_per_slot(text, 1024, torch.float32))  # base profile: 1024 tokens
+    return TALKER_POOL_TOKENS * kv_bytes_per_token(text, torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -81,14 +82,16 @@ def test_requests_spread_over_replicas_and_keep_their_talker(triton_server, hf_m
         assert float(re.search(rf'^nv_inference_count{{model="{m}",version="1"}} (\S+)$', metrics, re.M)[1]) > 0
 
 
-def test_kv_budget_sets_the_talkers_slots(triton_server, tiny_checkpoint):
+def test_kv_budget_sizes_the_talkers_pool(triton_server, tiny_checkpoint):
     metrics = triton_server.metrics()
     text = load_config(tiny_checkpoint).talker_config.text_config
-    per_slot = kv_bytes_per_slot(text, 1024, torch.float32)
-    assert series(metrics, "omni_talker_kv_cache_slots") == [TALKER_SLOTS] * 2  # one series per replica
-    assert series(metrics, "omni_talker_kv_cache_bytes") == [TALKER_SLOTS * per_slot] * 2
+    blocks = TALKER_POOL_TOKENS // BLOCK
+    assert series(metrics, "omni_talker_kv_blocks_total") == [blocks] * 2  # one series per replica
+    assert series(metrics, "omni_talker_kv_cache_bytes") == [(blocks + 1) * BLOCK * kv_bytes_per_token(text, torch.float32)] * 2
     assert series(metrics, "omni_talker_gpu_memory_peak_bytes") == [0, 0]  # CPU
-    assert series(metrics, "omni_thinker_kv_cache_slots") == [8, 8]  # no budget: max_batch_size
+    assert series(metrics, "omni_talker_kv_cache_slots") == series(metrics, "omni_thinker_kv_cache_slots") == [8, 8]
+    # no budget: max_batch_size sequences of max_seq_len (1024 tokens: 64 blocks)
+    assert series(metrics, "omni_thinker_kv_blocks_total") == [8 * 64] * 2
 
 
 def test_cancel_frees_the_slots_of_the_replicas_that_held_them(triton_server):

@@ -5,14 +5,16 @@
 import pytest
 import torch
 
+from omnistage.core.block_pool import BLOCK
 from omnistage.models.processor import prepare_inputs
 from omnistage.stages.cuda_graphs import batch_buckets
-from omnistage.stages.kv_cache import SlotKVCache
 from omnistage.stages.media_prefill import MediaPrefill
+from omnistage.stages.paged_kv import PagedKVCache
 from omnistage.stages.static_prefill import token_buckets
 from omnistage.stages.thinker import ThinkerPrompt
 
 from .. import oracle
+from .test_stage_oracle import slot_kv
 
 
 def _prompts(processor) -> list[ThinkerPrompt]:
@@ -26,9 +28,10 @@ def _prompts(processor) -> list[ThinkerPrompt]:
 
 def _prefill(thinker, prompts, slots, device="cpu", dtype=torch.float32, buckets=None, cuda_graphs=False):
     cfg = thinker.config.text_config
-    cache = SlotKVCache(cfg.num_hidden_layers, 6, cfg.num_key_value_heads, 256, cfg.head_dim, dtype, device)
-    for k in cache.k + cache.v:
-        k.fill_(7.0)  # what was there before
+    cache = PagedKVCache(cfg.num_hidden_layers, 6, cfg.num_key_value_heads, cfg.head_dim, num_blocks=64, max_len=256,
+                         dtype=dtype, device=device)  # fmt: skip
+    cache.k_all.fill_(7.0)  # what was there before
+    cache.v_all.fill_(7.0)
     prefill = MediaPrefill("test", thinker, cache, max_rows=4, max_tokens=128, accept_layer=3, cuda_graphs=cuda_graphs)
     if buckets:
         prefill.row_buckets, prefill.token_buckets = buckets
@@ -48,10 +51,9 @@ def test_media_prompts_padded_together_equal_each_prompt_alone(hf_model, process
         assert deltas[i] == d[0]
         assert oracle.rel_error(hidden[i], h[0]) < 1e-5
         assert oracle.rel_error(accept[i], a[0]) < 1e-5
-        for layer in range(len(cache.k)):
-            assert oracle.rel_error(cache.k[layer][slot, :, :n], own.k[layer][slot, :, :n]) < 1e-5
-    untouched = [s for s in range(6) if s not in (4, 1)]
-    assert all(bool((k[untouched] == 7.0).all()) for k in cache.k + cache.v)
+        assert oracle.rel_error(slot_kv(cache, slot, n), slot_kv(own, slot, n)) < 1e-5
+    held = max(b for table in cache.pool.tables for b in table)
+    assert all(bool((k[:, (held + 1) * BLOCK :] == 7.0).all()) for k in (cache.k_all, cache.v_all))  # no other block
 
 
 @pytest.mark.gpu
@@ -75,7 +77,8 @@ def test_placeholder_counts_that_differ_from_the_media_are_refused(hf_model, pro
     from omnistage.core.errors import BadRequestError
 
     cfg = hf_model.config.thinker_config.text_config
-    cache = SlotKVCache(cfg.num_hidden_layers, 2, cfg.num_key_value_heads, 256, cfg.head_dim, torch.float32, "cpu")
+    cache = PagedKVCache(cfg.num_hidden_layers, 2, cfg.num_key_value_heads, cfg.head_dim, num_blocks=40, max_len=256,
+                         dtype=torch.float32, device="cpu")  # fmt: skip
     prefill = MediaPrefill("test", hf_model.thinker, cache, max_rows=2, max_tokens=128, accept_layer=3, cuda_graphs=False)
     for prompt in _prompts(processor):
         prefill.validate(prompt)  # as the processor makes them

@@ -14,7 +14,7 @@ from omnistage.models.processor import prepare_inputs
 from omnistage.stages.thinker import ThinkerPrompt, ThinkerRunner
 
 from .. import oracle
-from .test_stage_oracle import run_thinker, running
+from .test_stage_oracle import run_thinker, running, slot_kv
 
 REPLY = 6
 SYSTEM = {"role": "system", "content": "You are a helpful voice assistant; listen to the clip and answer. " * 2}
@@ -50,8 +50,7 @@ def test_two_clips_of_one_length_name_different_blocks_from_the_clips_block_on(h
 
 
 def _same_kv(a: ThinkerRunner, b: ThinkerRunner, slot: int, n: int) -> None:
-    for got, ref in zip(a.cache.k + a.cache.v, b.cache.k + b.cache.v):
-        torch.testing.assert_close(got[slot, :, :n], ref[slot, :, :n], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(slot_kv(a.cache, slot, n), slot_kv(b.cache, slot, n), rtol=1e-4, atol=1e-5)
 
 
 def _item(kind: str, variant: int) -> dict:
@@ -87,7 +86,7 @@ def test_a_different_item_of_the_same_size_is_never_served_from_the_cache(kind, 
         assert got.token_ids == want[v] == ref.token_ids, (i, v)
         torch.testing.assert_close(got.talker.user_rows, ref.talker.user_rows, rtol=1e-4, atol=1e-5)
         _same_kv(cached, plain, slot, n)
-        kv[v] = torch.stack([k[slot, :, :n] for k in cached.cache.k])
+        kv[v] = slot_kv(cached.cache, slot, n)
         hit = cached.prefix.hit_tokens - hits_before
         if i in (1, 4):  # media prompts' blocks are kept from their first sighting: the item's blocks too
             assert hit > last, (i, hit)

@@ -10,7 +10,7 @@ from omnistage.models.processor import prepare_inputs
 from omnistage.stages.thinker import ThinkerPrompt, ThinkerRunner
 
 from .. import oracle
-from .test_stage_oracle import run_thinker, running
+from .test_stage_oracle import run_thinker, running, slot_kv
 
 REPLY = 6
 LONG_SYSTEM = {"role": "system", "content": "You read the user's message aloud, word for word, and add nothing. " * 3}
@@ -44,8 +44,8 @@ def test_prompts_sharing_a_system_prompt_prefill_only_the_rest_and_match_generat
         length = prompt.input_ids.numel()
         assert (shared == (length - 1) // BLOCK * BLOCK) == (i == 4), (i, shared, length)
         slot = i % 4
-        for got_kv, ref_kv in zip(cached.cache.k + cached.cache.v, plain.cache.k + plain.cache.v):
-            torch.testing.assert_close(got_kv[slot, :, :length], ref_kv[slot, :, :length], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(slot_kv(cached.cache, slot, length), slot_kv(plain.cache, slot, length),
+                                   rtol=1e-4, atol=1e-5)  # fmt: skip
         torch.testing.assert_close(got.text_rows, ref.text_rows)
         torch.testing.assert_close(got.talker.user_rows, ref.talker.user_rows)
 
@@ -68,8 +68,8 @@ def test_a_step_of_several_prompts_with_kept_prefixes_pads_like_a_graph_bucket(h
         ref = plain.prefill([running(f"r{i}", SamplingParams(max_tokens=REPLY), prompt, slot=seq.slot)])[0]
         assert got[i].output.token_ids == ref.output.token_ids
         n = prompt.input_ids.numel()
-        for got_kv, ref_kv in zip(cached.cache.k + cached.cache.v, plain.cache.k + plain.cache.v):
-            torch.testing.assert_close(got_kv[seq.slot, :, :n], ref_kv[seq.slot, :, :n], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(slot_kv(cached.cache, seq.slot, n), slot_kv(plain.cache, seq.slot, n),
+                                   rtol=1e-4, atol=1e-5)  # fmt: skip
 
 
 def test_a_zero_budget_keeps_nothing(hf_model):
@@ -98,8 +98,7 @@ def test_chunk_prefill_graphs_equal_the_full_prefill_on_cuda(tiny_checkpoint, pr
         plain.prefill([running(f"p{i}", SamplingParams(max_tokens=REPLY), prompt, slot=i)])
     assert cached.prefix.hit_tokens > 0  # the third took the system prompt from the pool
     n = prompt.input_ids.numel()
-    for got_kv, ref_kv in zip(cached.cache.k + cached.cache.v, plain.cache.k + plain.cache.v):
-        torch.testing.assert_close(got_kv[2, :, :n], ref_kv[2, :, :n], rtol=0.05, atol=0.05)
+    torch.testing.assert_close(slot_kv(cached.cache, 2, n), slot_kv(plain.cache, 2, n), rtol=0.05, atol=0.05)
 
 
 def test_chunk_prefill_buckets_keep_every_padded_position_below_its_kv_length(hf_model):

@@ -16,24 +16,28 @@ def test_names_cover_the_full_blocks_before_the_last_token():
     assert a[0] == b[0] and a[1] != b[1]  # a name stands for the whole prefix up to its block's end
 
 
+BLOCKS = [11, 12, 13, 14]  # the prompt's pool blocks
+
+
 def test_blocks_are_kept_on_their_second_sighting_and_matched_after():
     index = PrefixIndex(capacity=8)
     prompt = ids((0, 3 * BLOCK + 2))
     found = index.match(prompt)
-    assert found.entries == [] and index.admit(found) == []
+    assert found.entries == [] and index.admit(found, BLOCKS) == ([], [])
     found = index.match(prompt)
     assert found.entries == []
-    admitted = index.admit(found)
-    assert [n for n, _ in admitted] == [0, 1, 2] and len({e for _, e in admitted}) == 3
+    admitted, evicted = index.admit(found, BLOCKS)
+    assert admitted == [(0, 11), (1, 12), (2, 13)] and evicted == []
     found = index.match(prompt)
-    assert found.entries == [e for _, e in admitted] and found.tokens == 3 * BLOCK
-    assert index.admit(found) == []
+    assert found.entries == [11, 12, 13] and found.tokens == 3 * BLOCK
+    assert index.admit(found, BLOCKS) == ([], [])
+    assert index.kept_run(found) == 3
 
 
 def test_a_shared_prefix_matches_up_to_where_prompts_part():
     index = PrefixIndex(capacity=8)
     for tail in (100, 200):  # two prompts share their first two blocks
-        index.admit(index.match(ids((0, 2 * BLOCK), (tail, BLOCK + 3))))
+        index.admit(index.match(ids((0, 2 * BLOCK), (tail, BLOCK + 3))), BLOCKS)
     found = index.match(ids((0, 2 * BLOCK), (300, BLOCK + 3)))
     assert found.tokens == 2 * BLOCK and len(found.names) == 3
 
@@ -42,17 +46,17 @@ def test_a_zero_capacity_keeps_nothing():
     index = PrefixIndex(capacity=0)
     prompt = ids((0, 2 * BLOCK + 1))
     for _ in range(3):
-        assert index.admit(index.match(prompt)) == []
+        assert index.admit(index.match(prompt), BLOCKS) == ([], [])
 
 
 def test_least_recently_used_blocks_are_evicted():
     index = PrefixIndex(capacity=2)
     a, b = ids((0, BLOCK + 1)), ids((500, BLOCK + 1))
-    for prompt in (a, a, b, b):
-        index.admit(index.match(prompt))
+    for prompt, block in ((a, 1), (a, 1), (b, 2), (b, 2)):
+        index.admit(index.match(prompt), [block])
     assert len(index) == 2
     index.match(a)  # a used: b is now the oldest
     c = ids((900, BLOCK + 1))
-    index.admit(index.match(c))
-    index.admit(index.match(c))
+    index.admit(index.match(c), [3])
+    assert index.admit(index.match(c), [3]) == ([(0, 3)], [2])  # b's block goes back to the pool
     assert index.match(a).tokens == BLOCK and index.match(b).tokens == 0 and index.match(c).tokens == BLOCK

@@ -34,7 +34,7 @@ def test_base_profile_is_the_default_layout(platform):
     cuda = platform == "cuda"
     for name in ("thinker", "talker"):
         p = spec[name].parameters
-        assert p["max_batch_size"] == ("64" if cuda else "8") and p["max_seq_len"] == ("4096" if cuda else "1024")
+        assert p["max_batch_size"] == ("64" if cuda else "8") and p["max_seq_len"] == ("65536" if cuda else "1024")
         assert p["dtype"] == ("bfloat16" if cuda else "float32")
     assert spec["code2wav"].parameters["max_batch_windows"] == "64"
     omni = spec["omni_ensemble"].parameters
@@ -87,9 +87,9 @@ def test_overlay_wins_over_the_base_platform_block(tmp_path):
     """)
     cuda = render.profile_spec(load_profile(path, "cuda"), MODEL)
     thinker = cuda["thinker"].parameters
-    assert thinker["max_batch_size"] == "32" and thinker["max_seq_len"] == "4096"  # overlay, then cuda block
+    assert thinker["max_batch_size"] == "32" and thinker["max_seq_len"] == "65536"  # overlay, then cuda block
     assert thinker["memory_fraction"] == "0.5"
-    assert "kv_cache_bytes" not in thinker  # null: no budget
+    assert thinker["kv_cache_bytes"] == str(24 << 30)  # the cuda block's pool
     assert json.loads(thinker["sampling_defaults"]) == {"temperature": 0.7, "stop_token_ids": [1, 2]}
     assert cuda["talker"].parameters["max_queue"] == "1024"
     assert cuda["talker"].parameters["kv_cache_bytes"] == "1000000"
@@ -120,7 +120,7 @@ def test_overlay_wins_over_the_base_platform_block(tmp_path):
         ("stages: {talker: {sampling: {temprature: 0.5}}}", "stages.talker.sampling: got an unexpected keyword argument 'temprature'"),
         ("stages: {talker: {sampling: {top_p: 0}}}", "stages.talker.sampling: top_p must be in (0, 1]"),
         ("chunks: {chunk_frames: 0}", "chunks.chunk_frames must be an integer >= 1, got 0"),
-        ("chunks: {chunk_frames: 5000}", "chunks.chunk_frames (5000) is longer than any talker stream can be"),
+        ("chunks: {chunk_frames: 70000}", "chunks.chunk_frames (70000) is longer than any talker stream can be"),
         ("chunks: {left_context_frames: 3}", "chunks: unknown key(s) left_context_frames"),
         ("chunks: {light_first_chunk_frames: 0}", "chunks.light_first_chunk_frames must be an integer >= 1, got 0"),
         ("chunks: {light_load_requests: 0}", "chunks.light_load_requests must be an integer >= 1, got 0"),

@@ -88,3 +88,57 @@ def test_queue_limit_and_duplicates():
         s.add(seq("a"))
     with pytest.raises(OverloadedError):
         s.add(seq("b"))
+
+
+# ---- admission by KV blocks (core/block_pool.py) ----------------------------------------------------------
+from omnistage.core.block_pool import BLOCK, BlockPool  # noqa: E402
+
+
+def blocked(name, prompt, max_tokens=8):
+    s = Sequence(name, SamplingParams(max_tokens=max_tokens), payload=prompt)
+    return s
+
+
+def pooled(blocks, slots=4, reserve=16):
+    return Scheduler(max_slots=slots, max_prefills_per_step=8, blocks=BlockPool(blocks + 1, slots, 64),
+                     reply_reserve=reserve)  # fmt: skip
+
+
+def test_a_prompt_waits_for_blocks_not_for_a_slot():
+    s = pooled(blocks=6)  # 96 positions
+    for q in (blocked("a", 40), blocked("b", 40)):  # 40 + 1 + 8 positions: 4 blocks each
+        s.add(q)
+    batch = s.schedule(prompt_tokens=lambda q: q.payload, kv_tokens=lambda q: q.payload + 1)
+    assert [q.request_id for q in batch.prefills] == ["a"]
+    assert s.wait_reason == "blocks" and s.waits == {"slots": 0, "blocks": 1} and s.slots_in_use == 1
+
+
+def test_the_newest_sequence_is_preempted_when_a_decode_lacks_blocks():
+    s = pooled(blocks=6, reserve=0)
+    length = {"a": 30, "b": 30}
+    for name in "ab":
+        s.add(blocked(name, 30))
+    a, b = s.schedule(prompt_tokens=lambda q: q.payload, kv_tokens=lambda q: length[q.request_id] + 1).prefills
+    for q in (a, b):
+        s.blocks.grow(q.slot, length[q.request_id] + 1)  # what the runner's prefill and first decode take
+        q.num_generated = 1
+    assert s.blocks.free_blocks == 2
+    length["a"] = length["b"] = 47  # both cross into their third and fourth block: 4 needed, 2 free
+    s.blocks.grow(a.slot, 48)
+    s.blocks.grow(b.slot, 48)
+    batch = s.schedule(prompt_tokens=lambda q: q.payload, kv_tokens=lambda q: length[q.request_id] + 2)
+    assert batch.preempted == [b] and batch.decodes == [a] and batch.prefills == []
+    assert b.status is SeqStatus.WAITING and s.waiting[0] is b and b.preemptions == 1 and s.preemptions == 1
+    assert s.blocks.held(b.slot) == 0 and s.blocks.free_blocks == 3
+
+
+def test_a_whole_reply_reserve_admits_only_what_can_finish():
+    s = pooled(blocks=10, reserve=None)  # talker: sequences are never preempted
+    for q in (blocked("a", 20, max_tokens=60), blocked("b", 20, max_tokens=60)):  # 81 positions: 6 blocks
+        s.add(q)
+    batch = s.schedule(prompt_tokens=lambda q: q.payload, kv_tokens=lambda q: q.payload + 1)
+    assert [q.request_id for q in batch.prefills] == ["a"] and s.wait_reason == "blocks"
+    s.blocks.grow(batch.prefills[0].slot, 21)  # its reserve stays counted while it holds less
+    assert s.schedule(prompt_tokens=lambda q: q.payload, kv_tokens=lambda q: q.payload + 1).prefills == []
+    s.finish(batch.prefills[0])
+    assert [q.request_id for q in s.schedule(prompt_tokens=lambda q: q.payload).prefills] == ["b"]

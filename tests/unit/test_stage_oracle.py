@@ -20,6 +20,12 @@ def running(request_id, params, payload, slot):
     return seq
 
 
+def slot_kv(cache, slot: int, n: int) -> torch.Tensor:
+    """The first n positions of a slot of a paged cache, read through its block table: [2 * layers, H, n, D]."""
+    k, v = cache.read(slot, n)
+    return torch.cat(k + v)
+
+
 def run_thinker(runner, seq):
     results = runner.prefill([seq])
     out = results[0].output

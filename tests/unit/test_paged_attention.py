@@ -1,0 +1,120 @@
+# Attention through block tables: the paged decode kernel (models/paged_attention.py, run by Triton's CPU
+# interpreter here, see tests/conftest.py) against the gathered reference (stages/paged_kv.py: a row's
+# blocks gathered, SDPA under the mask), and that reference against dense attention over each row's own
+# contiguous K/V, with rows of very different lengths in one batch and blocks scattered over the pool.
+import pytest
+import torch
+import torch.nn.functional as F
+
+from omnistage.core.block_pool import BLOCK
+from omnistage.models import fused_ops, paged_attention
+from omnistage.stages.paged_kv import PagedKVCache
+
+HEADS, KV_HEADS, DIM = 8, 2, 32
+
+
+def scattered_cache(lengths: list[int], seed: int = 0) -> tuple[PagedKVCache, list[torch.Tensor], list[torch.Tensor]]:
+    """A one-layer cache holding random K/V for each row (slot r) up to its length, its blocks interleaved
+    with the other rows' (grown a block at a time, round robin); returns it and each row's dense K, V."""
+    g = torch.Generator().manual_seed(seed)
+    cache = PagedKVCache(1, len(lengths), KV_HEADS, DIM, num_blocks=64, max_len=512, dtype=torch.float32, device="cpu")
+    for step in range(1, max(lengths) // BLOCK + 2):
+        for slot, n in enumerate(lengths):
+            cache.grow(slot, min(n, step * BLOCK))
+    cache.sync()
+    ks, vs = [], []
+    for slot, n in enumerate(lengths):
+        k, v = torch.randn(1, KV_HEADS, n, DIM, generator=g), torch.randn(1, KV_HEADS, n, DIM, generator=g)
+        cache.write(0, cache.physical(torch.tensor([slot]), torch.arange(n)[None]), k, v)
+        ks.append(k)
+        vs.append(v)
+    return cache, ks, vs
+
+
+def dense(query: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
+    """Each row's attention over its own contiguous K/V: [B, 1, H, D]."""
+    out = [F.scaled_dot_product_attention(q[None], k, v, scale=DIM**-0.5, enable_gqa=True)
+           for q, k, v in zip(query, ks, vs)]  # fmt: skip
+    return torch.cat(out).transpose(1, 2)
+
+
+LENGTHS = [1, 17, 300, 40, 16, 63]
+
+
+def test_gathered_blocks_under_the_mask_equal_dense_attention():
+    cache, ks, vs = scattered_cache(LENGTHS)
+    assert cache.pool.tables[2][:3] != [cache.pool.tables[2][0] + i for i in range(3)]  # really scattered
+    query = torch.randn(len(LENGTHS), HEADS, 1, DIM)
+    rows = torch.arange(len(LENGTHS))
+    k, v = cache.gather(0, rows, -(-max(LENGTHS) // BLOCK))
+    mask = (torch.arange(k.shape[2])[None] < torch.tensor(LENGTHS)[:, None])[:, None, None]
+    got = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=DIM**-0.5, enable_gqa=True)
+    torch.testing.assert_close(got.transpose(1, 2), dense(query, ks, vs))
+
+
+@pytest.mark.skipif(not fused_ops.available(), reason="needs triton")
+def test_paged_decode_kernel_equals_dense_attention_per_row():
+    # 300 positions over 32 parts: several parts per long row, merged; the short rows use one
+    cache, ks, vs = scattered_cache(LENGTHS, seed=1)
+    query = torch.randn(len(LENGTHS), HEADS, 1, DIM)
+    got = paged_attention.decode(query, cache.k[0], cache.v[0], cache.table, torch.tensor(LENGTHS), DIM**-0.5)
+    torch.testing.assert_close(got, dense(query, ks, vs), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads, kv_heads", [(32, 4), (16, 2)])  # the thinker's and the talker's
+def test_paged_decode_kernel_on_cuda_equals_gathered_attention(heads, kv_heads):
+    """Compiled, bf16, real head geometry: 64 rows of W1-like lengths beside a 30,000-token row."""
+    lengths = [150 + 7 * i for i in range(63)] + [30000]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    cache = PagedKVCache(1, len(lengths), kv_heads, 128, num_blocks=4096, max_len=32768, dtype=torch.bfloat16,
+                         device="cuda")  # fmt: skip
+    for slot, n in enumerate(lengths):
+        cache.grow(slot, n)
+    cache.sync()
+    for pool in (cache.k[0], cache.v[0]):
+        pool.copy_(torch.randn(pool.shape, generator=g, device="cuda"))
+    query = torch.randn(len(lengths), heads, 1, 128, generator=g, device="cuda").to(torch.bfloat16)
+    lengths_t = torch.tensor(lengths, device="cuda")
+    got = paged_attention.decode(query, cache.k[0], cache.v[0], cache.table, lengths_t, 128**-0.5)
+    rows = torch.arange(len(lengths), device="cuda")
+    for part in (rows[:63], rows[63:]):  # gathered to each part's longest row, masked per row
+        n = max(lengths[int(part[-1])], lengths[int(part[0])])
+        k, v = cache.gather(0, part, -(-n // BLOCK))
+        mask = (torch.arange(k.shape[2], device="cuda")[None] < lengths_t[part][:, None])[:, None, None]
+        want = F.scaled_dot_product_attention(query[part], k, v, attn_mask=mask, scale=128**-0.5, enable_gqa=True)
+        torch.testing.assert_close(got[part], want.transpose(1, 2), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@torch.inference_mode()
+def test_decode_graphs_over_the_paged_kernel_equal_eager_steps_on_cuda(tiny_checkpoint, processor):
+    """As served on CUDA (bf16, fused kernels, graphs per rows bucket): two prompts of different lengths
+    decoded side by side give the tokens of the same steps run eagerly."""
+    from omnistage.core.sampling import SamplingParams
+    from omnistage.models import fused
+    from omnistage.models.checkpoint import load_config, load_stage
+    from omnistage.models.processor import prepare_inputs
+    from omnistage.stages.thinker import ThinkerPrompt, ThinkerRunner
+
+    from .. import oracle
+    from .test_stage_oracle import running
+
+    config = load_config(str(tiny_checkpoint))
+    model = load_stage(str(tiny_checkpoint), "thinker", dtype=torch.bfloat16, device="cuda")
+    fused.install(model)
+    texts = ["Say hello!", "Tell me a long story about the sea, please, in three short sentences."]
+    prompts = [ThinkerPrompt(prepare_inputs(processor, oracle.messages("text", t))["input_ids"][0]) for t in texts]
+    tokens = {}
+    for graphs in (False, True):
+        runner = ThinkerRunner(model, config, max_slots=4, max_seq_len=512, device="cuda", dtype=torch.bfloat16,
+                               cuda_graphs=graphs)  # fmt: skip
+        runner.capture_graphs()
+        seqs = [running(f"s{i}", SamplingParams(max_tokens=24), p, slot=i) for i, p in enumerate(prompts)]
+        results, out = runner.prefill(seqs), [[], []]
+        while all(r.finish_reason is None for r in results):
+            for i, r in enumerate(results):
+                out[i] += r.output.token_ids
+            results = runner.decode(seqs)
+        tokens[graphs] = out
+    assert tokens[True] == tokens[False] and all(len(t) > 16 for t in tokens[True])
