@@ -78,7 +78,8 @@ if fused_ops.available():
             m_new = tl.maximum(m_all, m)
             mine, theirs = tl.exp(m_all - m_new), tl.exp(m - m_new)
             l_all = l_all * mine + tl.load(l_ptr + at * GP + g) * theirs
-            acc_all = acc_all * mine[:, None] + tl.load(acc_ptr + (at * GP + g)[:, None] * D + d[None, :]) * theirs[:, None]
+            acc = tl.load(acc_ptr + (at * GP + g)[:, None] * D + d[None, :])
+            acc_all = acc_all * mine[:, None] + acc * theirs[:, None]
             m_all = m_new
         out = acc_all / l_all[:, None]
         where = out_ptr + (b * heads + h * G + g)[:, None] * D + d[None, :]
