@@ -58,8 +58,9 @@ class PagedAB:
         a = self.args
         tmp = Path(tempfile.mkdtemp(prefix="paged_ab_"))
         engine = {"max_seq_len": a.max_seq_len} if a.max_seq_len else {}
-        self.server = BenchServer(a.model, a.device, tmp / "server", engine=engine, http_port=a.port_base,
-                                  grpc_port=a.port_base + 1, metrics_port=a.port_base + 2, api_port=a.port_base + 91)  # fmt: skip
+        b = a.port_base
+        self.server = BenchServer(a.model, a.device, tmp / "server", engine=engine, http_port=b, grpc_port=b + 1,
+                                  metrics_port=b + 2, api_port=b + 91)  # fmt: skip
         self.report["server"] = {n: s.parameters for n, s in self.server.spec.items()}
         t0 = time.monotonic()
         try:

@@ -117,7 +117,7 @@ class Scheduler:
         preempted = self._make_room(decodes, kv_tokens) if self.blocks is not None else []
         prefills = []
         budget = self.max_prefill_tokens if prompt_tokens is not None else None
-        spare = self._spare_blocks() if self.blocks is not None else 0
+        spare = self._spare_blocks() if self.blocks is not None and self.waiting else 0
         self.wait_reason = None
         while self.waiting and len(prefills) < self.max_prefills_per_step:
             if not self._free:
@@ -162,7 +162,9 @@ class Scheduler:
         """Preempts the newest running sequences until this step's decodes find their blocks; returns them."""
         preempted = []
         need = {id(s): self.blocks.needed(s.slot, kv_tokens(s)) for s in decodes}
-        while sum(need.values()) > self.blocks.available_blocks and self.reply_reserve is not None:
+        # (free blocks first: counting what a prefix cache could give back walks its blocks)
+        while self.reply_reserve is not None and sum(need.values()) > self.blocks.free_blocks \
+                and sum(need.values()) > self.blocks.available_blocks:  # fmt: skip
             victim = max(self.running.values(), key=lambda s: s.admitted)
             if len(self.running) == 1:
                 break  # alone, it has the whole pool: the runner fails it if even that is too little

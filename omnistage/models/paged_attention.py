@@ -55,10 +55,11 @@ if fused_ops.available():
             v = tl.load(v_ptr + rows, mask=valid[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(weights.to(v.dtype), v)
             m = m_new
-        at = (b * heads_k + h) * PARTS + p
-        tl.store(m_ptr + at * GP + g, m)
-        tl.store(l_ptr + at * GP + g, l)
-        tl.store(acc_ptr + (at * GP + g)[:, None] * D + d[None, :], acc)
+        if start < length:  # parts past the row's length are never merged: no writes for them
+            at = (b * heads_k + h) * PARTS + p
+            tl.store(m_ptr + at * GP + g, m)
+            tl.store(l_ptr + at * GP + g, l)
+            tl.store(acc_ptr + (at * GP + g)[:, None] * D + d[None, :], acc)
 
     @triton.jit
     def _merge_parts_kernel(m_ptr, l_ptr, acc_ptr, len_ptr, out_ptr, heads, G: tl.constexpr, GP: tl.constexpr,
@@ -78,7 +79,8 @@ if fused_ops.available():
             m_new = tl.maximum(m_all, m)
             mine, theirs = tl.exp(m_all - m_new), tl.exp(m - m_new)
             l_all = l_all * mine + tl.load(l_ptr + at * GP + g) * theirs
-            acc_all = acc_all * mine[:, None] + tl.load(acc_ptr + (at * GP + g)[:, None] * D + d[None, :]) * theirs[:, None]
+            acc = tl.load(acc_ptr + (at * GP + g)[:, None] * D + d[None, :])
+            acc_all = acc_all * mine[:, None] + acc * theirs[:, None]
             m_all = m_new
         out = acc_all / l_all[:, None]
         where = out_ptr + (b * heads + h * G + g)[:, None] * D + d[None, :]

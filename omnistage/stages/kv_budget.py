@@ -1,6 +1,6 @@
 # How many blocks a stage's paged KV pool gets (stages/paged_kv.py): the profile's kv_cache_bytes over the
 # bytes of one block, plus the null block. Without a budget, as many as max_batch_size sequences of
-# max_seq_len tokens take.
+# max_seq_len tokens take. The pool has room for at least one sequence of max_seq_len.
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,10 +35,13 @@ class KVPlan:
 
 def plan_pool(text_config, dtype: torch.dtype, slots: int, max_seq_len: int, budget_bytes: int | None) -> KVPlan:
     block_bytes = kv_bytes_per_token(text_config, dtype) * BLOCK
-    usable = budget_bytes // block_bytes if budget_bytes is not None else slots * blocks_for(max_seq_len)
-    if usable < blocks_for(max_seq_len):
-        raise ValueError(f"the KV cache budget of {budget_bytes / 2**20:.1f} MiB holds {usable * BLOCK} tokens, less "
-                         f"than one sequence of max_seq_len {max_seq_len}: raise the budget or lower max_seq_len")  # fmt: skip
+    # one sequence of max_seq_len and the position its last step writes must fit, or it would wait forever
+    least = blocks_for(max_seq_len + 1)
+    usable = budget_bytes // block_bytes if budget_bytes is not None else max(least, slots * blocks_for(max_seq_len))
+    if usable < least:
+        raise ValueError(f"the KV cache budget of {budget_bytes / 2**20:.1f} MiB holds {usable * BLOCK} tokens, "
+                         f"less than one sequence of max_seq_len {max_seq_len}: raise the budget or lower "
+                         "max_seq_len")  # fmt: skip
     return KVPlan(slots, usable + 1, block_bytes, budget_bytes)
 
 

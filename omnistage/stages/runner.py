@@ -40,7 +40,8 @@ class DecoderRunner:
         t = text_config
         self.kv_plan = plan_pool(t, dtype, max_slots, max_seq_len, kv_cache_bytes)
         self.cache = PagedKVCache(t.num_hidden_layers, max_slots, t.num_key_value_heads, t.head_dim,
-                                  num_blocks=self.kv_plan.blocks, max_len=max_seq_len, dtype=dtype, device=self.device)  # fmt: skip
+                                  num_blocks=self.kv_plan.blocks, max_len=max_seq_len, dtype=dtype,
+                                  device=self.device)  # fmt: skip
         self.slots: list = [None] * max_slots  # each occupied slot's state (the runner's own dataclass)
         self.sampler = Sampler(self.device, seed)
         self.decoder = StaticDecoder(self.STAGE, model.model, self.cache, head, t.vocab_size, embed,

@@ -1,7 +1,7 @@
 # One batched decode step of a transformers decoder stack over rows [0, rows) of a PagedKVCache, driven
 # from static buffers so that it can be replayed as a CUDA graph per rows bucket: the paged decode kernel
 # (models/paged_attention.py) reads each row's blocks to its own length from the block tables, so the graph
-# does not depend on the rows' lengths. Where that kernel does not run (no triton), attention gathers the
+# does not depend on the rows' lengths. Where that kernel does not run (no fused attention), attention gathers the
 # rows' blocks up to a kv bucket and the graphs are per (rows bucket, kv bucket). Shared by the thinker
 # (token ids in, LM logits out) and the talker (input embeddings in, codec logits out).
 from __future__ import annotations
@@ -36,8 +36,10 @@ class StaticDecoder:
         self.bank = GraphBank(name, device, cuda_graphs)
         # padding rows only pay off when a graph replays; eager steps run at the exact size
         self.row_buckets = batch_buckets(rows) if self.bank.enabled else None
-        paged_kernel = fused_ops.available()
-        self.kv_buckets = ([cache.max_len] if paged_kernel else length_buckets(cache.max_len)) if self.bank.enabled else None
+        # the paged decode kernel runs from the fused attention (models/fused_projections.py installs it)
+        paged_kernel = fused_ops.available() and hasattr(text_model.layers[0].self_attn, "qkv_weight")
+        kv_buckets = [cache.max_len] if paged_kernel else length_buckets(cache.max_len)
+        self.kv_buckets = kv_buckets if self.bank.enabled else None
         self.index = torch.zeros(2, rows, dtype=torch.long, device=device)  # positions, rope deltas
         self.ids = torch.zeros(rows, dtype=torch.long, device=device)
         self.embeds = torch.zeros(rows, 1, hidden, dtype=dtype, device=device)

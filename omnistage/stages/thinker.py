@@ -100,7 +100,9 @@ class ThinkerRunner(DecoderRunner):
     def prompt_tokens(self, seq: Sequence) -> int:
         """Its prompt's length; a preempted sequence's prompt goes on with the tokens it had generated."""
         p = seq.payload
-        return (p.resumed_from or int(p.input_ids.numel())) + len(seq.generated) if seq.num_generated else int(p.input_ids.numel())
+        if not seq.num_generated:
+            return int(p.input_ids.numel())
+        return (p.resumed_from or int(p.input_ids.numel())) + len(seq.generated)
 
     def validate(self, seq: Sequence) -> None:
         length = self.prompt_tokens(seq)
@@ -256,9 +258,9 @@ class ThinkerRunner(DecoderRunner):
         if found is None:
             last = self.static_prefill.run(embeds, [s.slot for s in seqs])
         else:
-            starts = [found[id(s)].tokens for s in seqs]
             for s in seqs:
                 self.prefix.load(s.slot, found[id(s)])
+            starts = [found[id(s)].tokens for s in seqs]  # as loaded
             last = self.chunk_prefill.run([e[p:] for e, p in zip(embeds, starts)], [s.slot for s in seqs], starts)
         tokens = self._sample(self.model.lm_head(last), seqs)
         rows = self._text_rows(tokens, seqs)

@@ -110,6 +110,9 @@ def test_cancel_frees_the_slots_of_the_replicas_that_held_them(triton_server):
              what="slots and code2wav sessions freed on every replica")  # fmt: skip
     time.sleep(0.5)  # and nothing is re-admitted afterwards
     assert slots("talker") == 0 and slots("thinker") == 0 and sessions() == 0
+    # and their KV blocks: the talkers keep none (the thinkers' prefix caches keep prompt blocks)
+    wait_for(lambda: series(triton_server.metrics(), "omni_talker_kv_blocks_used") == [0, 0], timeout=10,
+             what="the talkers' KV blocks freed")  # fmt: skip
 
 
 def series(metrics: str, name: str, **labels) -> list[float]:

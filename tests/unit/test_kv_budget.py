@@ -39,7 +39,7 @@ def test_without_a_budget_every_slot_holds_max_seq_len(tiny_checkpoint):
 def test_a_budget_below_one_sequence_is_refused(tiny_checkpoint):
     text = load_config(tiny_checkpoint).talker_config.text_config
     with pytest.raises(ValueError, match="max_seq_len"):
-        plan_pool(text, torch.float32, 8, 1024, 63 * kv_bytes_per_token(text, torch.float32) * BLOCK)
+        plan_pool(text, torch.float32, 8, 1024, 64 * kv_bytes_per_token(text, torch.float32) * BLOCK)  # 1025 take 65
 
 
 def test_budget_parameter():

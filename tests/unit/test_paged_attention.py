@@ -101,7 +101,8 @@ def test_decode_graphs_over_the_paged_kernel_equal_eager_steps_on_cuda(tiny_chec
     from .test_stage_oracle import running
 
     config = load_config(str(tiny_checkpoint))
-    model = load_stage(str(tiny_checkpoint), "thinker", dtype=torch.bfloat16, device="cuda")
+    model = load_stage(str(tiny_checkpoint), "thinker", dtype=torch.bfloat16, device="cuda",
+                       experts_implementation="gather_or_grouped")  # fmt: skip
     fused.install(model)
     texts = ["Say hello!", "Tell me a long story about the sea, please, in three short sentences."]
     prompts = [ThinkerPrompt(prepare_inputs(processor, oracle.messages("text", t))["input_ids"][0]) for t in texts]

@@ -28,10 +28,11 @@ def test_preempted_sequences_resume_with_generates_tokens(hf_model, processor):
     lengths = [x["input_ids"].shape[1] for x in inputs]
     max_len = max(lengths) + REPLY + 1
     # room for every prompt and its first decode position, not for their replies
-    blocks = max(sum(blocks_for(n + 1) for n in lengths), blocks_for(max_len))
+    blocks = max(sum(blocks_for(n + 1) for n in lengths), blocks_for(max_len + 1))
     text = hf_model.config.thinker_config.text_config
+    budget = blocks * BLOCK * kv_bytes_per_token(text, torch.float32)
     runner = ThinkerRunner(hf_model.thinker, hf_model.config, max_slots=4, max_seq_len=max_len, device="cpu",
-                           dtype=torch.float32, kv_cache_bytes=blocks * BLOCK * kv_bytes_per_token(text, torch.float32))  # fmt: skip
+                           dtype=torch.float32, kv_cache_bytes=budget)  # fmt: skip
     scheduler = Scheduler(4, 8, blocks=runner.cache.pool, reply_reserve=0)
     collector = Collector()
     engine = StageEngine("thinker", runner, scheduler, collector)
