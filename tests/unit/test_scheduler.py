@@ -187,3 +187,23 @@ def test_a_whole_reply_reserve_admits_only_what_can_finish():
     assert s.schedule(prompt_tokens=lambda q: q.payload, kv_tokens=lambda q: q.payload + 1).prefills == []
     s.finish(batch.prefills[0])
     assert [q.request_id for q in s.schedule(prompt_tokens=lambda q: q.payload).prefills] == ["b"]
+
+
+def test_a_prompt_preempted_part_way_through_its_prefill_starts_again_from_its_first_chunk():
+    s = Scheduler(max_slots=4, max_prefills_per_step=8, max_prefill_tokens=62, blocks=BlockPool(9, 4, 64),
+                  reply_reserve=0)  # fmt: skip
+    kv = {"a": 31}
+    hooks = dict(chunked({"a": 30, "long": 64}, chunk=32), kv_tokens=lambda q: kv[q.request_id])
+    a, long = blocked("a", 30), blocked("long", 64)
+    s.add(a)
+    s.add(long)
+    assert pieces(s.schedule(**hooks)) == {"a": (0, 30), "long": (0, 32)}
+    s.blocks.grow(a.slot, 31)  # what the runner's prefills take
+    s.blocks.grow(long.slot, 32)
+    a.num_generated = 1
+    kv["a"] = 7 * BLOCK  # its next decode needs 5 more blocks, 4 are free: the newest, mid-prefill, gives way
+    batch = s.schedule(**hooks)
+    assert batch.preempted == [long] and batch.decodes == [a] and batch.prefills == []
+    assert long.status is SeqStatus.WAITING and (long.prefilled, long.chunk) == (0, 0)
+    s.finish(a)
+    assert pieces(s.schedule(**hooks)) == {"long": (0, 32)}
