@@ -25,13 +25,15 @@ KV_BUCKETS = (256, 512)
 
 class ChunkPrefill:
     def __init__(self, name: str, text_model, cache: PagedKVCache, *, max_rows: int, cuda_graphs: bool,
-                 token_buckets: tuple[int, ...] = TOKEN_BUCKETS, kv_buckets: tuple[int, ...] = KV_BUCKETS):  # fmt: skip
+                 token_buckets: tuple[int, ...] = TOKEN_BUCKETS, kv_buckets: tuple[int, ...] = KV_BUCKETS,
+                 max_attended: int | None = None):  # fmt: skip
         """token_buckets / kv_buckets: the suffix lengths and attended lengths graphs are captured for (the
-        largest of each bounds what fits)."""
+        largest of each bounds what fits); max_attended: the most rows x kv positions of a step (its
+        attention's K/V copies grow with it), None: no bound."""
         self.text_model, self.cache = text_model, cache
         device, dtype = cache.device, cache.dtype
         hidden = text_model.norm.weight.shape[0]
-        self.token_buckets = list(token_buckets)
+        self.token_buckets, self.max_attended = list(token_buckets), max_attended
         self.max_rows, self.max_tokens = max_rows, self.token_buckets[-1]
         self.max_kv = min(kv_buckets[-1], cache.max_len)
         self.bank = GraphBank(f"{name}_chunk_prefill", device, cuda_graphs)
@@ -54,7 +56,10 @@ class ChunkPrefill:
         if rows > self.max_rows or tokens > self.max_tokens:
             return False
         padded = bucket_for(tokens, self.token_buckets) if self.row_buckets else tokens
-        return furthest_start + padded <= self.max_kv
+        if furthest_start + padded > self.max_kv:
+            return False
+        rows, _, kv_len = self.shape_for(rows, tokens, furthest_start)
+        return self.max_attended is None or rows * kv_len <= self.max_attended
 
     def run(self, embeds: list[torch.Tensor], slots: list[int], starts: list[int]) -> torch.Tensor:
         """embeds: per prompt its suffix [T_i, D] on the device; starts: where each suffix begins in its slot.
@@ -76,7 +81,8 @@ class ChunkPrefill:
             return
         self.cache.sync()
         self.index.zero_()
-        keys = [(r, t, k) for r in self.row_buckets for t in self.token_buckets for k in self.kv_buckets if t <= k]
+        keys = [(r, t, k) for r in self.row_buckets for t in self.token_buckets for k in self.kv_buckets
+                if t <= k and (self.max_attended is None or r * k <= self.max_attended)]  # fmt: skip
         self.bank.capture_all(keys, lambda key: lambda: self._run(*key))
 
     def _run(self, rows: int, tokens: int, kv_len: int) -> None:

@@ -19,17 +19,21 @@ from .paged_kv import PagedKVCache
 # Tokens per row, and the longest prompt the static prefill takes whole (runner.py): a text prompt is either
 # one static prefill row or rows of this size.
 CHUNK_TOKENS = 512
-# Rows per forward (a step with more runs several, in row order): 8192 tokens, whose attention reads each
-# row's slot up to the furthest row's end (the thinker's 4 KV heads copied out per query head by
-# transformers' masked sdpa, ~1 GB a layer at 16 rows x 4096 positions in bf16, held by the graph pool).
+# Rows per forward (a step with more runs several, in row order): 8192 tokens at most, and at most
+# MAX_ATTENDED rows x attended positions. Each row's attention reads its slot up to the furthest row's end,
+# and transformers' masked sdpa copies the thinker's 4 KV heads out per query head: ~1 GB a layer in bf16
+# at 16 rows x 4096 positions, held by the graph pool; so a row that attends 32k positions goes in a
+# forward of 2 rows, one at 64k alone.
 MAX_ROWS = 16
+MAX_ATTENDED = 16 * 4096
 
 
 class LongPrefill:
     def __init__(self, name: str, text_model, cache: PagedKVCache, *, max_rows: int, cuda_graphs: bool):
         kv_buckets = tuple(length_buckets(cache.max_len, CHUNK_TOKENS))
         self.rows = ChunkPrefill(f"{name}_long", text_model, cache, max_rows=min(max_rows, MAX_ROWS),
-                                 cuda_graphs=cuda_graphs, token_buckets=(CHUNK_TOKENS,), kv_buckets=kv_buckets)  # fmt: skip
+                                 cuda_graphs=cuda_graphs, token_buckets=(CHUNK_TOKENS,), kv_buckets=kv_buckets,
+                                 max_attended=MAX_ATTENDED)  # fmt: skip
 
     def run(self, pieces: list[tuple[torch.Tensor, int, int]]) -> torch.Tensor:
         """pieces: per prompt (embeds [T, D] of its piece on the device, its slot, where the piece starts in
@@ -40,12 +44,22 @@ class LongPrefill:
             rows += [(i, embeds[t : t + CHUNK_TOKENS], slot, start + t) for t in starts]
         last = torch.empty(len(pieces), self.rows.hidden_out.shape[1], dtype=self.rows.hidden_out.dtype,
                            device=self.rows.hidden_out.device)  # fmt: skip
-        for g in range(0, len(rows), self.rows.max_rows):  # groups in row order: a prompt's rows stay in order
-            group = rows[g : g + self.rows.max_rows]
+        for group in self._groups(rows):  # in row order: a prompt's rows stay in order
             hidden = self.rows.run([r[1] for r in group], [r[2] for r in group], [r[3] for r in group])
             for j, (i, *_) in enumerate(group):
                 last[i] = hidden[j]  # a piece's later rows overwrite its earlier ones: its last row stays
         return last
+
+    def _groups(self, rows: list[tuple]) -> list[list[tuple]]:
+        """Consecutive rows cut into forwards that fit the ChunkPrefill (rows, attended positions)."""
+        groups = [[rows[0]]]
+        for row in rows[1:]:
+            group = groups[-1]
+            if self.rows.fits(len(group) + 1, CHUNK_TOKENS, max(row[3], *(r[3] for r in group))):
+                group.append(row)
+            else:
+                groups.append([row])
+        return groups
 
     def capture_all(self, pool) -> None:
         """Captures every bucket into the graph memory pool `pool` (shared with the static prefill's)."""

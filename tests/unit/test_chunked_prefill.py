@@ -148,9 +148,11 @@ def test_a_long_prompt_prefilled_in_pieces_beside_a_running_stream_matches_gener
 
 
 def test_a_long_prompt_prefilled_in_one_step_matches_generate(hf_model, long_inputs, long_want, long_kv):
-    """With the budget for all of it, a long prompt's chunks run as rows of one forward (each row reading
-    the rows before it): the same reply as generate()."""
+    """With the budget for all of it, a long prompt's chunks run as rows of one step's forwards (each row
+    reading the rows before it, in the same forward or an earlier one): the same reply and K/V as
+    generate()'s forward."""
     thinker = ThinkerRunner(hf_model.thinker, hf_model.config, **RUNNER)
+    thinker.long_prefill.rows.max_attended = 4096  # rows at 0 and 512 together (2 x 1024), the third alone
     n = long_inputs["input_ids"].shape[1]
     got, steps = serve(thinker, 4 * CHUNK_TOKENS, [
         ("long", SamplingParams(max_tokens=REPLY, ignore_eos=True), ThinkerPrompt(long_inputs["input_ids"][0])),
@@ -158,6 +160,16 @@ def test_a_long_prompt_prefilled_in_one_step_matches_generate(hf_model, long_inp
     assert steps.pieces("long") == [(0, n)]
     assert got["long"].token_ids == long_want[0]
     assert_same_kv(steps.kv["long"], long_kv)
+
+
+def test_rows_go_in_forwards_that_bound_rows_times_attended_positions(hf_model):
+    """With graphs' buckets (set by hand on the CPU): consecutive rows share a forward while its bucketed
+    rows x kv positions stay within the bound, so rows that attend far go in smaller forwards."""
+    long = ThinkerRunner(hf_model.thinker, hf_model.config, **RUNNER).long_prefill
+    long.rows.row_buckets, long.rows.max_attended = [1, 2, 4, 8, 16], 4096
+    rows = [(0, None, 0, start) for start in range(0, 4 * CHUNK_TOKENS, CHUNK_TOKENS)]
+    # 2 rows x 1024 positions; a third would make 4 (bucket) x 2048: the next forward, 2 x 2048
+    assert [[r[3] for r in g] for g in long._groups(rows)] == [[0, 512], [1024, 1536]]
 
 
 @pytest.mark.gpu
