@@ -51,7 +51,7 @@ def sequences(prompts: list[ThinkerPrompt]) -> list[Sequence]:
 
 def first_tokens(runner: ThinkerRunner, prompts: list[ThinkerPrompt], batched: bool) -> list[int]:
     seqs = sequences(prompts)
-    results = runner.prefill(seqs) if batched else [runner._prefill_eager(s) for s in seqs]
+    results = runner.prefill(seqs) if batched else [runner.media_prefix.prefill(s, None) for s in seqs]
     for s in seqs:
         runner.release(s)
     return [r.output.token_ids[0] for r in results]

@@ -35,7 +35,10 @@ class StageRunner(Protocol):
     def release(self, seq: Sequence) -> None: ...  # drop per-sequence device state
     # optional: prompt_tokens(seq) -> int, its prompt's length, for the scheduler's max_prefill_tokens; with
     # a block pool also kv_tokens(seq) -> int (positions after its next decode step) and preempt(seq) (drop
-    # its slot's state and blocks, keeping what a recompute needs)
+    # its slot's state and blocks, keeping what a recompute needs); chunk_tokens(seq) -> int, the most of its
+    # prompt one prefill piece holds (a longer prompt is prefilled over several steps: prefill() then gets
+    # seqs whose piece, Sequence.piece(), is part of the prompt, and answers a piece that does not end the
+    # prompt with a StepResult without output)
 
 
 # emit(request_id, output, finish_reason, error): finish_reason or error set means the stream ends
@@ -138,7 +141,8 @@ class StageEngine:
             for kind, item in inbox:
                 self._apply(kind, item)
             batch = self.scheduler.schedule(self.runner.is_ready, getattr(self.runner, "prompt_tokens", None),
-                                            getattr(self.runner, "kv_tokens", None))  # fmt: skip
+                                            getattr(self.runner, "kv_tokens", None),
+                                            getattr(self.runner, "chunk_tokens", None))  # fmt: skip
             for seq in batch.preempted:  # back in the queue, recomputed when it is admitted again
                 log.info("[%s] %s preempted for KV blocks", self.name, seq.request_id)
                 self.runner.preempt(seq)
@@ -172,7 +176,9 @@ class StageEngine:
             # What this step prefilled decodes in it too, when ready: a decode step runs every occupied row of
             # the static cache anyway (StaticDecoder), and the second output then leaves with the first,
             # a step earlier (the talker's second frame waits for the thinker's second token).
-            decodes = decodes + [s for s in prefills if s.status is SeqStatus.RUNNING and self.runner.is_ready(s)]
+            # (a prompt part-way through its prefill does not decode: its slot holds only part of it)
+            done = [s for s in prefills if s.status is SeqStatus.RUNNING and not s.prefilling]
+            decodes = decodes + [s for s in done if self.runner.is_ready(s)]
         if decodes:
             self._run_phase("decode", decodes)
         self.steps += 1
@@ -186,8 +192,9 @@ class StageEngine:
         """Runs a phase and hands its results on."""
         t_phase = time.perf_counter()
         if phase == "prefill":
-            self.prefilled_rows += len(seqs)
-            self.queue_seconds += sum(t_phase - s.added_at for s in seqs)
+            first = [s for s in seqs if s.prefilled == s.chunk]  # their prompt's first piece (or all of it)
+            self.prefilled_rows += len(first)
+            self.queue_seconds += sum(t_phase - s.added_at for s in first)
         failed: list[tuple[Sequence, Exception]] = []  # a failed step fails its sequences, not the engine
         retry = phase == "prefill" and len(seqs) > 1
         before = [(s.num_generated, list(s.generated), s.state) for s in seqs] if retry else []

@@ -1,7 +1,9 @@
-# Iteration-level scheduler (torch-free): who gets a slot, who is prefilled this step, who decodes, and, with
-# a paged KV cache (core/block_pool.py), who must give its blocks back. A sequence holds one slot (its batch
-# row) from admission to finish/abort/preemption, handed out lowest-first so the active rows stay packed at
-# the front (decode batches are rows [0, n) of the cache, no gather).
+# Iteration-level scheduler (torch-free): who gets a slot, which prompt tokens are prefilled this step, who
+# decodes, and, with a paged KV cache (core/block_pool.py), who must give its blocks back. A sequence holds
+# one slot (its batch row) from admission to finish/abort/preemption, handed out lowest-first so the active
+# rows stay packed at the front (decode batches are rows [0, n) of the cache, no gather). A prompt longer
+# than the runner prefills in one piece is prefilled in pieces over several steps (chunked prefill); until
+# its last piece it holds its slot but is not decoded.
 # Memory decides admission: a waiting sequence is admitted when its prompt's blocks and a reserve for its
 # reply fit beside what the running sequences have reserved. A stage whose sequences can be recomputed (the
 # thinker) reserves a little and, when a decode step needs more blocks than are free, preempts the newest
@@ -42,6 +44,21 @@ class Sequence:
     admitted: int = -1  # admission order (the newest running sequence is preempted first)
     reserved_blocks: int = 0  # blocks reserved at admission: prompt, first decode position, reply reserve
     preemptions: int = 0
+    prompt_len: int = 0  # its prompt's tokens, when the runner counts them (0: prefilled in one piece)
+    prefilled: int = 0  # prompt tokens in its slot once this step's prefill has run
+    chunk: int = 0  # of those, the ones this step's prefill writes (0: none scheduled, the whole prompt)
+
+    @property
+    def prefilling(self) -> bool:
+        """Part of its prompt is not in its slot yet: it holds its slot but does not decode."""
+        return self.prefilled < self.prompt_len
+
+    def piece(self, prompt_len: int) -> tuple[int, int]:
+        """The positions [start, end) of its prompt that this step's prefill writes: the piece the scheduler
+        gave it, or the whole prompt where no scheduler gave one (a runner driven directly)."""
+        if self.chunk == 0:
+            return 0, prompt_len
+        return self.prefilled - self.chunk, self.prefilled
 
 
 @dataclass
@@ -58,8 +75,8 @@ class Batch:
 # streams waits two prefill steps, not four (H200: 40.7 -> 46.0 req/s against 16,
 # perf/results/2026-12-04-h200-variants-3.json).
 MAX_PREFILLS_PER_STEP = 32
-# Prompt tokens prefilled in one step (a longer prompt still goes alone): 32 prompts of 2500 tokens in one
-# forward ran the H200 out of memory.
+# Prompt tokens prefilled in one step: 32 prompts of 2500 tokens in one forward (80k tokens of W2) ran the
+# H200 out of memory. Also what a step of prefill can hold the decode of every running stream back by.
 MAX_PREFILL_TOKENS = 16384
 # Reply positions reserved at admission for a sequence that can be recomputed: a W1 reply (18 tokens) and
 # then some, so a full pool makes requests wait rather than preempt each other at once.
@@ -67,9 +84,16 @@ REPLY_RESERVE_TOKENS = 64
 
 
 class Scheduler:
-    """max_prefill_tokens: a step's prefills stop before their prompts pass this many tokens (the first is
-    always taken, however long): the prompt count alone lets 32 long prompts into one forward, whose
-    activations (80k tokens of W2 on the H200) ran the device out of memory and failed them all."""
+    """max_prefill_tokens: the prompt tokens one step prefills. A step's prefills, in this order:
+    1. the oldest prompt part-way through its prefill goes on by a chunk, whatever the budget (every
+       prompt ends);
+    2. waiting prompts that prefill in one piece, oldest first, while they fit the budget (the first of the
+       step is taken however long): a short prompt never waits for a long one's pieces;
+    3. the prompts part-way through, then new long prompts, oldest first, each in whole chunks
+       (chunk_tokens) of what the budget leaves, and its prompt's last tokens.
+    A waiting prompt is admitted when a slot is free and, with a block pool, its blocks fit; one that does
+    not fit stops the admissions of the step (no newer prompt goes before it). Without the runner's prompt
+    lengths (prompt_tokens) every admitted prompt prefills whole, bounded by max_prefills_per_step alone."""
 
     def __init__(self, max_slots: int, max_prefills_per_step: int = 8, max_waiting: int = 1024,
                  max_prefill_tokens: int | None = None, blocks: BlockPool | None = None,
@@ -91,6 +115,8 @@ class Scheduler:
         # why the head of the queue waited at the last step: "slots", "blocks" or None (it did not)
         self.wait_reason: str | None = None
         self.waits = {"slots": 0, "blocks": 0}  # steps that left requests waiting, by reason
+        self._spare = 0  # during schedule(): blocks still to be had for admissions
+        self._preempting = False  # during schedule(): the step had to preempt
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.running or any(s.request_id == request_id for s in self.waiting)
@@ -109,41 +135,65 @@ class Scheduler:
 
     def schedule(self, is_ready: Callable[[Sequence], bool] = lambda s: True,
                  prompt_tokens: Callable[[Sequence], int] | None = None,
-                 kv_tokens: Callable[[Sequence], int] | None = None) -> Batch:  # fmt: skip
+                 kv_tokens: Callable[[Sequence], int] | None = None,
+                 chunk_tokens: Callable[[Sequence], int] | None = None) -> Batch:  # fmt: skip
         """prompt_tokens(seq): its prompt's length, for max_prefill_tokens and the blocks a prefill takes;
-        kv_tokens(seq): positions a running sequence's cache holds after its next decode step. Both are
-        needed with a block pool."""
-        decodes = [s for s in self.running.values() if is_ready(s)]
+        kv_tokens(seq): positions a running sequence's cache holds after its next decode step (both needed
+        with a block pool); chunk_tokens(seq): the most of its prompt the runner prefills in one piece
+        (without it: all of it). Sets each prefilled sequence's piece (Sequence.chunk, .prefilled)."""
+        decodes = [s for s in self.running.values() if not s.prefilling and is_ready(s)]
         preempted = self._make_room(decodes, kv_tokens) if self.blocks is not None else []
-        prefills = []
-        budget = self.max_prefill_tokens if prompt_tokens is not None else None
-        spare = self._spare_blocks() if self.blocks is not None and self.waiting else 0
+        self._spare = self._spare_blocks() if self.blocks is not None and self.waiting else 0
+        self._preempting = bool(preempted)
         self.wait_reason = None
-        while self.waiting and len(prefills) < self.max_prefills_per_step:
-            if not self._free:
-                self.wait_reason = "slots"
+        step = _Step(self.max_prefill_tokens if prompt_tokens is not None else None, self.max_prefills_per_step,
+                     chunk_tokens or (lambda s: s.prompt_len))  # fmt: skip
+        partial = [s for s in self.running.values() if s.prefilling]  # admission order: oldest first
+        if partial:
+            step.take(partial[0], first=True)
+        blocked = False  # a waiting prompt waits for the next step: no newer one goes before it
+        for seq in list(self.waiting):
+            if step.full:
                 break
-            if self.blocks is not None:
-                need = self._reserved_blocks(self.waiting[0], prompt_tokens(self.waiting[0]))
-                if preempted or need > spare:  # no admission in a step that had to preempt
-                    self.wait_reason = "blocks"
+            seq.prompt_len = prompt_tokens(seq) if prompt_tokens is not None else 0
+            if step.one_piece(seq):
+                if not step.fits(seq.prompt_len) or not self._fits(seq, seq.prompt_len):
+                    blocked = True
                     break
-                spare -= need
-                self.waiting[0].reserved_blocks = need
-            if budget is not None:
-                tokens = prompt_tokens(self.waiting[0])
-                if prefills and tokens > budget:
-                    break
-                budget -= tokens
-            seq = self.waiting.popleft()
-            seq.slot = heapq.heappop(self._free)
-            seq.status = SeqStatus.RUNNING
-            seq.admitted, self._admitted = self._admitted, self._admitted + 1
-            self.running[seq.request_id] = seq
-            prefills.append(seq)
+                self.waiting.remove(seq)
+                step.take(self._admit(seq, seq.prompt_len))
+        for seq in partial:
+            step.take(seq)
+        for seq in [] if blocked else list(self.waiting):
+            if step.full or step.budget < 1 or not self._fits(seq, seq.prompt_len):
+                break
+            if step.take(seq, admit=lambda s: self._admit(s, s.prompt_len)):
+                self.waiting.remove(seq)
         if self.wait_reason is not None:
             self.waits[self.wait_reason] += 1
-        return Batch(prefills, decodes, preempted)
+        return Batch(step.prefills, decodes, preempted)
+
+    def _fits(self, seq: Sequence, prompt: int) -> bool:
+        """Whether a waiting sequence of `prompt` tokens can be admitted now: a free slot and, with a block
+        pool, its blocks beside what the running ones reserved (none in a step that had to preempt). Sets
+        wait_reason when not."""
+        if not self._free:
+            self.wait_reason = "slots"
+            return False
+        if self.blocks is not None and (self._preempting or self._reserved_blocks(seq, prompt) > self._spare):
+            self.wait_reason = "blocks"
+            return False
+        return True
+
+    def _admit(self, seq: Sequence, prompt: int) -> Sequence:
+        if self.blocks is not None:
+            seq.reserved_blocks = self._reserved_blocks(seq, prompt)
+            self._spare -= seq.reserved_blocks
+        seq.slot = heapq.heappop(self._free)
+        seq.status = SeqStatus.RUNNING
+        seq.admitted, self._admitted = self._admitted, self._admitted + 1
+        self.running[seq.request_id] = seq
+        return seq
 
     # ---- blocks -------------------------------------------------------------------------------------------
     def _reserved_blocks(self, seq: Sequence, prompt: int) -> int:
@@ -179,6 +229,7 @@ class Scheduler:
         heapq.heappush(self._free, seq.slot)
         self.blocks.release(seq.slot)
         seq.status = SeqStatus.WAITING
+        seq.prefilled = seq.chunk = 0  # prefilled again from its start
         seq.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(seq)
@@ -202,3 +253,47 @@ class Scheduler:
     def active_rows(self) -> int:
         """Rows [0, n) of the cache that hold every running sequence."""
         return 1 + max((s.slot for s in self.running.values()), default=-1)
+
+
+class _Step:
+    """The prefills of one step under construction: the prompt tokens and rows left to hand out."""
+
+    def __init__(self, budget: int | None, rows: int, chunk_tokens: Callable[[Sequence], int]):
+        self.budget = budget if budget is not None else 1 << 62
+        self.rows, self.chunk_tokens = rows, chunk_tokens
+        self.prefills: list[Sequence] = []
+
+    @property
+    def full(self) -> bool:
+        return len(self.prefills) >= self.rows
+
+    def one_piece(self, seq: Sequence) -> bool:
+        return self.chunk_tokens(seq) >= seq.prompt_len
+
+    def fits(self, tokens: int) -> bool:
+        return not self.prefills or tokens <= self.budget
+
+    def take(self, seq: Sequence, first: bool = False, admit: Callable[[Sequence], Sequence] | None = None) -> bool:
+        """Gives seq its next piece: its whole prompt where it prefills in one piece, else whole chunks of
+        what the budget leaves (one chunk when `first`, whatever the budget), and its prompt's last tokens;
+        a sequence given a piece earlier in the step has it extended. Returns whether it got one (admitted
+        through `admit` first, for a waiting sequence)."""
+        left = seq.prompt_len - seq.prefilled
+        if self.one_piece(seq):
+            piece = left
+        else:
+            chunk = self.chunk_tokens(seq)
+            piece = min(left, chunk if first else max(self.budget, 0) // chunk * chunk)
+            if piece == 0 and left <= self.budget:
+                piece = left  # its prompt's last tokens, less than a chunk
+        extend = any(seq is s for s in self.prefills)
+        if (piece < 1 and not self.one_piece(seq)) or (self.full and not extend):
+            return False  # (a prompt of unknown length, 0, is one piece: the runner prefills all of it)
+        if admit is not None:
+            admit(seq)
+        seq.chunk = seq.chunk + piece if extend else piece
+        seq.prefilled += piece
+        self.budget -= piece
+        if not extend:
+            self.prefills.append(seq)
+        return True

@@ -24,16 +24,22 @@ KV_BUCKETS = (256, 512)
 
 
 class ChunkPrefill:
-    def __init__(self, name: str, text_model, cache: PagedKVCache, *, max_rows: int, cuda_graphs: bool):
+    def __init__(self, name: str, text_model, cache: PagedKVCache, *, max_rows: int, cuda_graphs: bool,
+                 token_buckets: tuple[int, ...] = TOKEN_BUCKETS, kv_buckets: tuple[int, ...] = KV_BUCKETS,
+                 max_attended: int | None = None):  # fmt: skip
+        """token_buckets / kv_buckets: the suffix lengths and attended lengths graphs are captured for (the
+        largest of each bounds what fits); max_attended: the most rows x kv positions of a step (its
+        attention's K/V copies grow with it), None: no bound."""
         self.text_model, self.cache = text_model, cache
         device, dtype = cache.device, cache.dtype
         hidden = text_model.norm.weight.shape[0]
-        self.max_rows, self.max_tokens = max_rows, TOKEN_BUCKETS[-1]
-        self.max_kv = min(KV_BUCKETS[-1], cache.max_len)
+        self.token_buckets, self.max_attended = list(token_buckets), max_attended
+        self.max_rows, self.max_tokens = max_rows, self.token_buckets[-1]
+        self.max_kv = min(kv_buckets[-1], cache.max_len)
         self.bank = GraphBank(f"{name}_chunk_prefill", device, cuda_graphs)
         # without graphs, exact sizes (no padding to pay for); the CPU tests drive this same code
         self.row_buckets = batch_buckets(max_rows) if self.bank.enabled else None
-        self.kv_buckets = [b for b in KV_BUCKETS if b < self.max_kv] + [self.max_kv]
+        self.kv_buckets = [b for b in kv_buckets if b < self.max_kv] + [self.max_kv]
         self.embeds = torch.zeros(max_rows, self.max_tokens, hidden, dtype=dtype, device=device)
         self.index = torch.zeros(3, max_rows, dtype=torch.long, device=device)  # slots, starts, last token
         self.hidden_out = torch.zeros(max_rows, hidden, dtype=dtype, device=device)
@@ -42,15 +48,18 @@ class ChunkPrefill:
         """(rows, tokens, kv_len) a step runs at: every padded position lies below kv_len."""
         if self.row_buckets is None:
             return rows, tokens, furthest_start + tokens
-        tokens = bucket_for(tokens, list(TOKEN_BUCKETS))
+        tokens = bucket_for(tokens, self.token_buckets)
         return bucket_for(rows, self.row_buckets), tokens, bucket_for(furthest_start + tokens, self.kv_buckets)
 
     def fits(self, rows: int, tokens: int, furthest_start: int) -> bool:
         """rows suffixes of at most `tokens` tokens, the furthest starting at furthest_start."""
         if rows > self.max_rows or tokens > self.max_tokens:
             return False
-        padded = bucket_for(tokens, list(TOKEN_BUCKETS)) if self.row_buckets else tokens
-        return furthest_start + padded <= self.max_kv
+        padded = bucket_for(tokens, self.token_buckets) if self.row_buckets else tokens
+        if furthest_start + padded > self.max_kv:
+            return False
+        rows, _, kv_len = self.shape_for(rows, tokens, furthest_start)
+        return self.max_attended is None or rows * kv_len <= self.max_attended
 
     def run(self, embeds: list[torch.Tensor], slots: list[int], starts: list[int]) -> torch.Tensor:
         """embeds: per prompt its suffix [T_i, D] on the device; starts: where each suffix begins in its slot.
@@ -72,7 +81,8 @@ class ChunkPrefill:
             return
         self.cache.sync()
         self.index.zero_()
-        keys = [(r, t, k) for r in self.row_buckets for t in TOKEN_BUCKETS for k in self.kv_buckets if t <= k]
+        keys = [(r, t, k) for r in self.row_buckets for t in self.token_buckets for k in self.kv_buckets
+                if t <= k and (self.max_attended is None or r * k <= self.max_attended)]  # fmt: skip
         self.bank.capture_all(keys, lambda key: lambda: self._run(*key))
 
     def _run(self, rows: int, tokens: int, kv_len: int) -> None:

@@ -13,14 +13,15 @@ import torch
 from ..core.sampling import SamplingParams
 from ..core.scheduler import Sequence, SeqStatus
 from .kv_budget import plan_pool
+from .long_prefill import CHUNK_TOKENS, LongPrefill
 from .paged_kv import PagedKVCache
 from .sampler import Sampler
 from .static_decode import StaticDecoder
 from .static_prefill import StaticPrefill
 
-# Text-only prompts of up to this many tokens prefill from static buffers (W1's are ~150 thinker tokens,
-# ~160 talker rows); longer ones run eager.
-STATIC_PREFILL_TOKENS = 512
+# Text-only prompts of up to this many tokens prefill whole from static buffers (W1's are ~150 thinker
+# tokens, ~160 talker rows); longer ones in chunks (stages/long_prefill.py).
+STATIC_PREFILL_TOKENS = CHUNK_TOKENS
 # Decode steps of the synthetic request a runner serves while it loads (warm_up).
 WARM_UP_STEPS = 3
 
@@ -38,20 +39,33 @@ class DecoderRunner:
         self.text_config = text_config
         self.max_seq_len = max_seq_len
         t = text_config
-        self.kv_plan = plan_pool(t, dtype, max_slots, max_seq_len, kv_cache_bytes)
+        # a request's prompt + reply: the checkpoint's context, or the profile's cap (max_seq_len) below it
+        self.context = min(max_seq_len, t.max_position_embeddings)
+        # with graphs a block table spans whole chunks, so that a chunk's padded row ends inside it
+        table_len = -(-self.context // CHUNK_TOKENS) * CHUNK_TOKENS if cuda_graphs else self.context
+        self.kv_plan = plan_pool(t, dtype, max_slots, self.context, kv_cache_bytes)
         self.cache = PagedKVCache(t.num_hidden_layers, max_slots, t.num_key_value_heads, t.head_dim,
-                                  num_blocks=self.kv_plan.blocks, max_len=max_seq_len, dtype=dtype,
-                                  device=self.device)  # fmt: skip
+                                  num_blocks=self.kv_plan.blocks, max_len=table_len, dtype=dtype, device=self.device)  # fmt: skip
         self.slots: list = [None] * max_slots  # each occupied slot's state (the runner's own dataclass)
         self.sampler = Sampler(self.device, seed)
         self.decoder = StaticDecoder(self.STAGE, model.model, self.cache, head, t.vocab_size, embed,
                                      cuda_graphs=cuda_graphs)  # fmt: skip
         self.static_prefill = StaticPrefill(self.STAGE, model.model, self.cache, max_rows=min(max_prefills, max_slots),
                                             max_tokens=STATIC_PREFILL_TOKENS, cuda_graphs=cuda_graphs)  # fmt: skip
+        self.long_prefill = LongPrefill(self.STAGE, model.model, self.cache, max_rows=min(max_prefills, max_slots),
+                                        cuda_graphs=cuda_graphs)  # fmt: skip
 
     # ---- engine hooks -------------------------------------------------------------------------------------
     def is_ready(self, seq: Sequence) -> bool:
         return True
+
+    def chunk_tokens(self, seq: Sequence) -> int:
+        """The most of seq's prompt one prefill piece holds: a text-only prompt too long for the static
+        prefill goes in chunks (long_prefill.py), any other prompt whole."""
+        return CHUNK_TOKENS if self._in_chunks(seq) else self.prompt_tokens(seq)
+
+    def prompt_tokens(self, seq: Sequence) -> int:
+        raise NotImplementedError
 
     def release(self, seq: Sequence) -> None:
         self.preempt(seq)
@@ -73,6 +87,8 @@ class DecoderRunner:
         """Captures every graph bucket before serving (capture needs the device to itself)."""
         self.decoder.capture_all()
         self.static_prefill.capture_all()
+        # one prefill replays at a time, and each leaves its results outside the pool: they can share it
+        self.long_prefill.capture_all(self.static_prefill.bank.pool)
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -95,6 +111,13 @@ class DecoderRunner:
         raise NotImplementedError
 
     # ---- shared internals ---------------------------------------------------------------------------------
+    def _text_only(self, seq: Sequence) -> bool:
+        """The prompt has no media rows: MRoPE positions 0..L-1 in every section."""
+        raise NotImplementedError
+
+    def _in_chunks(self, seq: Sequence) -> bool:
+        return self._text_only(seq) and self.prompt_tokens(seq) > self.static_prefill.max_tokens
+
     def _step_states(self) -> list:
         """The slot states a decode step covers: every slot up to the highest occupied one (None: free)."""
         return self.slots[: 1 + max(i for i, s in enumerate(self.slots) if s is not None)]

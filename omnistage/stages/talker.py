@@ -69,16 +69,21 @@ class TalkerRunner(DecoderRunner):
         self.suppress = torch.zeros(text.vocab_size, dtype=torch.bool, device=self.device)
         self.suppress[text.vocab_size - 1024 :] = True  # codec specials are never sampled, except EOS
         self.suppress[self.eos] = False
-        self.prompts = PromptBuilder(model, config, self.device, dtype, max_seq_len)
+        self.prompts = PromptBuilder(model, config, self.device, dtype, self.context)
+        self.long_prompts: dict[int, PromptRows] = {}  # slot -> its prompt's rows, while prefilled in pieces
 
     # ---- engine hooks -------------------------------------------------------------------------------------
     def prompt_tokens(self, seq: Sequence) -> int:
         return int(seq.payload.cond.user_ids.numel()) + 9  # user turn + assistant header and codec prefix
 
+    def _text_only(self, seq: Sequence) -> bool:
+        p: TalkerPrompt = seq.payload
+        return p.image_grid_thw is None and p.audio_feature_lengths is None and p.video_grid_thw is None
+
     def validate(self, seq: Sequence) -> None:
         p: TalkerPrompt = seq.payload
         length = self.prompt_tokens(seq)
-        seq.params = seq.params.fit_to_context(length, self.max_seq_len - 1)  # -1: the frame after the last one's
+        seq.params = seq.params.fit_to_context(length, self.context - 1)  # -1: the frame after the last one's
         if not p.text:
             raise BadRequestError("talker start needs at least one text row")
 
@@ -90,9 +95,19 @@ class TalkerRunner(DecoderRunner):
         # text: tts_eos, then tts_pad), so a sequence with an unfed frame waits for that row
         return not state.unfed or seq.payload.text_end or state.frames < len(seq.payload.text)
 
+    def release(self, seq: Sequence) -> None:
+        super().release(seq)
+        self.long_prompts.pop(seq.slot, None)
+
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> list[StepResult]:
-        results = self._prefill_batch(seqs)
+        """The step's prompts: text-only ones that fit the static buffers together (StaticPrefill), longer
+        text-only ones in chunks, this step's piece of each (LongPrefill), the rest in one transformers
+        forward. A piece that does not end its prompt answers with a StepResult without output."""
+        long = [s for s in seqs if self._in_chunks(s)]
+        whole = [s for s in seqs if all(s is not x for x in long)]
+        results = self._prefill_batch(whole) if whole else []
+        results, pending = (results, []) if not long else self._prefill_long(long, results)
         # frame 0 needs nothing but the prefill's codebook-0 pick: completed now, a step earlier than a decode
         # step would (the time to first audio), at the cost of one more sync
         going = [i for i, r in enumerate(results) if r.finish_reason is None]
@@ -102,7 +117,7 @@ class TalkerRunner(DecoderRunner):
             sync_current_stream(self.device)
             for j, i in enumerate(going):
                 results[i] = self._frame_sent(results[i].seq, sent[j : j + 1])
-        return results
+        return results + pending
 
     def _warm_up_payload(self) -> TalkerPrompt:
         """A text-only conditioning of 8 user rows and a reply of as many rows as the warm-up has steps."""
@@ -157,20 +172,52 @@ class TalkerRunner(DecoderRunner):
             hidden = self.static_prefill.run([p.embeds for p in prompts], [s.slot for s in seqs])
         else:
             hidden = self._prefill_eager(seqs, prompts, lengths)
+        return self._prefilled(seqs, prompts, hidden)
+
+    def _prefill_long(self, seqs: list[Sequence], results: list[StepResult]
+                      ) -> tuple[list[StepResult], list[StepResult]]:  # fmt: skip
+        """Text-only prompts too long for the static prefill: this step's piece of each (Sequence.piece)
+        through the LongPrefill, their rows built at the first piece and kept until the last. Returns
+        `results` with those of the pieces that end their prompt, and the others' (no output). The slot of
+        a prompt part-way holds a stand-in state whose length is the piece's end, so that decode steps
+        meanwhile write their unused row there, where the next piece writes first."""
+        for seq in seqs:  # a prompt's first piece starts its slot afresh
+            if seq.piece(self.prompt_tokens(seq))[0] == 0:
+                self.cache.release(seq.slot)
+        fresh = [s for s in seqs if s.slot not in self.long_prompts]
+        self.long_prompts.update(zip((s.slot for s in fresh), self.prompts.build(fresh) if fresh else []))
+        prompts = [self.long_prompts[s.slot] for s in seqs]
+        pieces = [s.piece(p.embeds.shape[0]) for s, p in zip(seqs, prompts)]
+        last = self.long_prefill.run([(p.embeds[a:b], s.slot, a) for s, p, (a, b) in zip(seqs, prompts, pieces)])
+        ending = [i for i, (p, (_, b)) in enumerate(zip(prompts, pieces)) if b == p.embeds.shape[0]]
+        pending = []
+        for s, p, (_, b) in zip(seqs, prompts, pieces):
+            if b < p.embeds.shape[0]:
+                self.slots[s.slot] = _SlotState(b, 0, p.tts_eos, p.tts_pad)
+                pending.append(StepResult(s, None))
+        if ending:
+            done = [seqs[i] for i in ending]
+            results = results + self._prefilled(done, [self.long_prompts.pop(s.slot) for s in done], last[ending])
+        return results, pending
+
+    def _prefilled(self, seqs: list[Sequence], prompts: list[PromptRows], hidden: torch.Tensor) -> list[StepResult]:
+        """The prompts are in their slots (hidden [n, D]: each one's last normed hidden state): codebook 0 of
+        each one's frame 0 is picked, and its slot state set."""
         slots = to_device([s.slot for s in seqs], self.device)
         self.hidden[slots] = hidden
         picked = self._pick_c0(self.model.codec_head(hidden), seqs)
         self.c0[slots] = picked
         results = []
-        for seq, p, n, token in zip(seqs, prompts, lengths, picked.tolist()):
-            self.slots[seq.slot] = _SlotState(n, p.rope_delta, p.tts_eos, p.tts_pad)
+        for seq, p, token in zip(seqs, prompts, picked.tolist()):
+            self.slots[seq.slot] = _SlotState(p.embeds.shape[0], p.rope_delta, p.tts_eos, p.tts_pad)
             results.append(self._accept(seq, token))
         return results
 
     def _prefill_eager(self, seqs: list[Sequence], prompts: list[PromptRows], lengths: list[int]) -> torch.Tensor:
-        """One transformers forward for all prompts of the step (any media), right-padded (causal attention
-        never looks right, so each row's first L_i positions are its own prompt's); a lone prompt runs
-        unpadded, as generate(). Loads the slots' K/V and returns each prompt's last hidden state [n, D]."""
+        """One transformers forward for all prompts of the step (prompts with media among them), right-padded
+        (causal attention never looks right, so each row's first L_i positions are its own prompt's); a lone
+        prompt runs unpadded, as generate(). Loads the slots' K/V and returns each prompt's last hidden
+        state [n, D]."""
         batch, width = len(seqs), max(lengths)
         embeds = torch.zeros(batch, width, self.text_config.hidden_size, dtype=self.dtype, device=self.device)
         positions = torch.zeros(3, batch, width, dtype=torch.long, device=self.device)

@@ -1,13 +1,12 @@
-# ThinkerRunner: owns the thinker's weights, its paged KV cache and per-slot decode state. Prefill writes a
-# prompt's K/V into its slot's blocks (static, chunk and media prefills; transformers' own forward for the
-# rest); decode batches every running request. A sequence preempted for memory (core/scheduler.py) comes
-# back as a prompt of its original prompt and the tokens it had generated, and goes on from there.
+# ThinkerRunner: owns the thinker's weights, its paged KV cache and per-slot decode state. Prefill batches
+# the step's prompts by kind (see prefill()), writing their K/V into their slots' blocks; decode batches
+# every running request. A sequence preempted for memory (core/scheduler.py) comes back as a prompt of its
+# original prompt and the tokens it had generated, and goes on from there.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
 import torch
-from transformers import DynamicCache
 
 from ..core.engine import StepResult
 from ..core.errors import BadRequestError
@@ -104,11 +103,14 @@ class ThinkerRunner(DecoderRunner):
             return int(p.input_ids.numel())
         return (p.resumed_from or int(p.input_ids.numel())) + len(seq.generated)
 
+    def _text_only(self, seq: Sequence) -> bool:
+        return seq.payload.is_text_only
+
     def validate(self, seq: Sequence) -> None:
         length = self.prompt_tokens(seq)
         if length == 0:
             raise BadRequestError("empty prompt")
-        seq.params = seq.params.fit_to_context(length, self.max_seq_len)
+        seq.params = seq.params.fit_to_context(length, self.context)
         if not seq.payload.is_text_only:
             self.media_prefill.validate(seq.payload)
 
@@ -117,13 +119,15 @@ class ThinkerRunner(DecoderRunner):
         """Every prompt of a step, one of five ways: text-only prompts that start with a kept prefix prefill
         only the rest (ChunkPrefill); audio/image prompts that fit the static buffers, joined by the step's
         other fresh prompts while rows remain, in one MediaPrefill forward; other text-only prompts that fit
-        the static buffers together (StaticPrefill); all graph-replayed on CUDA. Prompts with video, media
-        prompts whose kept prefix reaches into their media, and media prompts too long for the buffers run
-        one by one through MediaPrefixPrefill; long text-only prompts through transformers' forward, eager."""
-        for seq in seqs:  # a prefill starts its slot afresh (resumed sequences from their generated tokens)
-            self.cache.release(seq.slot)
-            if seq.num_generated:
-                self._resume(seq)
+        the static buffers together (StaticPrefill); longer text-only prompts in chunks, this step's piece
+        of each (LongPrefill); all graph-replayed on CUDA. Prompts with video, media prompts whose kept
+        prefix reaches into their media, and media prompts too long for the buffers run one by one through
+        MediaPrefixPrefill. A piece that does not end its prompt answers with a StepResult without output."""
+        for seq in seqs:  # a prompt's first piece starts its slot afresh (resumed ones from their generated tokens)
+            if seq.piece(self.prompt_tokens(seq))[0] == 0:
+                self.cache.release(seq.slot)
+                if seq.num_generated:
+                    self._resume(seq)
         text = [s for s in seqs if s.payload.is_text_only]
         # only prompts the chunk prefill could serve look up and keep prefixes (a 2500-token W2 prompt's
         # blocks would only push the shared ones out)
@@ -140,13 +144,15 @@ class ThinkerRunner(DecoderRunner):
         results = (self._prefill_static(hits, found) if hits else []) + (self._prefill_static(fresh) if fresh else [])
         results += self._prefill_media(joined, kept) if joined else []
         batched = {id(r.seq) for r in results}
-        results += [self._prefill_eager(s) if s.payload.is_text_only else self.media_prefix.prefill(s, kept[id(s)])
-                    for s in seqs if id(s) not in batched]  # fmt: skip
+        results += [self.media_prefix.prefill(s, kept[id(s)]) for s in seqs
+                    if id(s) not in batched and not s.payload.is_text_only]  # fmt: skip
+        long = [s for s in text if id(s) not in batched]
+        results += self._prefill_long(long) if long else []
         for seq in text:  # keep the blocks worth keeping (copied in stream order: after the prefill)
             if id(seq) in found:
                 self.prefix.store(seq.slot, found[id(seq)])
         # the talker's conditioning was gathered after the tokens' sync: one more sync (none on the CPU)
-        outputs_to_host([r.output for r in results], self.device)
+        outputs_to_host([r.output for r in results if r.output is not None], self.device)
         return results
 
     def _resume(self, seq: Sequence) -> None:
@@ -216,27 +222,28 @@ class ThinkerRunner(DecoderRunner):
         return results
 
     # ---- internals ----------------------------------------------------------------------------------------
-    def _prefill_eager(self, seq: Sequence) -> StepResult:
-        p: ThinkerPrompt = seq.payload
-        ids = to_device(p.input_ids, self.device)[None]
-        past = DynamicCache(config=self.text_config)
-        self.model.rope_deltas = None  # module-level state in transformers; recomputed from this prompt
-        out = self.model(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            past_key_values=past,
-            use_cache=True,
-            output_hidden_states=p.export_talker,
-        )
-        length = self.cache.load_prefill(seq.slot, past)
-        deltas = self.model.rope_deltas
-        self.slots[seq.slot] = _SlotState(length, int(deltas.reshape(-1)[0]) if deltas is not None else 0, 0)
-        token = self._sample(out.logits[:, -1], [seq])
-        talker = tail = None
-        if p.export_talker and not p.resumed_from:
-            talker, tail = self._talker_conditioning(p.input_ids, out.hidden_states[0][0], out.hidden_states[self.accept_layer][0])
-        output = ThinkerOutput(talker=talker, prompt_tokens=None if p.resumed_from else length, text_rows=tail)
-        return self._accept(seq, int(token[0]), output, self._text_rows(token, [seq]))
+    def _prefill_long(self, seqs: list[Sequence]) -> list[StepResult]:
+        """Text-only prompts too long for the static prefill: this step's piece of each (Sequence.piece)
+        through the LongPrefill. A piece that ends its prompt picks the first token; the slot of one that
+        does not holds a stand-in state whose length is the piece's end, so that decode steps meanwhile
+        write their unused row there, where the next piece writes first (see StaticDecoder.step)."""
+        embed = self.model.get_input_embeddings()
+        embeds = [embed(to_device(s.payload.input_ids, self.device)) for s in seqs]  # [L_i, D]
+        pieces = [s.piece(e.shape[0]) for s, e in zip(seqs, embeds)]
+        last = self.long_prefill.run([(e[a:b], s.slot, a) for s, e, (a, b) in zip(seqs, embeds, pieces)])
+        ending = [i for i, (e, (_, b)) in enumerate(zip(embeds, pieces)) if b == e.shape[0]]
+        results = []
+        for s, (_, b) in zip(seqs, pieces):
+            self.slots[s.slot] = _SlotState(b, 0, 0)
+            results.append(StepResult(s, None))
+        if ending:
+            done = [seqs[i] for i in ending]
+            tokens = self._sample(self.model.lm_head(last[ending]), done)
+            rows = self._text_rows(tokens, done)
+            for j, (i, token) in enumerate(zip(ending, tokens.tolist())):
+                e = embeds[i]  # no audio/image rows: the embeddings stand in for the accept layer's states
+                results[i] = self._prefilled_text(seqs[i], e.shape[0], token, e, e, rows, j)
+        return results
 
     def _chunk_hits(self, seqs: list[Sequence], found: dict) -> list[Sequence]:
         """The prompts with a kept prefix, when they fit one ChunkPrefill step together (else none: they

@@ -62,6 +62,20 @@ def test_served_text_and_audio_equal_generate(kind, triton_server, hf_model, pro
     assert r.usage["completion_tokens"] == REPLY and r.usage["audio_frames"] == want_codes.shape[0]
 
 
+def test_a_prompt_longer_than_the_static_prefill_is_served_in_chunks_as_generate(triton_server, hf_model, processor):
+    """A ~700-token text prompt: thinker and talker prefill it in 512-token chunks (stages/long_prefill.py),
+    and the served text and audio equal generate()'s."""
+    msgs = oracle.messages("text", " ".join(f"word{i % 97} and" for i in range(170)))
+    inputs = prepare_inputs(processor, msgs)
+    assert 512 < inputs["input_ids"].shape[1] < 1024 - REPLY
+    want_text, want_codes, want_wav = oracle.generate(hf_model, inputs, REPLY, FRAMES)
+    r = omni(triton_server.grpc_url, msgs, dict(GREEDY, max_tokens=REPLY, talker_max_tokens=FRAMES))
+    assert r.error is None, r.error
+    assert r.token_ids == want_text and r.usage["prompt_tokens"] == inputs["input_ids"].shape[1]
+    assert r.usage["audio_frames"] == want_codes.shape[0]
+    assert oracle.rel_error(torch.from_numpy(r.waveform), want_wav) < 1e-4
+
+
 def test_first_chunks_take_code2wav_first_lane(triton_server, hf_model, processor):
     """A stream's first chunk goes through Code2Wav's first lane (its own worker; CUDA graphs on cuda), the
     later ones through the main worker, and the audio still equals generate()'s."""

@@ -90,6 +90,51 @@ def test_queue_limit_and_duplicates():
         s.add(seq("b"))
 
 
+def chunked(lengths, chunk=100):
+    """prompt_tokens and chunk_tokens of a runner that prefills prompts longer than `chunk` in chunks."""
+    return dict(prompt_tokens=lambda q: lengths[q.request_id],
+                chunk_tokens=lambda q: chunk if lengths[q.request_id] > chunk else lengths[q.request_id])  # fmt: skip
+
+
+def pieces(batch):
+    return {q.request_id: (q.prefilled - q.chunk, q.prefilled) for q in batch.prefills}
+
+
+def test_a_long_prompt_goes_in_whole_chunks_of_the_budget_and_decodes_after_its_last():
+    s = Scheduler(max_slots=4, max_prefills_per_step=4, max_prefill_tokens=250)
+    hooks = chunked({"long": 530})
+    s.add(seq("long"))
+    steps = [(pieces(b), [q.request_id for q in b.decodes]) for b in (s.schedule(**hooks) for _ in range(4))]
+    assert steps == [({"long": (0, 200)}, []), ({"long": (200, 400)}, []), ({"long": (400, 530)}, []), ({}, ["long"])]
+
+
+def test_short_prompts_are_not_queued_behind_a_long_ones_pieces():
+    s = Scheduler(max_slots=4, max_prefills_per_step=4, max_prefill_tokens=300)
+    lengths = {"long": 1000, "old": 800, "a": 60, "b": 90}
+    hooks = chunked(lengths)
+    s.add(seq("long"))
+    assert pieces(s.schedule(**hooks)) == {"long": (0, 300)}
+    s.add(seq("old"))  # a second long prompt, then two short ones
+    s.add(seq("a"))
+    s.add(seq("b"))
+    # the oldest prompt part-way goes on first (one chunk at least), then the short ones whole, then the rest
+    assert pieces(s.schedule(**hooks)) == {"long": (300, 400), "a": (0, 60), "b": (0, 90)}
+    assert pieces(s.schedule(**hooks)) == {"long": (400, 700)}
+    assert pieces(s.schedule(**hooks)) == {"long": (700, 1000)}
+    assert pieces(s.schedule(**hooks)) == {"old": (0, 300)}
+
+
+def test_a_short_prompt_over_the_budget_lets_no_newer_long_prompt_go_first():
+    s = Scheduler(max_slots=4, max_prefills_per_step=4, max_prefill_tokens=200)
+    lengths = {"first": 150, "short": 100, "long": 1000}
+    hooks = chunked(lengths, chunk=150)
+    for name in lengths:
+        s.add(seq(name))
+    assert pieces(s.schedule(**hooks)) == {"first": (0, 150)}  # 50 left: "short" waits, and "long" behind it
+    assert pieces(s.schedule(**hooks)) == {"short": (0, 100)}  # 100 left: less than one chunk of "long"
+    assert pieces(s.schedule(**hooks)) == {"long": (0, 150)}
+
+
 # ---- admission by KV blocks (core/block_pool.py) ----------------------------------------------------------
 from omnistage.core.block_pool import BLOCK, BlockPool  # noqa: E402
 
@@ -142,3 +187,23 @@ def test_a_whole_reply_reserve_admits_only_what_can_finish():
     assert s.schedule(prompt_tokens=lambda q: q.payload, kv_tokens=lambda q: q.payload + 1).prefills == []
     s.finish(batch.prefills[0])
     assert [q.request_id for q in s.schedule(prompt_tokens=lambda q: q.payload).prefills] == ["b"]
+
+
+def test_a_prompt_preempted_part_way_through_its_prefill_starts_again_from_its_first_chunk():
+    s = Scheduler(max_slots=4, max_prefills_per_step=8, max_prefill_tokens=62, blocks=BlockPool(9, 4, 64),
+                  reply_reserve=0)  # fmt: skip
+    kv = {"a": 31}
+    hooks = dict(chunked({"a": 30, "long": 64}, chunk=32), kv_tokens=lambda q: kv[q.request_id])
+    a, long = blocked("a", 30), blocked("long", 64)
+    s.add(a)
+    s.add(long)
+    assert pieces(s.schedule(**hooks)) == {"a": (0, 30), "long": (0, 32)}
+    s.blocks.grow(a.slot, 31)  # what the runner's prefills take
+    s.blocks.grow(long.slot, 32)
+    a.num_generated = 1
+    kv["a"] = 7 * BLOCK  # its next decode needs 5 more blocks, 4 are free: the newest, mid-prefill, gives way
+    batch = s.schedule(**hooks)
+    assert batch.preempted == [long] and batch.decodes == [a] and batch.prefills == []
+    assert long.status is SeqStatus.WAITING and (long.prefilled, long.chunk) == (0, 0)
+    s.finish(a)
+    assert pieces(s.schedule(**hooks)) == {"long": (0, 32)}

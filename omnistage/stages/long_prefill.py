@@ -1,0 +1,67 @@
+# Prefill of text-only prompts longer than the static prefill takes whole (chunked prefill). The engine
+# hands such a prompt over in pieces across steps (core/scheduler.py), each piece whole chunks of
+# CHUNK_TOKENS but its prompt's last; here a piece is cut into rows of CHUNK_TOKENS that start where the
+# previous ones end, and every row of a step runs in one ChunkPrefill forward (stages/chunk_prefill.py),
+# with the slot's positions up to its own. Each layer writes all rows' K/V into their slots before any row
+# attends, so a row reads the rows before it of its prompt from the same forward as it reads the pieces of
+# earlier steps: the prompt's K/V and last hidden state are those of one causal pass over it. Rows start
+# at multiples of CHUNK_TOKENS, so one token bucket serves every row, and a row padded to it ends inside a
+# block table that spans whole chunks (DecoderRunner sizes it so on graphs); its padded positions past the
+# prompt's blocks write to the null block.
+from __future__ import annotations
+
+import torch
+
+from .chunk_prefill import ChunkPrefill
+from .cuda_graphs import length_buckets
+from .paged_kv import PagedKVCache
+
+# Tokens per row, and the longest prompt the static prefill takes whole (runner.py): a text prompt is either
+# one static prefill row or rows of this size.
+CHUNK_TOKENS = 512
+# Rows per forward (a step with more runs several, in row order): 8192 tokens at most, and at most
+# MAX_ATTENDED rows x attended positions. Each row's attention reads its slot up to the furthest row's end,
+# and transformers' masked sdpa copies the thinker's 4 KV heads out per query head: ~1 GB a layer in bf16
+# at 16 rows x 4096 positions, held by the graph pool; so a row that attends 32k positions goes in a
+# forward of 2 rows, one at 64k alone.
+MAX_ROWS = 16
+MAX_ATTENDED = 16 * 4096
+
+
+class LongPrefill:
+    def __init__(self, name: str, text_model, cache: PagedKVCache, *, max_rows: int, cuda_graphs: bool):
+        kv_buckets = tuple(length_buckets(cache.max_len, CHUNK_TOKENS))
+        self.rows = ChunkPrefill(f"{name}_long", text_model, cache, max_rows=min(max_rows, MAX_ROWS),
+                                 cuda_graphs=cuda_graphs, token_buckets=(CHUNK_TOKENS,), kv_buckets=kv_buckets,
+                                 max_attended=MAX_ATTENDED)  # fmt: skip
+
+    def run(self, pieces: list[tuple[torch.Tensor, int, int]]) -> torch.Tensor:
+        """pieces: per prompt (embeds [T, D] of its piece on the device, its slot, where the piece starts in
+        the slot). Returns the normed hidden state at each piece's last token, [n, D]."""
+        rows = []  # (piece, embeds [<= CHUNK_TOKENS, D], slot, start)
+        for i, (embeds, slot, start) in enumerate(pieces):
+            starts = range(0, embeds.shape[0], CHUNK_TOKENS)
+            rows += [(i, embeds[t : t + CHUNK_TOKENS], slot, start + t) for t in starts]
+        last = torch.empty(len(pieces), self.rows.hidden_out.shape[1], dtype=self.rows.hidden_out.dtype,
+                           device=self.rows.hidden_out.device)  # fmt: skip
+        for group in self._groups(rows):  # in row order: a prompt's rows stay in order
+            hidden = self.rows.run([r[1] for r in group], [r[2] for r in group], [r[3] for r in group])
+            for j, (i, *_) in enumerate(group):
+                last[i] = hidden[j]  # a piece's later rows overwrite its earlier ones: its last row stays
+        return last
+
+    def _groups(self, rows: list[tuple]) -> list[list[tuple]]:
+        """Consecutive rows cut into forwards that fit the ChunkPrefill (rows, attended positions)."""
+        groups = [[rows[0]]]
+        for row in rows[1:]:
+            group = groups[-1]
+            if self.rows.fits(len(group) + 1, CHUNK_TOKENS, max(row[3], *(r[3] for r in group))):
+                group.append(row)
+            else:
+                groups.append([row])
+        return groups
+
+    def capture_all(self, pool) -> None:
+        """Captures every bucket into the graph memory pool `pool` (shared with the static prefill's)."""
+        self.rows.bank.pool = pool
+        self.rows.capture_all()

@@ -1,0 +1,201 @@
+# Chunked prefill on the tiny checkpoint: a prompt longer than the static prefill takes whole is prefilled in
+# pieces over engine steps, interleaved with the decode steps of running streams, and its reply equals
+# transformers' generate() on the whole prompt, for the thinker and the talker alike.
+import threading
+
+import pytest
+import torch
+
+from omnistage.core.engine import StageEngine
+from omnistage.core.sampling import SamplingParams
+from omnistage.core.scheduler import Scheduler, Sequence
+from omnistage.models.processor import prepare_inputs
+from omnistage.stages.long_prefill import CHUNK_TOKENS
+from omnistage.stages.talker import TalkerPrompt, TalkerRunner
+from omnistage.stages.thinker import ThinkerPrompt, ThinkerRunner
+
+from .. import oracle
+
+REPLY, FRAMES = 6, 10
+RUNNER = dict(max_slots=4, max_seq_len=2048, device="cpu", dtype=torch.float32)
+
+
+class Steps:
+    """Wraps a runner's prefill and decode: the log of steps, as (phase, {request id: piece or None}), and
+    each prompt's K/V as its slot holds them right after its last piece (kv: request id -> (keys, values))."""
+
+    def __init__(self, runner):
+        self.log, self.kv = [], {}
+        for phase in ("prefill", "decode"):
+            run = getattr(runner, phase)
+            setattr(runner, phase, self._logged(phase, run, runner))
+
+    def _logged(self, phase, run, runner):
+        def step(seqs):
+            lengths = {s.request_id: runner.prompt_tokens(s) for s in seqs}
+            pieces = {s.request_id: s.piece(lengths[s.request_id]) if phase == "prefill" else None for s in seqs}
+            self.log.append((phase, pieces))
+            results = run(seqs)
+            for s in seqs if phase == "prefill" else []:
+                if pieces[s.request_id][1] == lengths[s.request_id]:
+                    self.kv[s.request_id] = runner.cache.read(s.slot, lengths[s.request_id])
+            return results
+
+        return step
+
+    def pieces(self, request_id):
+        return [p[request_id] for phase, p in self.log if phase == "prefill" and request_id in p]
+
+    def decodes_between_pieces(self, long_id, short_id):
+        """For each gap between two prefill pieces of long_id: the decode steps short_id took in it."""
+        marks = [i for i, (phase, p) in enumerate(self.log) if phase == "prefill" and long_id in p]
+        return [sum(1 for phase, p in self.log[a:b] if phase == "decode" and short_id in p)
+                for a, b in zip(marks, marks[1:])]  # fmt: skip
+
+
+class Outputs:
+    def __init__(self):
+        self.got, self.ended, self.cv = {}, {}, threading.Condition()
+
+    def __call__(self, request_id, output, finish_reason, error):
+        with self.cv:
+            if output is not None:
+                self.got[request_id] = self.got[request_id].merge(output) if request_id in self.got else output
+            if finish_reason or error:
+                self.ended[request_id] = finish_reason or error
+                self.cv.notify_all()
+
+    def wait(self, *ids, timeout=300):
+        with self.cv:
+            assert self.cv.wait_for(lambda: all(i in self.ended for i in ids), timeout), self.ended
+        assert all(self.ended[i] == "length" for i in ids), self.ended
+
+
+def serve(runner, budget, requests):
+    """Runs (request id, params, payload) through a StageEngine over `runner` with a per-step prefill budget
+    of `budget` tokens; every request added before the loop starts. Returns the outputs and the step log."""
+    steps, out = Steps(runner), Outputs()
+    engine = StageEngine("test", runner, Scheduler(4, max_prefills_per_step=4, max_prefill_tokens=budget), out)
+    for request_id, params, payload in requests:
+        engine.add(Sequence(request_id, params, payload))
+    engine.start()
+    try:
+        out.wait(*[r[0] for r in requests])
+    finally:
+        engine.stop()
+    return out.got, steps
+
+
+@pytest.fixture(scope="module")
+def long_inputs(processor):
+    text = " ".join(f"word{i % 97} and" for i in range(300))  # ~2.3 chunks of thinker tokens
+    inputs = prepare_inputs(processor, oracle.messages("text", text))
+    assert 2 * CHUNK_TOKENS < inputs["input_ids"].shape[1] < 3 * CHUNK_TOKENS
+    return inputs
+
+
+@pytest.fixture(scope="module")
+def long_want(hf_model, long_inputs):
+    """generate()'s text tokens and codec codes on the long prompt."""
+    return oracle.generate(hf_model, long_inputs, REPLY, FRAMES)[:2]
+
+
+@pytest.fixture(scope="module")
+def long_kv(hf_model, long_inputs):
+    """The thinker's K/V of the long prompt from transformers' forward over all of it: [layers] of [heads, L, d]."""
+    with torch.inference_mode():
+        past = hf_model.thinker(input_ids=long_inputs["input_ids"], use_cache=True).past_key_values
+    return [layer.keys[0] for layer in past.layers], [layer.values[0] for layer in past.layers]
+
+
+def assert_same_kv(got, want):
+    for g, w in zip(got[0] + got[1], want[0] + want[1]):
+        torch.testing.assert_close(g[0], w, rtol=1e-4, atol=1e-4)
+
+
+def test_a_long_prompt_prefilled_in_pieces_beside_a_running_stream_matches_generate(hf_model, processor, long_inputs,
+                                                                                    long_want, long_kv):  # fmt: skip
+    """A one-chunk budget per step: the long prompt goes in three pieces of whole chunks (the last its
+    prompt's rest), the short stream beside it decodes in the steps between them, and both replies, text
+    tokens and codec codes, equal generate()'s on each prompt alone."""
+    short_inputs = prepare_inputs(processor, oracle.messages("text"))
+    thinker = ThinkerRunner(hf_model.thinker, hf_model.config, **RUNNER)
+    n = long_inputs["input_ids"].shape[1]
+    got, steps = serve(thinker, CHUNK_TOKENS, [
+        ("short", SamplingParams(max_tokens=2 * REPLY, ignore_eos=True),
+         ThinkerPrompt(short_inputs["input_ids"][0], export_talker=True)),
+        ("long", SamplingParams(max_tokens=REPLY, ignore_eos=True),
+         ThinkerPrompt(long_inputs["input_ids"][0], export_talker=True)),
+    ])  # fmt: skip
+    assert steps.pieces("long") == [(0, CHUNK_TOKENS), (CHUNK_TOKENS, 2 * CHUNK_TOKENS), (2 * CHUNK_TOKENS, n)]
+    assert steps.decodes_between_pieces("long", "short") == [1, 1]  # a decode step in every gap
+    last_piece = max(i for i, (phase, p) in enumerate(steps.log) if phase == "prefill" and "long" in p)
+    assert not any(phase == "decode" and "long" in p for phase, p in steps.log[:last_piece])  # mid-prefill: no decode
+    assert got["long"].prompt_tokens == n
+    assert_same_kv(steps.kv["long"], long_kv)
+    want_text, want_codes = long_want
+    assert got["long"].token_ids == want_text
+    assert got["short"].token_ids == oracle.generate(hf_model, short_inputs, 2 * REPLY, FRAMES)[0]
+
+    talker = TalkerRunner(hf_model.talker, hf_model.config, **RUNNER)
+    out = got["long"]
+    prompt = TalkerPrompt(out.talker, 2302, list(out.text_rows.unbind(0)), True)
+    rows = talker.prompt_tokens(Sequence("x", SamplingParams(), prompt))
+    params = SamplingParams(max_tokens=FRAMES, repetition_penalty=1.05)
+    codes, steps = serve(talker, CHUNK_TOKENS, [("long", params, prompt)])
+    assert steps.pieces("long") == [(0, CHUNK_TOKENS), (CHUNK_TOKENS, 2 * CHUNK_TOKENS), (2 * CHUNK_TOKENS, rows)]
+    assert torch.equal(codes["long"].codes, want_codes)
+
+
+def test_a_long_prompt_prefilled_in_one_step_matches_generate(hf_model, long_inputs, long_want, long_kv):
+    """With the budget for all of it, a long prompt's chunks run as rows of one step's forwards (each row
+    reading the rows before it, in the same forward or an earlier one): the same reply and K/V as
+    generate()'s forward."""
+    thinker = ThinkerRunner(hf_model.thinker, hf_model.config, **RUNNER)
+    thinker.long_prefill.rows.max_attended = 4096  # rows at 0 and 512 together (2 x 1024), the third alone
+    n = long_inputs["input_ids"].shape[1]
+    got, steps = serve(thinker, 4 * CHUNK_TOKENS, [
+        ("long", SamplingParams(max_tokens=REPLY, ignore_eos=True), ThinkerPrompt(long_inputs["input_ids"][0])),
+    ])  # fmt: skip
+    assert steps.pieces("long") == [(0, n)]
+    assert got["long"].token_ids == long_want[0]
+    assert_same_kv(steps.kv["long"], long_kv)
+
+
+def test_rows_go_in_forwards_that_bound_rows_times_attended_positions(hf_model):
+    """With graphs' buckets (set by hand on the CPU): consecutive rows share a forward while its bucketed
+    rows x kv positions stay within the bound, so rows that attend far go in smaller forwards."""
+    long = ThinkerRunner(hf_model.thinker, hf_model.config, **RUNNER).long_prefill
+    long.rows.row_buckets, long.rows.max_attended = [1, 2, 4, 8, 16], 4096
+    rows = [(0, None, 0, start) for start in range(0, 4 * CHUNK_TOKENS, CHUNK_TOKENS)]
+    # 2 rows x 1024 positions; a third would make 4 (bucket) x 2048: the next forward, 2 x 2048
+    assert [[r[3] for r in g] for g in long._groups(rows)] == [[0, 512], [1024, 1536]]
+
+
+@pytest.mark.gpu
+@torch.inference_mode()
+def test_long_prefill_graphs_in_pieces_equal_one_eager_pass_on_cuda(tiny_checkpoint, long_inputs):
+    """As served on CUDA (bf16, graphs, rows padded to the chunk): a long prompt prefilled in two pieces
+    leaves the K/V of the prompt prefilled whole at exact sizes without graphs in its slot, within bf16
+    rounding, and picks the same token."""
+    from omnistage.models.checkpoint import load_config, load_stage
+
+    config = load_config(str(tiny_checkpoint))
+    model = load_stage(str(tiny_checkpoint), "thinker", dtype=torch.bfloat16, device="cuda",
+                       experts_implementation="gather_or_grouped")  # fmt: skip
+    kw = dict(max_slots=2, max_seq_len=2000, device="cuda", dtype=torch.bfloat16)
+    graphs, eager = ThinkerRunner(model, config, cuda_graphs=True, **kw), ThinkerRunner(model, config, **kw)
+    graphs.capture_graphs()
+    prompt = ThinkerPrompt(long_inputs["input_ids"][0])
+    n = prompt.input_ids.numel()
+    pieced = Sequence("g", SamplingParams(max_tokens=REPLY), prompt, slot=1)
+    pieced.prompt_len = n
+    for end in (CHUNK_TOKENS, n):  # as the scheduler hands them over: a chunk, then the rest
+        pieced.chunk, pieced.prefilled = end - pieced.prefilled, end
+        [result] = graphs.prefill([pieced])
+        assert (result.output is None) == (end < n)
+    [whole] = eager.prefill([Sequence("e", SamplingParams(max_tokens=REPLY), prompt, slot=1)])
+    assert result.output.token_ids == whole.output.token_ids
+    got, want = graphs.cache.read(1, n), eager.cache.read(1, n)
+    for g, w in zip(got[0] + got[1], want[0] + want[1]):
+        torch.testing.assert_close(g, w, rtol=0.05, atol=0.05)
