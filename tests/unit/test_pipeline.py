@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from omnistage.core.chunking import ChunkSchedule
+from omnistage.core.errors import BadRequestError
 from omnistage.models.processor import prepare_inputs
 from omnistage.pipeline.local_stages import LocalStages
 from omnistage.pipeline.options import OmniOptions
@@ -130,3 +131,11 @@ def test_cancel_frees_slots_in_every_stage(stages, processor):
     for stage in ("thinker", "talker"):
         assert stages.engines[stage].scheduler.slots_in_use == 0, stage
 
+
+def test_chunk_schedule_parameter():
+    assert OmniOptions.from_parameters({"chunk_schedule": "playback"}, SPEAKERS).playback
+    assert not OmniOptions.from_parameters({"chunk_schedule": "fixed"}, SPEAKERS).playback
+    assert not OmniOptions.from_parameters({}, SPEAKERS).playback
+    with pytest.raises(BadRequestError) as e:
+        OmniOptions.from_parameters({"chunk_schedule": "ramp"}, SPEAKERS)
+    assert (e.value.param, e.value.error_code) == ("chunk_schedule", "invalid_value")
