@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import bisect
 import json
 import statistics
 import sys
@@ -80,6 +81,8 @@ class Mic:
 
     def __init__(self, ws):
         self.ws, self.sent_ms, self.start = ws, 0.0, time.perf_counter()
+        self.chunk_ends: list[float] = []  # audio ms at the end of each chunk sent
+        self.chunk_walls: list[float] = []  # the wall time each went out
 
     async def play(self, pcm: bytes) -> None:
         step = RATE * 2 * CHUNK_MS // 1000
@@ -87,12 +90,17 @@ class Mic:
             due = self.start + self.sent_ms / 1000
             await asyncio.sleep(max(0.0, due - time.perf_counter()))
             chunk = pcm[i:i + step]
+            wall = time.perf_counter()
             await self.ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(chunk).decode()}))
             self.sent_ms += len(chunk) / 2 / RATE * 1000
+            self.chunk_ends.append(self.sent_ms)
+            self.chunk_walls.append(wall)
 
     def wall_at(self, audio_ms: float) -> float:
-        """The wall time the audio at position audio_ms was sent (the end of its chunk)."""
-        return self.start + min(audio_ms, self.sent_ms) / 1000
+        """The wall time the audio at position audio_ms went out: the send of the chunk that holds it, so no
+        latency is counted before the server could have heard that audio."""
+        i = bisect.bisect_right(self.chunk_ends, audio_ms)
+        return self.chunk_walls[min(i, len(self.chunk_walls) - 1)]
 
 
 async def run_session(url: str, utterance: bytes, turns: int, turn_timeout: float, api_key: str | None) -> SessionLog:
