@@ -7,6 +7,7 @@
 # playing is an underrun, and playback resumes from it: perf/realtime_load.py's definition.
 #
 #   python -m perf.playback_model            # margins of the fixed and playback schedules, a 40-frame reply
+#   python -m perf.playback_model --rules    # playback rules of the same form side by side, all reply lengths
 from __future__ import annotations
 
 import argparse
@@ -54,6 +55,33 @@ def simulate(schedule: ChunkSchedule, frames: int, frame_ms: float, first_call_m
                     back[-1] if back else 0.0)  # fmt: skip
 
 
+@dataclass(frozen=True)
+class RampRule(ChunkSchedule):
+    """A playback rule of ChunkSchedule's form with other constants: each later chunk `share` of the
+    frames before it, at least `min_frames`, at most chunk_frames."""
+
+    min_frames: int = 3
+    share: float = 0.6
+
+    def next_frames(self, emitted: int) -> int:
+        if emitted == 0:
+            return self.first_chunk_frames
+        return min(self.chunk_frames, max(self.min_frames, int(emitted * self.share)))
+
+
+def compare_rules(frame_ms: list[float], call_ms: list[float], first_call_ms: float) -> None:
+    """The worst margin over reply lengths 5..120 per (talker, call) point, for rules of the playback form."""
+    print(f"worst margin ms over 5..120-frame replies; first Code2Wav call {first_call_ms:g} ms; "
+          f"columns: later call {', '.join(f'{c:g}' for c in call_ms)} ms")  # fmt: skip
+    for min_frames in (3, 4):
+        for share in (0.5, 0.6, 0.75, 1.0):
+            rule = RampRule(min_frames=min_frames, share=share)
+            print(f"min {min_frames}, share {share}: chunks {simulate(rule, 60, 1, 0, 0).chunks}")
+            for f in frame_ms:
+                worst = [min(simulate(rule, n, f, first_call_ms, c).margin_ms for n in range(5, 121)) for c in call_ms]
+                print(f"  talker {f:4g} ms/frame  " + " ".join(f"{w:6.0f}" for w in worst))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m perf.playback_model", description=__doc__)
     ap.add_argument("--frames", type=int, default=40, help="reply length in codec frames (realtime_load: 40)")
@@ -61,7 +89,11 @@ def main(argv=None) -> int:
                     help="the talker's time per frame under load")  # fmt: skip
     ap.add_argument("--first-call-ms", type=float, default=30.0)
     ap.add_argument("--call-ms", type=float, nargs="+", default=[100, 150, 250])
+    ap.add_argument("--rules", action="store_true", help="compare playback rules instead")
     args = ap.parse_args(argv)
+    if args.rules:
+        compare_rules(args.frame_ms, args.call_ms, args.first_call_ms)
+        return 0
     base = ChunkSchedule()
     print(f"{args.frames} frames, first Code2Wav call {args.first_call_ms:g} ms; "
           "margin ms (underruns) in series / pipelined")  # fmt: skip

@@ -8,16 +8,17 @@
 # for clients that want the whole reply soon (text to speech). The playback one is for audio played as it
 # arrives (realtime sessions): there chunk k must be back before chunks 1..k-1 finish playing, but the talker
 # makes 25 frames (2 s of audio) in ~0.6-1.3 s under load, far longer than a 320 ms first chunk plays. So its
-# later chunks ramp up, each half the audio cut before it (4, 4, 4, 6, 9, 13, 20, then chunk_frames): the
-# audio already cut keeps ahead of playback while the talker makes a frame in up to ~45 ms (1.8x real time)
-# and a Code2Wav call takes up to ~150 ms more than the first chunk's (perf/playback_model.py). Each chunk
-# plays at least PLAYBACK_MIN_FRAMES, longer than a Code2Wav call under load, because a session's calls run
-# one after another: shorter chunks (1, 1, 2, ...) fall behind by a call's excess at every chunk.
+# later chunks ramp up, each 3/5 of the frames cut before it, at least PLAYBACK_MIN_FRAMES (4, 3, 4, 6, 10,
+# 16, then chunk_frames): the audio already cut stays ahead of playback while the talker makes a frame in up
+# to 40 ms (2x real time) and a later Code2Wav call takes up to 200 ms, or 50 ms and 150 ms
+# (perf/playback_model.py; its --rules view shows this rule leaving the most room among its neighbours). A
+# session's calls run one after another, so a chunk must play longer than a call takes: 1-frame chunks
+# (80 ms) fall behind at every call.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-PLAYBACK_MIN_FRAMES = 4  # 320 ms
+PLAYBACK_MIN_FRAMES = 3  # 240 ms
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class ChunkSchedule:
             return self.first_chunk_frames
         if not self.playback:
             return self.chunk_frames
-        return min(self.chunk_frames, max(PLAYBACK_MIN_FRAMES, emitted // 2))
+        return min(self.chunk_frames, max(PLAYBACK_MIN_FRAMES, emitted * 3 // 5))
 
 
 @dataclass(frozen=True)

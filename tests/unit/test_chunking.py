@@ -151,10 +151,10 @@ def test_policy_gives_the_light_schedule_only_while_load_is_light():
 def test_playback_schedule_ramps_up_from_the_first_chunk():
     playback = ChunkSchedule(4, 25).for_playback()
     sizes = [w.frames for w in all_windows(playback, 200)]
-    # each later chunk half the frames cut before it, at least PLAYBACK_MIN_FRAMES, at most chunk_frames
-    assert sizes == [4, 4, 4, 6, 9, 13, 20, 25, 25, 25, 25, 25, 15]
-    assert [w.frames for w in all_windows(ChunkSchedule(1, 25).for_playback(), 12)] == [1, 4, 4, 3]
-    assert [w.frames for w in all_windows(ChunkSchedule(4, 3).for_playback(), 12)] == [4, 3, 3, 2]  # capped
+    # each later chunk 3/5 of the frames cut before it, at least PLAYBACK_MIN_FRAMES, at most chunk_frames
+    assert sizes == [4, 3, 4, 6, 10, 16, 25, 25, 25, 25, 25, 25, 7]
+    assert [w.frames for w in all_windows(ChunkSchedule(1, 25).for_playback(), 12)] == [1, 3, 3, 4, 1]
+    assert [w.frames for w in all_windows(ChunkSchedule(4, 2).for_playback(), 9)] == [4, 2, 2, 1]  # capped
 
 
 @pytest.mark.parametrize("step", [1, 3, 25])
