@@ -1,8 +1,9 @@
 # Realtime load: N concurrent /v1/realtime sessions, each streaming an utterance at real-time pace (then
 # silence, as an open microphone does) and listening to the spoken answer, for a few turns each.
 # Per turn: the response latency from the end of speech (the audio position that speech_stopped reports,
-# mapped to the wall time that audio was sent) to the first audio delta, and playback underruns (a delta
-# that arrives after the audio before it has finished playing at real-time pace). A turn fails when its
+# mapped to the wall time that audio was sent) to the first audio delta, playback underruns (a delta
+# that arrives after the audio before it has finished playing at real-time pace, playback starting at the
+# first delta), and the least lead of a delta over that playback. A turn fails when its
 # response does not complete with audio, when an error event arrives, or when it takes over --turn-timeout.
 #
 #   python -m perf.realtime_load --url http://127.0.0.1:8091 --sessions 32 64 --turns 3 --out realtime.json
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import bisect
 import json
 import statistics
 import sys
@@ -65,6 +67,9 @@ class Turn:
     latency_ms: float | None = None
     underruns: int = 0
     underrun_ms: float = 0.0
+    # the least time any later delta arrived before the audio ahead of it finished playing (negative: the
+    # worst underrun); None with a single delta. How much room the chunk schedule leaves.
+    lead_ms: float | None = None
     audio_ms: float = 0.0
     status: str = "pending"  # completed | failed: <why>
 
@@ -80,6 +85,8 @@ class Mic:
 
     def __init__(self, ws):
         self.ws, self.sent_ms, self.start = ws, 0.0, time.perf_counter()
+        self.chunk_ends: list[float] = []  # audio ms at the end of each chunk sent
+        self.chunk_walls: list[float] = []  # the wall time each went out
 
     async def play(self, pcm: bytes) -> None:
         step = RATE * 2 * CHUNK_MS // 1000
@@ -87,12 +94,17 @@ class Mic:
             due = self.start + self.sent_ms / 1000
             await asyncio.sleep(max(0.0, due - time.perf_counter()))
             chunk = pcm[i:i + step]
+            wall = time.perf_counter()
             await self.ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(chunk).decode()}))
             self.sent_ms += len(chunk) / 2 / RATE * 1000
+            self.chunk_ends.append(self.sent_ms)
+            self.chunk_walls.append(wall)
 
     def wall_at(self, audio_ms: float) -> float:
-        """The wall time the audio at position audio_ms was sent (the end of its chunk)."""
-        return self.start + min(audio_ms, self.sent_ms) / 1000
+        """The wall time the audio at position audio_ms went out: the send of the chunk that holds it, so no
+        latency is counted before the server could have heard that audio."""
+        i = bisect.bisect_right(self.chunk_ends, audio_ms)
+        return self.chunk_walls[min(i, len(self.chunk_walls) - 1)]
 
 
 async def run_session(url: str, utterance: bytes, turns: int, turn_timeout: float, api_key: str | None) -> SessionLog:
@@ -156,10 +168,13 @@ async def _listen(events: asyncio.Queue, mic: Mic, turn: Turn) -> None:
             if first is None:
                 first = at
                 turn.latency_ms = None if end_of_speech is None else (at - end_of_speech) * 1000
-            elif at > first + played_ms / 1000:  # the audio before it has finished playing
-                turn.underruns += 1
-                turn.underrun_ms += (at - first) * 1000 - played_ms
-                first = at - played_ms / 1000  # playback resumes from here
+            else:
+                lead = played_ms - (at - first) * 1000  # < 0: the audio before it has finished playing
+                turn.lead_ms = lead if turn.lead_ms is None else min(turn.lead_ms, lead)
+                if lead < 0:
+                    turn.underruns += 1
+                    turn.underrun_ms -= lead
+                    first = at - played_ms / 1000  # playback resumes from here
             played_ms += ms
         elif kind == "response.done":
             status = event["response"]["status"]
@@ -176,6 +191,7 @@ def summarize(sessions: int, logs: list[SessionLog], wall_s: float) -> dict:
     turns = [t for log in logs for t in log.turns]
     done = [t for t in turns if t.status == "completed"]
     lat = [t.latency_ms for t in done if t.latency_ms is not None]
+    leads = [t.lead_ms for t in done if t.lead_ms is not None]
     failures: dict[str, int] = {}
     for t in turns:
         if t.status != "completed":
@@ -190,6 +206,9 @@ def summarize(sessions: int, logs: list[SessionLog], wall_s: float) -> dict:
                        "mean": statistics.fmean(lat) if lat else None, "max": max(lat) if lat else None},
         "underruns": sum(t.underruns for t in done), "underrun_ms": round(sum(t.underrun_ms for t in done), 1),
         "turns_with_underruns": sum(1 for t in done if t.underruns),
+        # per turn its least lead (Turn.lead_ms); p1 near 0 says the schedule has no room left
+        "lead_ms": {"p1": percentile(leads, 1), "p10": percentile(leads, 10), "p50": percentile(leads, 50),
+                    "min": min(leads) if leads else None},
     }  # fmt: skip
 
 

@@ -3,9 +3,22 @@
 #
 # Each chunk carries only its new frames: Code2Wav streams with carried state (stages/code2wav.py), so no
 # left context is re-sent and the chunks, concatenated, are exactly the full decode whatever the sizes.
+#
+# Two schedules. The fixed one (the first chunk, then chunk_frames at a time) makes the fewest Code2Wav calls,
+# for clients that want the whole reply soon (text to speech). The playback one is for audio played as it
+# arrives (realtime sessions): there chunk k must be back before chunks 1..k-1 finish playing, but the talker
+# makes 25 frames (2 s of audio) in ~0.6-1.3 s under load, far longer than a 320 ms first chunk plays. So its
+# later chunks ramp up, each 3/5 of the frames cut before it, at least PLAYBACK_MIN_FRAMES (4, 3, 4, 6, 10,
+# 16, then chunk_frames): the audio already cut stays ahead of playback while the talker makes a frame in up
+# to 40 ms (2x real time) and a later Code2Wav call takes up to 200 ms, or 50 ms and 150 ms
+# (perf/playback_model.py; its --rules view shows this rule leaving the most room among its neighbours). A
+# session's calls run one after another, so a chunk must play longer than a call takes: 1-frame chunks
+# (80 ms) fall behind at every call.
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+PLAYBACK_MIN_FRAMES = 3  # 240 ms
 
 
 @dataclass(frozen=True)
@@ -28,6 +41,7 @@ class ChunkSchedule:
     # vLLM-Omni deploy defaults: first audio after 4 frames (320 ms), then every 25 frames (2 s)
     first_chunk_frames: int = 4
     chunk_frames: int = 25
+    playback: bool = False  # later chunks ramp up to chunk_frames (the playback schedule above)
 
     def __post_init__(self) -> None:
         _require_positive_int("first_chunk_frames", self.first_chunk_frames)
@@ -35,6 +49,17 @@ class ChunkSchedule:
 
     def cutter(self) -> ChunkCutter:
         return ChunkCutter(self)
+
+    def for_playback(self) -> ChunkSchedule:
+        return replace(self, playback=True)
+
+    def next_frames(self, emitted: int) -> int:
+        """Frames of the chunk that starts after `emitted` frames."""
+        if emitted == 0:
+            return self.first_chunk_frames
+        if not self.playback:
+            return self.chunk_frames
+        return min(self.chunk_frames, max(PLAYBACK_MIN_FRAMES, emitted * 3 // 5))
 
 
 @dataclass(frozen=True)
@@ -48,8 +73,10 @@ class ChunkPolicy:
     light: ChunkSchedule | None = None
     light_load_requests: int = 1
 
-    def for_load(self, in_flight: int) -> ChunkSchedule:
-        return self.light if self.light is not None and in_flight <= self.light_load_requests else self.schedule
+    def for_load(self, in_flight: int, playback: bool = False) -> ChunkSchedule:
+        """The schedule of a new request; `playback`: its audio is played as it arrives (realtime)."""
+        schedule = self.light if self.light is not None and in_flight <= self.light_load_requests else self.schedule
+        return schedule.for_playback() if playback else schedule
 
 
 class ChunkCutter:
@@ -69,7 +96,7 @@ class ChunkCutter:
         self.total += n_new_frames
         windows = []
         while True:
-            size = self.schedule.first_chunk_frames if self.emitted == 0 else self.schedule.chunk_frames
+            size = self.schedule.next_frames(self.emitted)
             if self.total - self.emitted < size:
                 return windows
             windows.append(self._cut(self.emitted + size))

@@ -157,6 +157,9 @@ OMNI = ModelContract(
         "modalities": "string",  # "text", "audio" or "text,audio" (default)
         "speaker": "string",
         "use_audio_in_video": "bool",  # a video part's audio track goes in with its frames
+        # "fixed" (default): the fewest Code2Wav chunks; "playback": chunks that keep audio played as it
+        # arrives ahead of its playback (realtime sessions; core/chunking.py)
+        "chunk_schedule": "string",
         **SAMPLING_PARAMETERS,
         # per-stage overrides, vLLM-Omni's sampling_params_list flattened: talker_<name>
         **{f"talker_{k}": v for k, v in SAMPLING_PARAMETERS.items()},

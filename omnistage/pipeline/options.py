@@ -21,11 +21,12 @@ class OmniOptions:
     thinker_parameters: dict  # forwarded as the thinker request's parameters
     talker_parameters: dict
     use_audio_in_video: bool = False  # video parts bring their audio track (preprocessing and the thinker)
+    playback: bool = False  # chunk_schedule "playback": the audio is played as it arrives (core/chunking.py)
 
     @classmethod
     def from_parameters(cls, parameters: dict, speakers: set[str], default_speaker: str = DEFAULT_VOICE) -> "OmniOptions":
         known = (set(SAMPLING_PARAMETERS) | {f"talker_{k}" for k in SAMPLING_PARAMETERS}
-                 | {"modalities", "speaker", "use_audio_in_video"})
+                 | {"modalities", "speaker", "use_audio_in_video", "chunk_schedule"})
         unknown = sorted(set(parameters) - known - _TRITON_RESERVED)
         if unknown:
             raise BadRequestError(f"unknown parameter(s): {', '.join(unknown)}", param=unknown[0], code="unknown_parameter")
@@ -44,7 +45,11 @@ class OmniOptions:
         audio_in_video = coerce_parameter("use_audio_in_video", bool, parameters.get("use_audio_in_video", False))
         if audio_in_video:
             thinker["use_audio_in_video"] = True
-        return cls(want_text, want_audio, speaker, thinker, talker, audio_in_video)
+        schedule = parameters.get("chunk_schedule", "fixed")
+        if schedule not in ("fixed", "playback"):
+            raise BadRequestError(f"chunk_schedule must be 'fixed' or 'playback', got {schedule!r}",
+                                  param="chunk_schedule", code="invalid_value")  # fmt: skip
+        return cls(want_text, want_audio, speaker, thinker, talker, audio_in_video, schedule == "playback")
 
 
 # parameters Triton itself may attach to a request

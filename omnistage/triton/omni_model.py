@@ -152,7 +152,7 @@ class OmniModel:
                 return
             on_hop = lambda hop, seconds: self.metrics.observe("omni_handoff_latency_seconds", seconds, hop=hop)  # noqa: E731
             # the requests in flight (queued ones too), this one counted, choose its chunk schedule
-            schedule = self.chunk_policy.for_load(len(self.clocks))
+            schedule = self.chunk_policy.for_load(len(self.clocks), options.playback)
             request = OmniRequest(session, inputs, options, self.stages, self.processor.tokenizer, schedule, emit,
                                   on_hop, arrival=self.clocks[session].start, threads=self.threads)  # fmt: skip
             self.requests[session] = request  # from here on _cancel() reaches it

@@ -23,6 +23,8 @@ def test_load_measures_latency_and_underruns(tmp_path):
     assert (level["sessions"], level["turns"], level["completed_turns"], level["failed_turns"]) == (2, 4, 4, 0)
     assert level["latency_ms"]["p50"] >= FIRST_DELAY_S * 1000  # the backend's own delay is inside it
     assert level["underruns"] == 4 and level["turns_with_underruns"] == 4
+    # each second delta came ~0.6 s after the first, whose 160 ms had played out by then: no lead, a gap
+    assert level["lead_ms"]["min"] <= level["lead_ms"]["p50"] < 0
     assert len(fake.calls) == 4
     assert all(any(p["type"] == "input_audio" for p in m["content"]) for c in fake.calls
                for m in c["messages"] if m["role"] == "user")  # fmt: skip

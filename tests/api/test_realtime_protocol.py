@@ -72,7 +72,7 @@ async def test_text_item_then_response_streams_ga_events(server, fake):
     call = fake.calls[-1]
     assert call["messages"] == [{"role": "system", "content": "Be brief."},
                                 {"role": "user", "content": [{"type": "text", "text": "Hello?"}]}]  # fmt: skip
-    assert call["parameters"] == {"modalities": "text,audio", "speaker": "chelsie"}
+    assert call["parameters"] == {"modalities": "text,audio", "speaker": "chelsie", "chunk_schedule": "playback"}
     assert added.item.content[0].text == "Hello?"
 
 

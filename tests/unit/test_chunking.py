@@ -146,3 +146,26 @@ def test_policy_gives_the_light_schedule_only_while_load_is_light():
     assert [policy.for_load(n) for n in (1, 2, 3, 64)] == [light, light, usual, usual]
     assert ChunkPolicy(usual).for_load(1) is usual  # no light schedule: always the usual one
     assert all_windows(light, 40)[0] == Window(0, 2) and all_windows(usual, 40)[0] == Window(0, 4)
+
+
+def test_playback_schedule_ramps_up_from_the_first_chunk():
+    playback = ChunkSchedule(4, 25).for_playback()
+    sizes = [w.frames for w in all_windows(playback, 200)]
+    # each later chunk 3/5 of the frames cut before it, at least PLAYBACK_MIN_FRAMES, at most chunk_frames
+    assert sizes == [4, 3, 4, 6, 10, 16, 25, 25, 25, 25, 25, 25, 7]
+    assert [w.frames for w in all_windows(ChunkSchedule(1, 25).for_playback(), 12)] == [1, 3, 3, 4, 1]
+    assert [w.frames for w in all_windows(ChunkSchedule(4, 2).for_playback(), 9)] == [4, 2, 2, 1]  # capped
+
+
+@pytest.mark.parametrize("step", [1, 3, 25])
+def test_playback_schedule_covers_every_frame_once(step):
+    for total in (0, 1, 4, 5, 8, 27, 41, 100):
+        assert_covers(all_windows(ChunkSchedule(4, 25).for_playback(), total, step), total)
+
+
+def test_policy_gives_the_playback_schedule_on_request():
+    usual, light = ChunkSchedule(4, 25), ChunkSchedule(2, 25)
+    policy = ChunkPolicy(usual, light, light_load_requests=1)
+    assert policy.for_load(1, playback=True) == ChunkSchedule(2, 25, playback=True)
+    assert policy.for_load(5, playback=True) == ChunkSchedule(4, 25, playback=True)
+    assert policy.for_load(5) is usual

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from omnistage.core.chunking import ChunkSchedule
+from omnistage.core.errors import BadRequestError
 from omnistage.models.processor import prepare_inputs
 from omnistage.pipeline.local_stages import LocalStages
 from omnistage.pipeline.options import OmniOptions
@@ -64,20 +65,25 @@ def run(*args, **kwargs):
     return rec
 
 
-@pytest.mark.parametrize("kind", ["text", "audio"])
-def test_stream_equals_generate_and_full_decode(kind, stages, processor, hf_model):
+@pytest.mark.parametrize("kind, playback", [("text", False), ("audio", False), ("text", True)])
+def test_stream_equals_generate_and_full_decode(kind, playback, stages, processor, hf_model):
     reply, frames = 8, 60
     msgs = oracle.messages(kind)
     want_text, want_codes, want_wav = oracle.generate(hf_model, prepare_inputs(processor, msgs), reply, frames)
     frames_made = want_codes.shape[0]  # random weights may emit codec EOS before the limit
     params = dict(GREEDY, max_tokens=reply, talker_max_tokens=frames)
-    rec = run(stages, processor, msgs, params)
+    schedule = ChunkSchedule(4, 25).for_playback() if playback else ChunkSchedule(4, 25)
+    rec = run(stages, processor, msgs, params, schedule=schedule)
     assert rec.ids == want_text and rec.finish == "length"
     assert rec.text == processor.tokenizer.decode(want_text, skip_special_tokens=True)
     audio = torch.cat(rec.audio)
     assert audio.numel() == want_wav.numel() == frames_made * 1920 - 555
     assert oracle.rel_error(audio, want_wav) < 1e-4
-    chunk_frames = [4] + [25] * ((frames_made - 4) // 25) + ([(frames_made - 4) % 25] if (frames_made - 4) % 25 else [])
+    if playback:  # chunks end at frames 4, 7, 11, 17, 27, 43, 60 (each 3/5 of the frames before it)
+        ends = [e for e in (4, 7, 11, 17, 27, 43) if e < frames_made] + [frames_made]
+        chunk_frames = [b - a for a, b in zip([0] + ends, ends)]
+    else:
+        chunk_frames = [4] + [25] * ((frames_made - 4) // 25) + ([(frames_made - 4) % 25] if (frames_made - 4) % 25 else [])
     assert [a.numel() for a in rec.audio] == [n * 1920 - 555 * (i == 0) for i, n in enumerate(chunk_frames)]
     assert rec.usage["completion_tokens"] == reply and rec.usage["audio_frames"] == frames_made
 
@@ -124,3 +130,12 @@ def test_cancel_frees_slots_in_every_stage(stages, processor):
     assert rec.finish == "abort"
     for stage in ("thinker", "talker"):
         assert stages.engines[stage].scheduler.slots_in_use == 0, stage
+
+
+def test_chunk_schedule_parameter():
+    assert OmniOptions.from_parameters({"chunk_schedule": "playback"}, SPEAKERS).playback
+    assert not OmniOptions.from_parameters({"chunk_schedule": "fixed"}, SPEAKERS).playback
+    assert not OmniOptions.from_parameters({}, SPEAKERS).playback
+    with pytest.raises(BadRequestError) as e:
+        OmniOptions.from_parameters({"chunk_schedule": "ramp"}, SPEAKERS)
+    assert (e.value.param, e.value.error_code) == ("chunk_schedule", "invalid_value")
