@@ -23,11 +23,14 @@ from openai_frontend.realtime.conversation import Conversation, Item, audio_item
 from openai_frontend.realtime.events import EventError, error_event, field as get, new_id
 from openai_frontend.realtime.input_buffer import SAMPLES_PER_MS, InputBuffer
 from openai_frontend.realtime.response import Response, ResponsePlan
-from openai_frontend.realtime.session import SessionConfig, max_output_tokens, voice, _modalities
+from openai_frontend.realtime.session import SessionConfig, format_from_client, max_output_tokens, voice, _modalities
 from openai_frontend.settings import FrontendSettings
 
 log = logging.getLogger("openai_frontend.realtime")
 
+# response.create's `response` fields; tool_choice, prompt, parallel_tool_calls and reasoning have no effect here
+RESPONSE_KEYS = {"audio", "conversation", "input", "instructions", "max_output_tokens", "metadata", "output_modalities",
+                 "tools", "tool_choice", "prompt", "parallel_tool_calls", "reasoning"}  # fmt: skip
 MIN_COMMIT_MS = 100  # OpenAI's floor for a committed buffer; shorter audio gives the encoder nothing to read
 
 
@@ -146,7 +149,7 @@ class RealtimeConnection:
         await self.send({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": audio_end_ms, "item_id": item_id})
         await self._commit(self.input.take_until(audio_end_ms), item_id)
         if self.config.turn_detection["create_response"] and self.response_task is None:
-            await self.start_response(ResponsePlan(self._messages(), self.config))
+            await self.start_response(ResponsePlan(self._messages(), self.config, conversation_id=self.conversation.id))
 
     async def _commit(self, pcm: bytes, item_id: str) -> None:
         item = audio_item(pcm)
@@ -178,7 +181,7 @@ class RealtimeConnection:
 
     async def on_conversation_item_retrieve(self, event: dict[str, Any]) -> None:
         item = self.conversation.get(get(event, "item_id", str))
-        await self.send({"type": "conversation.item.retrieved", "item": item.public()})
+        await self.send({"type": "conversation.item.retrieved", "item": item.public(self.config.input_format)})
 
     async def on_conversation_item_delete(self, event: dict[str, Any]) -> None:
         item_id = get(event, "item_id", str)
@@ -218,8 +221,9 @@ class RealtimeConnection:
         if items is not None:
             for item in items:
                 messages.add(item)
-        plan = ResponsePlan(messages.messages(config.instructions), config, into_conversation=into,
-                            metadata=get(options, "metadata", dict, required=False, where="response."))  # fmt: skip
+        plan = ResponsePlan(messages.messages(config.instructions), config,
+                            metadata=get(options, "metadata", dict, required=False, where="response."),
+                            conversation_id=self.conversation.id if into else None)  # fmt: skip
         if not any(m["role"] in ("user", "assistant") for m in plan.messages):
             raise EventError("nothing to respond to: the conversation has no user item", code="empty_conversation")
         await self.start_response(plan)
@@ -227,6 +231,10 @@ class RealtimeConnection:
     def _response_config(self, options: dict[str, Any]) -> tuple[SessionConfig, bool, list[Item] | None]:
         config = replace(self.config)
         where = "response."
+        for key in options:
+            if key not in RESPONSE_KEYS:
+                raise EventError(f"unknown parameter 'response.{key}'", code="unknown_parameter",
+                                 param=f"response.{key}")  # fmt: skip
         if options.get("tools"):
             raise EventError("tools are not supported", code="unsupported", param="response.tools")
         if "instructions" in options:
@@ -239,16 +247,21 @@ class RealtimeConnection:
         if "voice" in out:
             config.voice = voice(out["voice"], self.settings, "response.audio.output.voice")
         if "format" in out:
-            config.output_format = SessionConfig.default(self.settings).updated(
-                {"audio": {"output": {"format": out["format"]}}}, self.settings).output_format
+            config.output_format = format_from_client(out["format"], "response.audio.output.format")
         conversation = options.get("conversation", "auto")
         if conversation not in ("auto", "none"):
             raise EventError("response.conversation must be 'auto' or 'none'", param="response.conversation")
         items = None
         if "input" in options:
-            given = get(options, "input", list, where=where)
-            items = [item_from_client(i, self.config.input_format) for i in given]
+            items = [self._input_item(i, item) for i, item in enumerate(get(options, "input", list, where=where))]
         return config, conversation == "auto", items
+
+    def _input_item(self, i: int, item: Any) -> Item:
+        """One item of response.input: a new message, or a reference to an item of the conversation."""
+        if isinstance(item, dict) and item.get("type") == "item_reference":
+            where = f"response.input[{i}]."
+            return self.conversation.get(get(item, "id", str, where=where), f"{where}id")
+        return item_from_client(item, self.config.input_format)
 
     async def start_response(self, plan: ResponsePlan) -> None:
         meter = RequestMeter(self.metrics, time.perf_counter(), request_id=plan.id) if self.metrics else None
