@@ -41,7 +41,7 @@ class Item:
         if self.role == "assistant":
             kind = {"type": "output_audio", "transcript": self.text} if self.audio_out else \
                    {"type": "output_text", "text": self.text}  # fmt: skip
-            content = [kind]
+            content = [kind] if self.status != "in_progress" else []  # parts come with content_part.added
         else:
             texts, images, audios = iter(self.texts), iter(self.images), iter(self.audios)
             content = []

@@ -65,6 +65,17 @@ class Response:
         self.outcome = Outcome()
         self.cancel_reason = "client_cancelled"  # what a cancellation of the task means; set by who cancels
         self.first_audio_at: float | None = None  # perf_counter of the first audio delta sent
+        self.task: asyncio.Task | None = None  # the task that runs it, set by whoever starts it
+
+    async def cancel(self, reason: str) -> None:
+        """Cancel it (if it still runs) and wait until its events have ended."""
+        task = self.task
+        if task is None or task.done() or task is asyncio.current_task():
+            return
+        if self.outcome.status == "in_progress":  # else it is only sending its closing events
+            self.cancel_reason = reason
+            task.cancel()
+        await asyncio.wait({task})
 
     def _ids(self) -> dict[str, Any]:
         return {"response_id": self.plan.id, "item_id": self.item.id, "output_index": 0, "content_index": 0}

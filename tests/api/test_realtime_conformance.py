@@ -1,8 +1,8 @@
 # /v1/realtime against the GA Realtime protocol over the real pipeline (tiny checkpoint, real tritonserver,
 # `python -m openai_frontend`), driven by the openai SDK's realtime client: a voice-agent framework's
 # session (LiveKit / Pipecat: one full session.update with manual turns, then append, commit, create),
-# item retrieval with its audio, truncation and deletion, out-of-band responses with per-response
-# overrides, and response.cancel with and without a response id.
+# item retrieval with its audio, truncation and deletion, an out-of-band response with per-response
+# overrides beside the conversation's own, and response.cancel with and without a response id.
 import asyncio
 import base64
 import time
@@ -83,17 +83,25 @@ async def test_agent_framework_session_with_manual_turns(frontend):
         assert (error.code, error.param, error.event_id) == ("item_not_found", "item_id", "evt_gone")
 
 
-async def test_out_of_band_response_with_overrides(frontend):
+async def endless_session(conn, text: str):
+    """Long spoken answers (stopped only by a cancel) to a conversation of one user text; that item."""
+    await until(conn, "session.created")
+    await conn.session.update(session={"type": "realtime", "sampling_params_list": ENDLESS})
+    await until(conn, "session.updated")
+    await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                              "content": [{"type": "input_text", "text": text}]})  # fmt: skip
+    return (await until(conn, "conversation.item.done")).item
+
+
+async def test_out_of_band_response_beside_the_conversations_own(frontend):
     async with sdk(frontend.url).realtime.connect(model="qwen3-omni") as conn:
-        await until(conn, "session.created")
-        await conn.session.update(session={"type": "realtime", "sampling_params_list": ENDLESS})
-        await until(conn, "session.updated")
-        await conn.conversation.item.create(item={"type": "message", "role": "user",
-                                                  "content": [{"type": "input_text", "text": "Hello?"}]})  # fmt: skip
-        user = (await until(conn, "conversation.item.done")).item
+        user = await endless_session(conn, "Hello?")
         await conn.send({"type": "response.create", "event_id": "evt_odd", "response": {"temperature": 0.3}})
         error = (await until(conn, "error")).error
         assert (error.code, error.param, error.event_id) == ("unknown_parameter", "response.temperature", "evt_odd")
+        await conn.response.create()  # the conversation's own: a long spoken answer
+        spoken = (await until(conn, "response.created")).response.id
+        await until(conn, "response.content_part.added", timeout=TURN_S)
         await conn.response.create(response={
             "conversation": "none", "output_modalities": ["text"], "instructions": "Answer in one word.",
             "max_output_tokens": 3, "metadata": {"purpose": "classify"},
@@ -101,15 +109,21 @@ async def test_out_of_band_response_with_overrides(frontend):
         seen: list = []
         done = await until(conn, "response.done", seen, timeout=TURN_S)
         response = done.response
-        assert response.conversation_id is None and response.metadata == {"purpose": "classify"}
+        assert response.id != spoken and response.conversation_id is None
+        assert response.metadata == {"purpose": "classify"} and response.output_modalities == ["text"]
         assert (response.status, response.status_details.reason) == ("incomplete", "max_output_tokens")
-        assert response.output_modalities == ["text"] and response.usage.output_token_details.text_tokens == 3
+        assert response.usage.output_token_details.text_tokens == 3
         assert response.usage.output_token_details.audio_tokens == 0
-        text = "".join(e.delta for e in seen if e.type == "response.output_text.delta")
+        mine = [e for e in seen if getattr(e, "response_id", None) == response.id]
+        text = "".join(e.delta for e in mine if e.type == "response.output_text.delta")
         assert response.output[0].content[0].type == "output_text" and response.output[0].content[0].text == text
-        assert not any(e.type.startswith("conversation.") or "audio" in e.type for e in seen)
+        assert not any("audio" in e.type for e in mine) and not any(e.type.startswith("conversation.") for e in seen)
+        assert any(getattr(e, "response_id", None) == spoken for e in seen)  # the spoken answer ran on meanwhile
         await conn.conversation.item.retrieve(item_id=response.output[0].id)  # kept out of the conversation
         assert (await until(conn, "error")).error.code == "item_not_found"
+        await conn.response.cancel()  # no id: the conversation's response
+        done = await until(conn, "response.done", timeout=TURN_S)
+    assert (done.response.id, done.response.status) == (spoken, "cancelled")
 
 
 async def cancelled(conn, triton, response_id: str | None) -> None:
@@ -126,16 +140,11 @@ async def cancelled(conn, triton, response_id: str | None) -> None:
 
 async def test_response_cancel_with_and_without_an_id(frontend, triton):
     async with sdk(frontend.url).realtime.connect(model="qwen3-omni") as conn:
-        await until(conn, "session.created")
-        await conn.session.update(session={"type": "realtime", "sampling_params_list": ENDLESS,
-                                           "output_modalities": ["text"]})  # fmt: skip
-        await until(conn, "session.updated")
-        await conn.conversation.item.create(item={"type": "message", "role": "user",
-                                                  "content": [{"type": "input_text", "text": "Talk."}]})  # fmt: skip
+        await endless_session(conn, "Talk.")
         for by_id in (True, False):
             await conn.response.create()
             created = await until(conn, "response.created")
-            await until(conn, "response.output_text.delta", timeout=TURN_S)
+            await until(conn, "response.output_audio.delta", timeout=TURN_S)
             if by_id:
                 await conn.response.cancel(response_id="resp_other", event_id="evt_other")
                 error = (await until(conn, "error")).error
