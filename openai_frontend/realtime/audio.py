@@ -109,6 +109,13 @@ class InputAudio:
         return tail
 
 
+def model_input_to_format(pcm16_16k: bytes, fmt: str) -> bytes:
+    """Audio as the model hears it (16 kHz pcm16) -> bytes in a session format (what an item shows)."""
+    samples = np.frombuffer(pcm16_16k, dtype="<i2").astype(np.float32) / 32768.0
+    pcm = float_to_pcm16(soxr.resample(samples, MODEL_INPUT_RATE, FORMAT_RATES[fmt]))
+    return pcm.tobytes() if fmt == "audio/pcm" else g711_encode(pcm, fmt)
+
+
 class OutputAudio:
     """The pipeline's float32 24 kHz chunks -> bytes in the session's output format."""
 

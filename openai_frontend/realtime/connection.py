@@ -1,10 +1,10 @@
 # One realtime session over one WebSocket: client events in, server events out. Transport-free: the router
 # hands it `receive` (the next text frame, None once the client left), `send_text` and `close`.
 #
-# The receive loop handles every client event in order; a response runs in a task of its own, so audio
-# keeps arriving (and barge-in is heard) while it speaks. Sends from both go through one lock, so events
-# never interleave mid-frame. When the client leaves, the running response is cancelled, which frees
-# every stage of its backend request.
+# The receive loop handles every client event in order; each response runs in a task of its own (one in
+# the conversation, a few out of band beside it), so audio keeps arriving (and barge-in is heard) while it
+# speaks. Sends from all of them go through one lock, so events never interleave mid-frame. When the
+# client leaves, every running response is cancelled, which frees every stage of its backend request.
 from __future__ import annotations
 
 import asyncio
@@ -13,7 +13,7 @@ import binascii
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from openai_frontend.metrics import FrontendMetrics, RequestMeter
@@ -23,11 +23,15 @@ from openai_frontend.realtime.conversation import Conversation, Item, audio_item
 from openai_frontend.realtime.events import EventError, error_event, field as get, new_id
 from openai_frontend.realtime.input_buffer import SAMPLES_PER_MS, InputBuffer
 from openai_frontend.realtime.response import Response, ResponsePlan
-from openai_frontend.realtime.session import SessionConfig, max_output_tokens, voice, _modalities
+from openai_frontend.realtime.response_options import plan_response
+from openai_frontend.realtime.session import SessionConfig
 from openai_frontend.settings import FrontendSettings
 
 log = logging.getLogger("openai_frontend.realtime")
 
+# out-of-band responses a session may run beside the conversation's: each is a backend request, and more
+# would let one session crowd out the others
+MAX_OUT_OF_BAND = 4
 MIN_COMMIT_MS = 100  # OpenAI's floor for a committed buffer; shorter audio gives the encoder nothing to read
 
 
@@ -57,8 +61,8 @@ class RealtimeConnection:
         self.conversation = Conversation()
         self.input = InputBuffer(self.config.input_format, self.config.turn_detection, limits.max_buffered_audio_s)
         self.speech_item_id: str | None = None  # the user item a detected turn will become
-        self.response: Response | None = None
-        self.response_task: asyncio.Task | None = None
+        self.response: Response | None = None  # the one running in the conversation
+        self.out_of_band: dict[str, Response] = {}  # conversation "none" responses running beside it, by id
         self.closed = False
 
     # ---- transport -------------------------------------------------------------------------------------
@@ -85,7 +89,7 @@ class RealtimeConnection:
                     await self._close(code, reason)
                 except Exception:  # noqa: BLE001 - already closed by the client
                     pass
-        await self.cancel_response("client_cancelled")
+        await self.cancel_all()
 
     async def run(self, receive: Callable[[], Awaitable[str | bytes | None]]) -> None:
         await self.send({"type": "session.created", "session": self.config.public(self.id)})
@@ -94,7 +98,7 @@ class RealtimeConnection:
                 try:
                     raw = await asyncio.wait_for(receive(), self.limits.idle_timeout_s)
                 except asyncio.TimeoutError:  # the builtin only from Python 3.11 on
-                    if self.response_task is not None:
+                    if self.response is not None or self.out_of_band:
                         continue
                     await self.fail(EventError(f"session idle for {self.limits.idle_timeout_s:g} s; closing",
                                                code="idle_timeout", close=True))  # fmt: skip
@@ -104,7 +108,7 @@ class RealtimeConnection:
                 await self.handle(raw)
         finally:
             self.closed = True
-            await self.cancel_response("client_cancelled")
+            await self.cancel_all()
 
     async def handle(self, raw: str | bytes) -> None:
         event_id = None
@@ -145,8 +149,8 @@ class RealtimeConnection:
         item_id, self.speech_item_id = self.speech_item_id or new_id("item"), None
         await self.send({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": audio_end_ms, "item_id": item_id})
         await self._commit(self.input.take_until(audio_end_ms), item_id)
-        if self.config.turn_detection["create_response"] and self.response_task is None:
-            await self.start_response(ResponsePlan(self._messages(), self.config))
+        if self.config.turn_detection["create_response"] and self.response is None:
+            await self.start_response(ResponsePlan(self._messages(), self.config, conversation_id=self.conversation.id))
 
     async def _commit(self, pcm: bytes, item_id: str) -> None:
         item = audio_item(pcm)
@@ -178,7 +182,7 @@ class RealtimeConnection:
 
     async def on_conversation_item_retrieve(self, event: dict[str, Any]) -> None:
         item = self.conversation.get(get(event, "item_id", str))
-        await self.send({"type": "conversation.item.retrieved", "item": item.public()})
+        await self.send({"type": "conversation.item.retrieved", "item": item.public(self.config.input_format)})
 
     async def on_conversation_item_delete(self, event: dict[str, Any]) -> None:
         item_id = get(event, "item_id", str)
@@ -209,51 +213,24 @@ class RealtimeConnection:
 
     # ---- responses -------------------------------------------------------------------------------------
     async def on_response_create(self, event: dict[str, Any]) -> None:
-        if self.response_task is not None:
+        options = get(event, "response", dict, required=False) or {}
+        plan = plan_response(options, self.config, self.conversation, self.settings)
+        if plan.into_conversation and self.response is not None:
             raise EventError(f"response {self.response.plan.id} is in progress; cancel it or wait for response.done",
                              code="conversation_already_has_active_response")  # fmt: skip
-        options = get(event, "response", dict, required=False) or {}
-        config, into, items = self._response_config(options)
-        messages = Conversation() if items is not None else self.conversation
-        if items is not None:
-            for item in items:
-                messages.add(item)
-        plan = ResponsePlan(messages.messages(config.instructions), config, into_conversation=into,
-                            metadata=get(options, "metadata", dict, required=False, where="response."))  # fmt: skip
-        if not any(m["role"] in ("user", "assistant") for m in plan.messages):
-            raise EventError("nothing to respond to: the conversation has no user item", code="empty_conversation")
+        if not plan.into_conversation and len(self.out_of_band) >= MAX_OUT_OF_BAND:
+            raise EventError(f"{MAX_OUT_OF_BAND} out-of-band responses are in progress; cancel one or wait for its "
+                             "response.done", code="too_many_active_responses")  # fmt: skip
         await self.start_response(plan)
-
-    def _response_config(self, options: dict[str, Any]) -> tuple[SessionConfig, bool, list[Item] | None]:
-        config = replace(self.config)
-        where = "response."
-        if options.get("tools"):
-            raise EventError("tools are not supported", code="unsupported", param="response.tools")
-        if "instructions" in options:
-            config.instructions = get(options, "instructions", str, where=where)
-        if "output_modalities" in options:
-            config.output_modalities = _modalities(options["output_modalities"], "response.output_modalities")
-        if "max_output_tokens" in options:
-            config.max_output_tokens = max_output_tokens(options["max_output_tokens"], "response.max_output_tokens")
-        out = (get(options, "audio", dict, required=False, where=where) or {}).get("output") or {}
-        if "voice" in out:
-            config.voice = voice(out["voice"], self.settings, "response.audio.output.voice")
-        if "format" in out:
-            config.output_format = SessionConfig.default(self.settings).updated(
-                {"audio": {"output": {"format": out["format"]}}}, self.settings).output_format
-        conversation = options.get("conversation", "auto")
-        if conversation not in ("auto", "none"):
-            raise EventError("response.conversation must be 'auto' or 'none'", param="response.conversation")
-        items = None
-        if "input" in options:
-            given = get(options, "input", list, where=where)
-            items = [item_from_client(i, self.config.input_format) for i in given]
-        return config, conversation == "auto", items
 
     async def start_response(self, plan: ResponsePlan) -> None:
         meter = RequestMeter(self.metrics, time.perf_counter(), request_id=plan.id) if self.metrics else None
-        self.response = Response(plan, self.send, meter)
-        self.response_task = asyncio.create_task(self._respond(self.response))
+        response = Response(plan, self.send, meter)
+        if plan.into_conversation:
+            self.response = response
+        else:
+            self.out_of_band[plan.id] = response
+        response.task = asyncio.create_task(self._respond(response))
 
     async def _respond(self, response: Response) -> None:
         async def add_item(item: Item) -> None:
@@ -265,7 +242,10 @@ class RealtimeConnection:
             outcome = await response.run(self.client, add_item)
         finally:
             if self.response is response:
-                self.response, self.response_task = None, None
+                self.response = None
+            self.out_of_band.pop(response.plan.id, None)
+        if not response.plan.into_conversation:
+            return
         usage = outcome.usage or {}
         used = int(usage.get("input_tokens", 0)) + int(usage.get("output_token_details", {}).get("text_tokens", 0))
         if used >= self.limits.max_conversation_tokens:
@@ -274,19 +254,22 @@ class RealtimeConnection:
                                        code="conversation_too_long", close=True))  # fmt: skip
 
     async def on_response_cancel(self, event: dict[str, Any]) -> None:
+        """With a response_id, that response (in the conversation or out of band); without, the conversation's."""
         wanted = get(event, "response_id", str, required=False)
-        if self.response is None or wanted not in (None, self.response.plan.id):
-            raise EventError("no response in progress" if self.response is None else
-                             f"response {wanted!r} is not in progress", code="response_cancel_not_active")  # fmt: skip
-        await self.cancel_response("client_cancelled")
+        running = {r.plan.id: r for r in (self.response, *self.out_of_band.values()) if r is not None}
+        target = self.response if wanted is None else running.get(wanted)
+        if target is None:
+            raise EventError("no response in progress" if wanted is None else f"response {wanted!r} is not in progress",
+                             code="response_cancel_not_active")  # fmt: skip
+        await target.cancel("client_cancelled")
 
     async def cancel_response(self, reason: str) -> None:
-        """Cancel the running response (if any) and wait until its events have ended."""
-        task, response = self.response_task, self.response
-        if task is None or task.done() or task is asyncio.current_task():
-            return
-        if response.outcome.status == "in_progress":  # else it is only sending its closing events
-            response.cancel_reason = reason
-            task.cancel()
-        await asyncio.wait({task})
+        """Cancel the conversation's running response (if any) and wait until its events have ended."""
+        if self.response is not None:
+            await self.response.cancel(reason)
+
+    async def cancel_all(self) -> None:
+        for response in (self.response, *self.out_of_band.values()):
+            if response is not None:
+                await response.cancel("client_cancelled")
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from openai_frontend.realtime.audio import InputAudio
+from openai_frontend.realtime.audio import InputAudio, model_input_to_format
 from openai_frontend.realtime.events import EventError, field as get, new_id
 
 FRAME_MS = 80  # one codec frame (12.5 Hz): the talker's time for one reply token
@@ -24,7 +24,7 @@ class Item:
     id: str = field(default_factory=lambda: new_id("item"))
     status: str = "completed"
     texts: list[str] = field(default_factory=list)  # user / system text parts
-    audio: bytes = b""  # user: 16 kHz pcm16
+    audios: list[bytes] = field(default_factory=list)  # user: each input_audio part as 16 kHz pcm16
     images: list[str] = field(default_factory=list)  # user: image URLs (data:)
     pieces: list[tuple[int, str]] = field(default_factory=list)  # assistant: (reply tokens so far, text)
     audio_out: bool = False  # assistant: spoken (output_audio + transcript) rather than output_text
@@ -35,21 +35,27 @@ class Item:
     def text(self) -> str:
         return "".join(t for _, t in self.pieces)
 
-    def public(self) -> dict[str, Any]:
+    def public(self, audio_format: str | None = None) -> dict[str, Any]:
+        """The item as events show it; with `audio_format` (conversation.item.retrieved), user audio too, as
+        the model hears it (after turn detection cut it) in that format."""
         if self.role == "assistant":
             kind = {"type": "output_audio", "transcript": self.text} if self.audio_out else \
                    {"type": "output_text", "text": self.text}  # fmt: skip
-            content = [kind]
+            content = [kind] if self.status != "in_progress" else []  # parts come with content_part.added
         else:
-            texts, images = iter(self.texts), iter(self.images)
+            texts, images, audios = iter(self.texts), iter(self.images), iter(self.audios)
             content = []
             for kind in self.order:
                 if kind == "input_text":
                     content.append({"type": "input_text", "text": next(texts)})
                 elif kind == "input_image":
                     content.append({"type": "input_image", "image_url": next(images)})
-                else:  # the audio itself is not echoed back; there is no input transcription
+                else:  # there is no input transcription
                     content.append({"type": "input_audio", "transcript": None})
+                    pcm = next(audios)
+                    if audio_format is not None:
+                        data = model_input_to_format(pcm, audio_format)
+                        content[-1]["audio"] = base64.b64encode(data).decode()
         return {"id": self.id, "object": "realtime.item", "type": "message", "role": self.role,
                 "status": self.status, "content": content}  # fmt: skip
 
@@ -66,20 +72,20 @@ class Item:
             return {"role": "assistant", "content": self.text} if self.text else None
         if self.role == "system":
             return {"role": "system", "content": "".join(self.texts)}
-        parts, texts, images = [], iter(self.texts), iter(self.images)
+        parts, texts, images, audios = [], iter(self.texts), iter(self.images), iter(self.audios)
         for kind in self.order:
             if kind == "input_text":
                 parts.append({"type": "text", "text": next(texts)})
             elif kind == "input_image":
                 parts.append({"type": "image_url", "image_url": {"url": next(images)}})
             else:
-                data = base64.b64encode(self.audio).decode()
+                data = base64.b64encode(next(audios)).decode()
                 parts.append({"type": "input_audio", "input_audio": {"data": data, "format": "pcm"}})
         return {"role": "user", "content": parts}
 
 
 def audio_item(pcm16_16k: bytes) -> Item:
-    return Item(role="user", audio=pcm16_16k, order=["input_audio"])
+    return Item(role="user", audios=[pcm16_16k], order=["input_audio"])
 
 
 def item_from_client(item: Any, input_format: str) -> Item:
@@ -112,7 +118,7 @@ def item_from_client(item: Any, input_format: str) -> Item:
                 raise EventError("image_url must be a data:image/... URL", param=f"{where}image_url")
             out.images.append(url)
         elif kind == "input_audio":
-            out.audio += _client_audio(get(part, "audio", str, where=where), input_format, f"{where}audio")
+            out.audios.append(_client_audio(get(part, "audio", str, where=where), input_format, f"{where}audio"))
         else:  # assistant text or transcript (audio the client sends for an assistant item is not needed)
             text = get(part, "transcript" if kind == "output_audio" else "text", str, where=where)
             out.pieces.append((len(out.pieces) + 1, text))
@@ -135,6 +141,7 @@ def _client_audio(data: str, input_format: str, param: str) -> bytes:
 
 class Conversation:
     def __init__(self) -> None:
+        self.id = new_id("conv")
         self.items: list[Item] = []
 
     def add(self, item: Item, previous_item_id: str | None = None) -> str | None:
@@ -157,8 +164,8 @@ class Conversation:
                 return i
         raise EventError(f"no item with id {item_id!r}", code="item_not_found", param=param)
 
-    def get(self, item_id: str) -> Item:
-        return self.items[self.index(item_id)]
+    def get(self, item_id: str, param: str = "item_id") -> Item:
+        return self.items[self.index(item_id, param)]
 
     def delete(self, item_id: str) -> None:
         del self.items[self.index(item_id)]

@@ -19,7 +19,7 @@ from openai_frontend.omni_client import OmniClient
 from openai_frontend.realtime.audio import OutputAudio
 from openai_frontend.realtime.conversation import Item
 from openai_frontend.realtime.events import new_id
-from openai_frontend.realtime.session import SessionConfig
+from openai_frontend.realtime.session import SessionConfig, audio_format
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 _STAGE_PREFIX = ("", "talker_")  # sampling_params_list index -> omni_ensemble parameter prefix
@@ -31,7 +31,11 @@ class ResponsePlan:
     config: SessionConfig  # the session's, with this response's overrides applied
     id: str = field(default_factory=lambda: new_id("resp"))
     metadata: dict[str, str] | None = None
-    into_conversation: bool = True  # False: conversation "none", an out-of-band response
+    conversation_id: str | None = None  # None: conversation "none", an out-of-band response
+
+    @property
+    def into_conversation(self) -> bool:
+        return self.conversation_id is not None
 
     def parameters(self) -> dict[str, Any]:
         c = self.config
@@ -61,6 +65,17 @@ class Response:
         self.outcome = Outcome()
         self.cancel_reason = "client_cancelled"  # what a cancellation of the task means; set by who cancels
         self.first_audio_at: float | None = None  # perf_counter of the first audio delta sent
+        self.task: asyncio.Task | None = None  # the task that runs it, set by whoever starts it
+
+    async def cancel(self, reason: str) -> None:
+        """Cancel it (if it still runs) and wait until its events have ended."""
+        task = self.task
+        if task is None or task.done() or task is asyncio.current_task():
+            return
+        if self.outcome.status == "in_progress":  # else it is only sending its closing events
+            self.cancel_reason = reason
+            task.cancel()
+        await asyncio.wait({task})
 
     def _ids(self) -> dict[str, Any]:
         return {"response_id": self.plan.id, "item_id": self.item.id, "output_index": 0, "content_index": 0}
@@ -72,9 +87,9 @@ class Response:
         return {
             "object": "realtime.response", "id": self.plan.id, "status": o.status, "status_details": details,
             "output": [self.item.public()] if o.status != "in_progress" else [],
-            "conversation_id": "auto" if self.plan.into_conversation else None,
+            "conversation_id": self.plan.conversation_id,
             "output_modalities": list(c.output_modalities), "max_output_tokens": c.max_output_tokens,
-            "audio": {"output": {"format": {"type": c.output_format}, "voice": c.voice}},
+            "audio": {"output": {"format": audio_format(c.output_format), "voice": c.voice}},
             "usage": o.usage, "metadata": self.plan.metadata,
         }  # fmt: skip
 
@@ -161,9 +176,12 @@ def usage(reported: dict[str, Any] | None, tokens_seen: int) -> dict[str, Any]:
     prompt = int(reported.get("prompt_tokens", 0))
     text = int(reported.get("completion_tokens", tokens_seen))
     frames = int(reported.get("audio_frames", 0))
+    cached = int(reported.get("cached_tokens", 0))
+    # the backend reports one prompt count, media placeholders included: all of it shows as text tokens
     return {
         "total_tokens": prompt + text + frames, "input_tokens": prompt, "output_tokens": text + frames,
-        "input_token_details": {"cached_tokens": int(reported.get("cached_tokens", 0)), "text_tokens": prompt,
-                                "audio_tokens": 0, "image_tokens": 0},
+        "input_token_details": {"cached_tokens": cached, "text_tokens": prompt, "audio_tokens": 0, "image_tokens": 0,
+                                "cached_tokens_details": {"text_tokens": cached, "audio_tokens": 0,
+                                                          "image_tokens": 0}},
         "output_token_details": {"text_tokens": text, "audio_tokens": frames},
     }  # fmt: skip

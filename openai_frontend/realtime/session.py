@@ -22,9 +22,10 @@ SERVER_VAD_DEFAULTS = {"type": "server_vad", "threshold": 0.5, "prefix_padding_m
 # accepted and shown as off: clients (voice-agent frameworks) send them by default, and the model has no
 # separate transcriber or denoiser to honour them
 ACCEPTED_OFF = {"transcription", "noise_reduction"}
+# no effect on this model; echoed as given, as GA clients send them in every update
+_IGNORED = {"tool_choice", "tracing", "truncation", "include", "prompt", "parallel_tool_calls", "reasoning"}
 _SESSION_KEYS = {"type", "model", "instructions", "output_modalities", "audio", "max_output_tokens", "tools",
-                 "tool_choice", "tracing", "truncation", "include", "prompt", "sampling_params_list"}  # fmt: skip
-_IGNORED = {"tool_choice", "tracing", "truncation", "include", "prompt"}  # no effect on this model; echoed as given
+                 "sampling_params_list", *_IGNORED}  # fmt: skip
 
 
 @dataclass
@@ -89,9 +90,9 @@ class SessionConfig:
             "type": "realtime", "object": "realtime.session", "id": session_id, "model": self.model,
             "output_modalities": list(self.output_modalities), "instructions": self.instructions,
             "audio": {
-                "input": {"format": _format(self.input_format), "turn_detection": copy.deepcopy(self.turn_detection),
+                "input": {"format": audio_format(self.input_format), "turn_detection": copy.deepcopy(self.turn_detection),
                           "transcription": None, "noise_reduction": None},
-                "output": {"format": _format(self.output_format), "voice": self.voice, "speed": 1.0},
+                "output": {"format": audio_format(self.output_format), "voice": self.voice, "speed": 1.0},
             },
             "max_output_tokens": self.max_output_tokens, "tools": [], "tool_choice": "auto", "tracing": None,
             "truncation": "disabled", "expires_at": 0, "sampling_params_list": self.sampling_params_list,
@@ -99,7 +100,7 @@ class SessionConfig:
         }  # fmt: skip
 
 
-def _format(fmt: str) -> dict[str, Any]:
+def audio_format(fmt: str) -> dict[str, Any]:
     return {"type": fmt, "rate": FORMAT_RATES[fmt]} if fmt == "audio/pcm" else {"type": fmt}
 
 
@@ -141,7 +142,7 @@ def sampling_params_list(value: Any) -> list[dict[str, Any] | None] | None:
     return out
 
 
-def _audio_format(value: Any, param: str) -> str:
+def format_from_client(value: Any, param: str) -> str:
     if not isinstance(value, dict) or value.get("type") not in FORMAT_RATES:
         raise EventError(f"{param}.type must be one of {', '.join(FORMAT_RATES)}", param=f"{param}.type")
     if value["type"] == "audio/pcm" and value.get("rate", 24000) != 24000:
@@ -155,7 +156,7 @@ def _apply_input(new: SessionConfig, audio_in: dict[str, Any]) -> None:
         if key not in ("format", "turn_detection", *ACCEPTED_OFF):
             raise EventError(f"unknown parameter '{where}.{key}'", code="unknown_parameter", param=f"{where}.{key}")
     if "format" in audio_in:
-        new.input_format = _audio_format(audio_in["format"], f"{where}.format")
+        new.input_format = format_from_client(audio_in["format"], f"{where}.format")
     if "turn_detection" in audio_in:
         new.turn_detection = turn_detection(audio_in["turn_detection"], f"{where}.turn_detection")
 
@@ -166,7 +167,7 @@ def _apply_output(new: SessionConfig, audio_out: dict[str, Any], settings: Front
         if key not in ("format", "voice", "speed"):
             raise EventError(f"unknown parameter '{where}.{key}'", code="unknown_parameter", param=f"{where}.{key}")
     if "format" in audio_out:
-        new.output_format = _audio_format(audio_out["format"], f"{where}.format")
+        new.output_format = format_from_client(audio_out["format"], f"{where}.format")
     if "voice" in audio_out:
         new.voice = voice(audio_out["voice"], settings, f"{where}.voice")
     if audio_out.get("speed", 1.0) != 1.0:

@@ -7,6 +7,7 @@ import base64
 
 import numpy as np
 import openai
+import pytest
 from openai.types.realtime import RealtimeServerEvent
 from pydantic import TypeAdapter
 
@@ -15,6 +16,7 @@ from openai_frontend.realtime.connection import RealtimeLimits
 from openai_frontend.settings import FrontendSettings
 from perf.realtime_load import pcm16, speech_like
 
+from .fake_omni import FakeOmniClient
 from .servers import ThreadedUvicorn
 
 KEY = "sk-test-realtime"
@@ -26,6 +28,19 @@ def serve(client, limits: RealtimeLimits | None = None, api_key: str | None = KE
     app = create_app(client, FrontendSettings(api_key=api_key))
     app.state.realtime_limits = limits or RealtimeLimits()
     return ThreadedUvicorn(app)
+
+
+@pytest.fixture(scope="module")
+def fake():
+    """One scripted backend per test module."""
+    return FakeOmniClient()
+
+
+@pytest.fixture(scope="module")
+def server(fake):
+    """The frontend over the module's scripted backend."""
+    with serve(fake) as srv:
+        yield srv
 
 
 def sdk(url: str, key: str = KEY) -> openai.AsyncOpenAI:

@@ -13,23 +13,12 @@ from openai_frontend.realtime.audio import g711_decode
 from openai_frontend.realtime.connection import RealtimeLimits
 
 from .fake_omni import FakeOmniClient, Script, Step, tone
-from .realtime_helpers import KEY, WAIT_S, sdk, serve, stream_audio, until, utterance
+from .realtime_helpers import KEY, WAIT_S, fake, sdk, serve, server, stream_audio, until, utterance  # noqa: F401
 from .wav_check import expected_pcm16
 
 pytestmark = pytest.mark.anyio
 SPOKEN = Script(steps=[Step("Hi", audio=tone(1920 * 2)), Step(" there", audio=tone(1920 * 3, offset=3840)),
                        Step("!", audio=tone(1920, offset=9600))])  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def fake():
-    return FakeOmniClient()
-
-
-@pytest.fixture(scope="module")
-def server(fake):
-    with serve(fake) as srv:
-        yield srv
 
 
 @pytest.fixture(autouse=True)

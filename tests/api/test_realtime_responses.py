@@ -1,0 +1,46 @@
+# Responses side by side over /v1/realtime with a scripted backend, driven by the openai SDK's realtime
+# client: out-of-band responses run beside the conversation's own, up to the session's bound, and
+# response.cancel ends the one it names (or, without an id, the conversation's) and no other.
+import pytest
+
+from openai_frontend.realtime.connection import MAX_OUT_OF_BAND
+
+from .fake_omni import Script, Step
+from .realtime_helpers import fake, sdk, server, until  # noqa: F401
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_out_of_band_responses_run_beside_the_conversations_own(server, fake):
+    fake.reset()
+    fake.script = Script(steps=[Step("x")], hang=True)  # every response runs until it is cancelled
+    async with sdk(server.url).realtime.connect(model="qwen3-omni") as conn:
+        await until(conn, "session.created")
+        await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                  "content": [{"type": "input_text", "text": "Hi"}]})  # fmt: skip
+        await until(conn, "conversation.item.done")
+        await conn.response.create()
+        own = (await until(conn, "response.created")).response
+        beside = []
+        for _ in range(MAX_OUT_OF_BAND):
+            await conn.response.create(response={"conversation": "none", "output_modalities": ["text"]})
+            beside.append((await until(conn, "response.created")).response)
+        await conn.response.create(response={"conversation": "none"}, event_id="evt_more")
+        more = (await until(conn, "error")).error
+        await conn.response.create(event_id="evt_own")
+        second = (await until(conn, "error")).error
+        ended = []
+        for response in [beside[1], beside[0]]:
+            await conn.response.cancel(response_id=response.id)
+            ended.append((await until(conn, "response.done")).response)
+        await conn.response.cancel()
+        ended.append((await until(conn, "response.done")).response)
+        for response in beside[2:]:
+            await conn.response.cancel(response_id=response.id)
+            ended.append((await until(conn, "response.done")).response)
+    assert own.conversation_id.startswith("conv_") and all(r.conversation_id is None for r in beside)
+    assert (more.code, more.event_id) == ("too_many_active_responses", "evt_more")
+    assert (second.code, second.event_id) == ("conversation_already_has_active_response", "evt_own")
+    assert [r.id for r in ended] == [beside[1].id, beside[0].id, own.id] + [r.id for r in beside[2:]]
+    assert all(r.status == "cancelled" and r.status_details.reason == "client_cancelled" for r in ended)
+    assert len(fake.calls) == 1 + MAX_OUT_OF_BAND
