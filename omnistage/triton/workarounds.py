@@ -43,6 +43,11 @@
 #    instance writes every metric (metrics.py). Can go when the stub's metric API is thread-safe.
 # 11. BLS has no cancellation: a cancelled omni_ensemble request sends action=abort to each stage it started
 #    (pipeline/request.py). Can go when cancelling a BLS request reaches the callee's is_cancelled().
+# 12. A callee is not told that its BLS caller died: the requests of a dead omni_ensemble stub never turn
+#    is_cancelled() in the stages. A talker stream waits for its text rows, and a Code2Wav session for its next
+#    chunk, with nothing in flight that could fail. Both end once their caller has been silent for
+#    CALLER_SILENT_SECONDS (the talker's responder: Responder.expect_caller; Code2Wav: session_idle_s), far
+#    above the longest gap between a live caller's appends or chunks. Can go with (11).
 from __future__ import annotations
 
 import json
@@ -66,6 +71,9 @@ UNDELIVERABLE_MARK = "cannot deliver"
 # responder (4)
 CANCEL_GRACE_SECONDS = 5.0
 STALE_STUB_GRACE_SECONDS = 30.0  # a normal unload finalizes the old stub within seconds
+# a stage stream whose caller sent nothing for this long is ended (12): a live caller appends a talker's text
+# rows and sends Code2Wav's chunks at the thinker's and talker's step rate, well under a second apart
+CALLER_SILENT_SECONDS = 60.0
 NOT_READY = re.compile(r"unknown model|is not ready|not at ready state|has no available versions|is not found")
 
 
