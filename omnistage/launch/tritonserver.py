@@ -6,6 +6,7 @@ import os
 import re
 import sys
 import threading
+import time
 import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -59,9 +60,12 @@ class TritonServer:
         api_key: str | None = None,
         restrict_inference: bool = True,  # with api_key: inference needs the key as well
         # A reload of a model whose stub died or stopped with requests in flight leaves an instance that never
-        # unloads (~515 backend threads, its shm region, a stopped stub's memory; workarounds.py, 9): after
-        # this many, the server is restarted (the frontend answers 503 + Retry-After meanwhile). 0: never.
+        # unloads (~515 backend threads, its shm region, a stopped stub's memory; workarounds.py, 9): once this
+        # many exist, or one has for stale_restart_s, the server is restarted (the frontend answers 503 +
+        # Retry-After meanwhile): several faults in a row cost one restart, and none leaves its instance for
+        # good. 0: never.
         restart_after_stale: int = 2,
+        stale_restart_s: float = 300.0,
     ):
         self.model_repository, self.run_dir = Path(model_repository), Path(run_dir)
         self.host, self.http_port, self.grpc_port, self.metrics_port = host, http_port, grpc_port, metrics_port
@@ -73,7 +77,9 @@ class TritonServer:
         self.process: ManagedProcess | None = None
         self._log_offset = 0
         self._stop_supervising = threading.Event()
-        self.restart_after_stale, self.restarts, self._stale = restart_after_stale, 0, set()
+        self.restart_after_stale, self.stale_restart_s, self.restarts = restart_after_stale, stale_restart_s, 0
+        self._stale: dict[int, float] = {}  # stub pid -> time.monotonic() it was first seen stale
+        self._dead: dict[int, float] = {}  # unreaped dead stub pid -> when it was first seen (stale_stubs)
         self.ready_timeout_s = 300.0
         self._lifecycle = threading.Lock()  # a restart and stop() one at a time
         self._restarting = False  # between a restart's stop and its spawn: alive() for the launcher
@@ -153,15 +159,22 @@ class TritonServer:
         self.process.start()
 
     def _supervise(self) -> None:
-        """Restarts the server once restart_after_stale instances that a reload replaced have not unloaded
-        (workarounds.py, 9). Their stubs are left alone until then: killing a stub while Triton finalizes its
-        instance aborts tritonserver."""
+        """Restarts the server once instances that a reload replaced have not unloaded (workarounds.py, 9):
+        restart_after_stale of them, or one for stale_restart_s (stale_stubs finds them). Their stubs are left
+        alone until then: killing a stub while Triton finalizes its instance aborts tritonserver."""
         while not self._stop_supervising.wait(2.0) and self.alive():
-            for pid in set(stale_stubs(self.process.pid)) - self._stale:
+            now, stale = time.monotonic(), stale_stubs(self.process.pid, self._dead)
+            for pid in set(stale) - self._stale.keys():
                 print(f"[tritonserver] stub {pid}: its instance was reloaded and has not unloaded", file=sys.stderr)
-                self._stale.add(pid)
-            if self.restart_after_stale and len(self._stale) >= self.restart_after_stale:
+            self._stale = {pid: self._stale.get(pid, now) for pid in stale}  # one that unloaded after all goes
+            if self.restart_after_stale and self._stale and (len(self._stale) >= self.restart_after_stale
+                                                             or now - min(self._stale.values()) >= self.stale_restart_s):  # fmt: skip
                 self._restart()
+
+    @property
+    def stale_instances(self) -> int:
+        """Replaced instances that have not unloaded, as the supervisor counts them (0 after a restart)."""
+        return len(self._stale)
 
     def _restart(self) -> None:
         with self._lifecycle:
@@ -169,8 +182,9 @@ class TritonServer:
                 return
             print(f"[tritonserver] restarting: {len(self._stale)} reloaded instances never unloaded", file=sys.stderr)
             self._restarting = True
-            self.process.stop(grace=self.exit_timeout_s + 5.0)
-            self._stale = set()
+            # the instances that never unload keep it from exiting by itself once its exit timeout has passed
+            self.process.stop(grace=self.exit_timeout_s + 1.0, term_grace=2.0)
+            self._stale, self._dead = {}, {}
             self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
             # forked from this thread, which lives as long as the server is ours: the parent-death signal
             # (process.py) fires when the forking thread exits
