@@ -128,6 +128,20 @@ def test_text_without_control_tokens_encodes_as_the_rendered_template(processor)
     assert prepare_inputs(processor, messages)["input_ids"][0].tolist() == tok(rendered)["input_ids"]
 
 
+def test_threads_sharing_the_processor_encode_as_one_alone(processor):
+    """omni_ensemble's request threads share one processor: encoding client texts as text in one thread must not
+    change how another encodes the template's control tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [[{"role": "user", "content": INJECTED * (1 + i % 5)}] for i in range(8)] + \
+              [[{"role": "user", "content": "word " * (50 + i)}] for i in range(8)]  # fmt: skip
+    alone = [prepare_inputs(processor, m)["input_ids"][0].tolist() for m in prompts]
+    with ThreadPoolExecutor(8) as pool:
+        for _ in range(10):
+            together = list(pool.map(lambda m: prepare_inputs(processor, m)["input_ids"][0].tolist(), prompts))
+            assert together == alone
+
+
 def test_several_audio_formats(processor):
     stereo_24k = _wav(0.5, rate=24000, channels=2)
     pcm = (np.zeros(8000, dtype="<i2")).tobytes()
