@@ -10,9 +10,9 @@ from pathlib import Path
 
 from omnistage.launch.proc_stats import children, cmdline
 
-# the second half of the run may add this much to a process's RSS (whichever is larger): allocator noise,
-# the last requests' buffers not yet freed when sampled
-LEVEL_MARGIN_MB, LEVEL_MARGIN_FRACTION = 32.0, 0.05
+# the second half of the run may add this much to a process's RSS peak (whichever is larger): allocator
+# noise, the last requests' buffers not yet freed when sampled
+LEVEL_MARGIN_MB, LEVEL_MARGIN_FRACTION = 16.0, 0.05
 THREAD_SLACK = 16  # threads of pools that grow and shrink with the load (core/daemon_pool.py) mid-request
 
 
