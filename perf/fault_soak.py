@@ -255,9 +255,10 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", default=",".join(STAGES), help="comma-separated models to fault")
     ap.add_argument("--repeat", type=int, default=2, help="faults of each kind per stage, in a row")
     ap.add_argument("--run-dir", type=Path, default=Path(".run/fault_soak"))
+    ap.add_argument("--first-port", type=int, default=None, help="Triton HTTP, gRPC, metrics, API on 4 ports from here")
     ap.add_argument("--out", type=Path, default=Path("fault_soak.json"))
     args = ap.parse_args(argv)
-    server = soak_server(args.model, args.device, args.run_dir)
+    server = soak_server(args.model, args.device, args.run_dir, args.first_port)
     faults = [(m, s) for m in args.stages.split(",") for s in SIGNALS for _ in range(args.repeat)]
     report: dict = {"command": " ".join(["python -m perf.fault_soak", *(argv or sys.argv[1:])])}
     try:

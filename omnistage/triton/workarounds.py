@@ -37,9 +37,11 @@
 #    unloading (stale_stubs): Triton waits for those requests, which nothing ends, so the instance keeps
 #    ~515 backend threads, its shm region and, for a stopped stub, its memory (on the GPU its CUDA memory
 #    too). Its stub cannot simply be killed: a stub killed while Triton finalizes its instance aborts
-#    tritonserver. The launcher's TritonServer restarts the server once restart_after_stale such instances
-#    exist. Can go when a reload of a model whose stub died ends its in-flight requests and unloads the old
-#    instance.
+#    tritonserver. Such an instance shows as a live stub with a newer one for its instance, or as a dead stub
+#    never reaped (a zombie: the server reaps a stub only when its instance unloads), and counts once it
+#    outlives STALE_STUB_GRACE_SECONDS with every model READY. The launcher's TritonServer restarts the
+#    server once restart_after_stale such instances exist, or one has for stale_restart_s. Can go when a reload of a model whose stub died ends its in-flight requests and unloads
+#    the old instance.
 # 10. Concurrent metric calls from several threads of a stub crash the server: one publisher thread per
 #    instance writes every metric (metrics.py). Can go when the stub's metric API is thread-safe.
 # 11. BLS has no cancellation: a cancelled omni_ensemble request sends action=abort to each stage it started
