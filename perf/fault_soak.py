@@ -5,7 +5,9 @@
 # HUNG_AFTER_S) or broken (a cut connection, a stream without its end); for every fault the time until
 # the stage serves again (a new stub and /health 200) and until the requests it hit ended; and the
 # processes, threads, fds, shared-memory segments and RSS of tritonserver (with its stubs) and of the
-# frontend before and after, with the stages' gauges (slots, waiting, pending responses) back at 0.
+# frontend before and after, with the stages' gauges (slots, waiting, pending responses) back at 0. "After"
+# is once every instance a reload replaced is gone: unloaded, or cleared by the launcher's restart of
+# tritonserver (workarounds.py, 9), whose count and time it reports too.
 #
 #   python -m perf.fault_soak --model checkpoints/tiny --concurrency 32 --out fault_soak.json
 #   python -m perf.fault_soak --model dummy:perf/qwen3_omni_30b_a3b_instruct.config.json --device cuda \
@@ -31,6 +33,7 @@ from pathlib import Path
 import httpx
 
 from omnistage.launch.proc_stats import children, process_state, stub_pids, tree_stats
+from omnistage.triton.workarounds import stale_stubs
 from perf.soak import CheckedRun, _body, _post_or_leave, _gauges, _idle, _wait, growth, soak_server
 from perf.soak_inputs import tiny_wav_b64
 
@@ -56,9 +59,10 @@ class FaultSoakResult(CheckedRun):
     requests: int = 0
     outcomes: dict = field(default_factory=dict)  # completed / failed_cleanly / client_left / hung / broken
     statuses: dict = field(default_factory=dict)
-    errors: dict = field(default_factory=dict)  # error message (first 80 chars) -> count
+    errors: dict = field(default_factory=dict)  # "<status> <error message's first 80 chars>" -> count
     faults: list = field(default_factory=list)
     server_restarts: int = 0  # by TritonServer, when reloads left too many instances behind
+    cleared_after_s: float | None = None  # from the load's end until no replaced instance was left
 
 
 def rss_mb(pid: int) -> float:
@@ -140,6 +144,11 @@ async def _load(api_url: str, concurrency: int, stop: threading.Event, cancel_fr
         await asyncio.gather(*(worker(http) for _ in range(concurrency)))
 
 
+def _cleared(server_pid: int) -> bool:
+    """No stub of a replaced instance left: none dead and unreaped, none with a newer stub for its instance."""
+    return not zombies(server_pid) and not stale_stubs(server_pid, grace_s=0)
+
+
 def _healthy(api_url: str) -> bool:
     try:
         return httpx.get(f"{api_url}/health", timeout=5).status_code == 200
@@ -165,9 +174,12 @@ def inject(api_url: str, server_pid: Callable[[], int], fault: Fault, recover_ti
 def run_fault_soak(api_url: str, metrics_url: str, server_pid: Callable[[], int], frontend_pid: int, *, concurrency: int = 32,
                    faults: list[tuple[str, str]] | None = None, min_duration_s: float = 0.0, warmup_s: float = 10.0,
                    settle_s: float = 5.0, recover_timeout_s: float = 300.0, cancel_fraction: float = 0.1,
-                   seed: int = 0, thread_slack: int = 16, fd_slack: int = 16) -> FaultSoakResult:  # fmt: skip
+                   seed: int = 0, thread_slack: int = 16, fd_slack: int = 16,
+                   clear_timeout_s: float = 600.0) -> FaultSoakResult:  # fmt: skip
     """faults: (model, signal) in order; default every stage, SIGKILL then SIGSTOP, each twice in a row.
-    server_pid: tritonserver's pid now (TritonServer restarts it when reloads leave too much behind)."""
+    server_pid: tritonserver's pid now (TritonServer restarts it when reloads leave too much behind).
+    clear_timeout_s: how long after the load the replaced instances may take to go (the launcher's restart
+    comes once enough of them exist or one has for a while: TritonServer.stale_restart_s)."""
     faults = faults or [(m, s) for m in STAGES for s in SIGNALS for _ in range(2)]
     result = FaultSoakResult(concurrency=concurrency, faults=[Fault(m, s) for m, s in faults])
     stop, log = threading.Event(), []
@@ -195,6 +207,7 @@ def run_fault_soak(api_url: str, metrics_url: str, server_pid: Callable[[], int]
     faults_thread.start()
     asyncio.run(_load(api_url, concurrency, stop, cancel_fraction, seed, log))
     faults_thread.join()
+    result.cleared_after_s = _wait(lambda: _cleared(server_pid()) and _healthy(api_url), clear_timeout_s)
     result.idle_after_s = _wait(lambda: _idle(metrics_url), 60)
     time.sleep(3.0)  # finished threads exit, idle pool threads too (core/daemon_pool.py: 1 s)
     result.after = stats(server_pid(), frontend_pid)
@@ -209,7 +222,7 @@ def _summarize(result: FaultSoakResult, log: list, thread_slack: int, fd_slack: 
     result.requests = len(log)
     result.outcomes = dict(Counter(outcome for _, _, outcome, _, _ in log))
     result.statuses = {str(k): v for k, v in Counter(status for *_, status, _ in log).items()}
-    result.errors = dict(Counter(error[:80] for *_, error in log if error).most_common(8))
+    result.errors = dict(Counter(f"{status} {error[:80]}" for *_, status, error in log if error).most_common(12))
     for fault in result.faults:
         hit = [end for start, end, outcome, _, _ in log if start < fault.at < end and outcome == "failed_cleanly"]
         fault.requests_hit = len(hit)
@@ -218,11 +231,16 @@ def _summarize(result: FaultSoakResult, log: list, thread_slack: int, fd_slack: 
     for bad in ("hung", "broken"):
         if result.outcomes.get(bad):
             p.append(f"{result.outcomes[bad]} requests {bad}")
+    server_errors = {k: v for k, v in result.statuses.items() if k.isdigit() and int(k) >= 500 and k != "503"}
+    if server_errors:  # a fault is the server's outage: 503, retryable, never a 500
+        p.append(f"answered with server errors other than 503: {server_errors}")
     if not result.outcomes.get("completed"):
         p.append("no request completed")
     for fault in result.faults:
         if fault.recovered_s is None:
             p.append(f"{fault.model} did not recover after {fault.signal}")
+    if result.cleared_after_s is None:
+        p.append(f"instances replaced by reloads still there after the load: {result.after['triton']}")
     if result.idle_after_s is None or result.after["gauges"]:
         p.append(f"not idle after the load: {result.after['gauges']}")
     p += growth(result.before, result.after, thread_slack, fd_slack)
@@ -237,9 +255,10 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", default=",".join(STAGES), help="comma-separated models to fault")
     ap.add_argument("--repeat", type=int, default=2, help="faults of each kind per stage, in a row")
     ap.add_argument("--run-dir", type=Path, default=Path(".run/fault_soak"))
+    ap.add_argument("--first-port", type=int, default=None, help="Triton HTTP, gRPC, metrics, API on 4 ports from here")
     ap.add_argument("--out", type=Path, default=Path("fault_soak.json"))
     args = ap.parse_args(argv)
-    server = soak_server(args.model, args.device, args.run_dir)
+    server = soak_server(args.model, args.device, args.run_dir, args.first_port)
     faults = [(m, s) for m in args.stages.split(",") for s in SIGNALS for _ in range(args.repeat)]
     report: dict = {"command": " ".join(["python -m perf.fault_soak", *(argv or sys.argv[1:])])}
     try:

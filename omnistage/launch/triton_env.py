@@ -19,6 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 STUB = "triton_python_backend_stub"
+
+# glibc's allocator, for tritonserver and the stubs (a deployer's own values win). By default every thread
+# that allocates gets an arena of its own, up to 8 per core, and an arena keeps most of what is freed into it:
+# with hundreds of short-lived threads (the Python backend's BLS pool, omni_ensemble's request threads) RSS
+# grows with each arena a new thread touches. Two arenas bound that (the GIL serialises most allocations
+# anyway). Blocks of 1 MiB and more (prompts, media, features, audio) are mapped and unmapped on their own,
+# instead of the threshold creeping up to 32 MiB after large frees and leaving them in the heap; free memory
+# at the heap's top goes back to the OS past 16 MiB.
+MALLOC_ENV = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": str(1 << 20), "MALLOC_TRIM_THRESHOLD_": str(16 << 20)}
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -127,19 +136,21 @@ def server_env(install: TritonInstall, base: dict[str, str] | None = None) -> di
     # model.py files import omnistage through the venv (`pip install -e .`, whose .pth the stub does
     # read) or through the server's working directory, which is sys.path[0] ("") in the stub.
     env.setdefault("PYTHONUNBUFFERED", "1")  # model prints reach the server log as they happen
+    env.update({k: v for k, v in MALLOC_ENV.items() if k not in env})
     return env
 
 
 def shell_exports(run_dir: Path = REPO_ROOT / ".run" / "triton") -> str:
     """The launcher's environment as `export` lines: the binary, a backends dir with this Python's stub
-    (prepared under run_dir), and the PATH / LD_LIBRARY_PATH the stub needs."""
+    (prepared under run_dir), the PATH / LD_LIBRARY_PATH the stub needs and the allocator's settings."""
     import shlex
 
     install = locate_triton()
     backends = prepare_backends(install, run_dir)
     env = server_env(install)
     values = {"TRITONSERVER": str(install.server), "TRITON_BACKENDS": str(backends), "PATH": env["PATH"],
-              "LD_LIBRARY_PATH": env["LD_LIBRARY_PATH"], "PYTHONUNBUFFERED": env["PYTHONUNBUFFERED"]}  # fmt: skip
+              "LD_LIBRARY_PATH": env["LD_LIBRARY_PATH"], "PYTHONUNBUFFERED": env["PYTHONUNBUFFERED"],
+              **{k: env[k] for k in MALLOC_ENV}}  # fmt: skip
     return "".join(f"export {k}={shlex.quote(v)}\n" for k, v in values.items())
 
 

@@ -6,6 +6,7 @@ import os
 import re
 import sys
 import threading
+import time
 import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -13,12 +14,14 @@ from pathlib import Path
 from omnistage.launch.process import ManagedProcess, ProcessFailed, free_port, free_ports, port_in_use
 from omnistage.launch.triton_env import REPO_ROOT, TritonInstall, locate_triton, prepare_backends, server_env
 from omnistage.core.protocol import TRITON_GRPC_KEY_HEADER, TRITON_KEY_HEADER
-from omnistage.triton.workarounds import python_backend_args, stale_stubs
+from omnistage.triton.workarounds import STALE_STUB_GRACE_SECONDS, python_backend_args, stale_stubs
 
 __all__ = ["TritonServer", "TritonStartError", "free_port", "free_ports"]
 
 # e.g. "E1202 ... model_lifecycle.cc:654] failed to load 'broken' version 1: Internal: RuntimeError: ..."
 _LOAD_FAILED = re.compile(r"failed to load '([^']+)'[^\n]*")
+# a load's start and end in the log: a model being reloaded stays READY in Triton's index meanwhile
+_LOAD_EVENT = re.compile(r"\"loading: ([^:\"]+):\d+\"|successfully loaded '([^']+)'|failed to load '([^']+)'")
 
 
 # With a key, these APIs of Triton's HTTP and gRPC ports answer only requests that carry it in
@@ -26,6 +29,7 @@ _LOAD_FAILED = re.compile(r"failed to load '([^']+)'[^\n]*")
 # config and statistics stay open. Model control matters most: `load` with an uploaded model.py runs code
 # as the server's user.
 RESTRICTED = ("model-repository", "shared-memory", "trace", "logging")
+RESTART_ATTEMPTS = 3
 
 
 class TritonStartError(ProcessFailed):
@@ -59,9 +63,12 @@ class TritonServer:
         api_key: str | None = None,
         restrict_inference: bool = True,  # with api_key: inference needs the key as well
         # A reload of a model whose stub died or stopped with requests in flight leaves an instance that never
-        # unloads (~515 backend threads, its shm region, a stopped stub's memory; workarounds.py, 9): after
-        # this many, the server is restarted (the frontend answers 503 + Retry-After meanwhile). 0: never.
+        # unloads (~515 backend threads, its shm region, a stopped stub's memory; workarounds.py, 9): once this
+        # many exist, or one has for stale_restart_s, the server is restarted (the frontend answers 503 +
+        # Retry-After meanwhile): several faults in a row cost one restart, and none leaves its instance for
+        # good. 0: never.
         restart_after_stale: int = 2,
+        stale_restart_s: float = 300.0,
     ):
         self.model_repository, self.run_dir = Path(model_repository), Path(run_dir)
         self.host, self.http_port, self.grpc_port, self.metrics_port = host, http_port, grpc_port, metrics_port
@@ -73,10 +80,15 @@ class TritonServer:
         self.process: ManagedProcess | None = None
         self._log_offset = 0
         self._stop_supervising = threading.Event()
-        self.restart_after_stale, self.restarts, self._stale = restart_after_stale, 0, set()
+        self.restart_after_stale, self.stale_restart_s, self.restarts = restart_after_stale, stale_restart_s, 0
+        self._stale: dict[int, float] = {}  # stub pid -> time.monotonic() it was first seen stale
+        self._dead: dict[int, float] = {}  # unreaped dead stub pid -> when it was first seen (stale_stubs)
+        self._left: dict[int, float] = {}  # replaced instance's stub pid -> since when, with every model READY
+        self._loading: set[str] = set()  # models whose load the log shows begun and not ended
+        self._events_offset = 0  # how far the log has been read for those
         self.ready_timeout_s = 300.0
         self._lifecycle = threading.Lock()  # a restart and stop() one at a time
-        self._restarting = False  # between a restart's stop and its spawn: alive() for the launcher
+        self._restarting = False  # a restart in progress: alive() stays true for the launcher
         self._launch: tuple[list[str], dict[str, str]] | None = None  # argv and environment, for restarts
         # checked against GET /v2 once ready, so that a leftover server on our ports can't pass as us
         self.server_id = f"omnistage-{os.getpid()}-{http_port}"
@@ -142,7 +154,7 @@ class TritonServer:
         backends = prepare_backends(self.install, self.run_dir / "triton")
         self.log_path.unlink(missing_ok=True)
         self._launch = self.argv(backends), server_env(self.install, self.base_env)
-        self._log_offset = 0
+        self._log_offset = self._events_offset = 0
         self._spawn()
         self._stop_supervising.clear()
         threading.Thread(target=self._supervise, name="triton-supervisor", daemon=True).start()
@@ -153,35 +165,77 @@ class TritonServer:
         self.process.start()
 
     def _supervise(self) -> None:
-        """Restarts the server once restart_after_stale instances that a reload replaced have not unloaded
-        (workarounds.py, 9). Their stubs are left alone until then: killing a stub while Triton finalizes its
-        instance aborts tritonserver."""
+        """Restarts the server once instances that a reload replaced have not unloaded (workarounds.py, 9):
+        restart_after_stale of them, or one for stale_restart_s. A replaced instance's stub (stale_stubs) counts
+        once it has outlived STALE_STUB_GRACE_SECONDS with every model READY: a normal unload ends within
+        seconds of its replacement's load, which itself may take minutes. Their stubs are left alone until
+        then: killing a stub while Triton finalizes its instance aborts tritonserver."""
         while not self._stop_supervising.wait(2.0) and self.alive():
-            for pid in set(stale_stubs(self.process.pid)) - self._stale:
+            now, left = time.monotonic(), stale_stubs(self.process.pid, self._dead, grace_s=0)
+            ready = self._models_ready()
+            self._left = {pid: self._left.get(pid, now) if ready else now for pid in left}
+            stale = [pid for pid, since in self._left.items() if now - since >= STALE_STUB_GRACE_SECONDS]
+            for pid in set(stale) - self._stale.keys():
                 print(f"[tritonserver] stub {pid}: its instance was reloaded and has not unloaded", file=sys.stderr)
-                self._stale.add(pid)
-            if self.restart_after_stale and len(self._stale) >= self.restart_after_stale:
+            self._stale = {pid: self._stale.get(pid, now) for pid in stale}  # one that unloaded after all goes
+            oldest = min(self._stale.values(), default=now)
+            if self.restart_after_stale and self._stale and (len(self._stale) >= self.restart_after_stale
+                                                             or now - oldest >= self.stale_restart_s):  # fmt: skip
                 self._restart()
 
-    def _restart(self) -> None:
-        with self._lifecycle:
-            if self._stop_supervising.is_set():
-                return
-            print(f"[tritonserver] restarting: {len(self._stale)} reloaded instances never unloaded", file=sys.stderr)
-            self._restarting = True
-            self.process.stop(grace=self.exit_timeout_s + 5.0)
-            self._stale = set()
-            self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
-            # forked from this thread, which lives as long as the server is ours: the parent-death signal
-            # (process.py) fires when the forking thread exits
-            self._spawn()
-            self._restarting = False
+    def _models_ready(self) -> bool:
+        """Every model of the repository READY (none failed or unloading, as Triton's index says) and no load
+        in progress (as its log says: a reloaded model stays READY in the index while its new instance loads)."""
         try:
-            waited = self.wait_ready(self.ready_timeout_s)
-            print(f"[tritonserver] restarted, ready in {waited:.1f}s", file=sys.stderr)
-        except TritonStartError as e:
-            print(f"[tritonserver] restart failed: {e}", file=sys.stderr)
-        self.restarts += 1
+            with open(self.log_path, "rb") as f:
+                f.seek(self._events_offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            chunk = b""
+        end = chunk.rfind(b"\n") + 1  # only whole lines; the rest is read next time
+        self._events_offset += end
+        for began, loaded, failed in _LOAD_EVENT.findall(chunk[:end].decode(errors="replace")):
+            if began:
+                self._loading.add(began)
+            self._loading.discard(loaded or failed)
+        if self._loading:
+            return False
+        request = urllib.request.Request(f"{self.http_url}/v2/repository/index", data=b"{}", method="POST",
+                                         headers={TRITON_KEY_HEADER: self.api_key} if self.api_key else {})  # fmt: skip
+        try:
+            with urllib.request.urlopen(request, timeout=5) as r:
+                models = json.load(r)
+        except (OSError, ValueError):
+            return False
+        return bool(models) and all(m.get("state") == "READY" for m in models)
+
+    def _restart(self) -> None:
+        """Stops the server and starts it again, up to RESTART_ATTEMPTS times until one start gets ready (on a
+        starved host a start can fail inside the Python backend); alive() stays true meanwhile."""
+        print(f"[tritonserver] restarting: {len(self._stale)} reloaded instances never unloaded", file=sys.stderr)
+        self._restarting = True
+        try:
+            for attempt in range(1, RESTART_ATTEMPTS + 1):
+                with self._lifecycle:
+                    if self._stop_supervising.is_set():
+                        return
+                    # instances that never unload keep it from exiting by itself once its exit timeout has passed
+                    self.process.stop(grace=self.exit_timeout_s + 1.0, term_grace=2.0)
+                    self._stale, self._dead, self._left, self._loading = {}, {}, {}, set()
+                    self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+                    self._events_offset = self._log_offset
+                    # forked from this thread, which lives as long as the server is ours: the parent-death
+                    # signal (process.py) fires when the forking thread exits
+                    self._spawn()
+                try:
+                    waited = self.wait_ready(self.ready_timeout_s)
+                    print(f"[tritonserver] restarted, ready in {waited:.1f}s", file=sys.stderr)
+                    return
+                except TritonStartError as e:
+                    print(f"[tritonserver] restart {attempt} of {RESTART_ATTEMPTS} failed: {e}", file=sys.stderr)
+        finally:
+            self._restarting = False
+            self.restarts += 1
 
     def wait_ready(self, timeout: float = 300.0, progress: Callable[[str], None] | None = None) -> float:
         assert self.process is not None, "start() first"

@@ -2,6 +2,7 @@
 # conversion of OpenAI-style chat messages into thinker inputs.
 import contextlib
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -132,6 +133,7 @@ def load_processor(source):
             feature_extractor=feature_extractor, tokenizer=tokenizer, chat_template=tokenizer.chat_template,
         )
     processor.max_token_chars = max_token_chars(tokenizer)  # prepare_inputs' bound on a text's tokens
+    processor.plain_text = plain_text_encoder(tokenizer)  # prepare_inputs' encoder of client texts
     return processor
 
 
@@ -204,6 +206,63 @@ def _convert_messages(messages, audio_in_video: bool = False) -> tuple[list, lis
     return conversation, pending, chars
 
 
+# Stands for the i-th client text while the template renders and the processor expands media placeholders:
+# private-use characters, so neither the template nor the processor finds a control token in a client's text.
+_TEXT_MARK = re.compile("\ue000(\\d+)\ue001")
+
+
+def _mark_texts(conversation: list) -> tuple[list, list[str]]:
+    """(the conversation with every text replaced by its mark, the texts in mark order)"""
+    texts = []
+
+    def mark(text: str) -> str:
+        texts.append(text)
+        return f"\ue000{len(texts) - 1}\ue001"
+
+    marked = []
+    for message in conversation:
+        content = message["content"]
+        if isinstance(content, str):
+            content = mark(content)
+        else:
+            content = [dict(p, text=mark(p["text"])) if p["type"] == "text" else p for p in content]
+        marked.append(dict(message, content=content))
+    return marked, texts
+
+
+def plain_text_encoder(tokenizer):
+    """A copy of the tokenizer's backend that reads special tokens as text. A copy, because that is a flag of
+    the backend, which transformers sets on every call (split_special_tokens): omni_ensemble's request threads
+    share the processor, and one thread's setting would leak into another's encoding of the template."""
+    from tokenizers import Tokenizer
+
+    plain = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+    plain.encode_special_tokens = True
+    return plain
+
+
+def _with_texts(processor, prompt: str, texts: list[str], ids: list[int]) -> list[int]:
+    """The prompt's token ids with every client text encoded as plain text: only the template's own control
+    tokens (and the processor's expanded media placeholders) are control tokens. ids: the processor's encoding
+    of `prompt` (marks in place of the texts, media expanded). Each stretch of it between control tokens is
+    one piece of `prompt` between them (the expansion adds only control tokens); a piece is re-encoded with
+    its marks replaced by their texts and special tokens read as text (plain_text_encoder), so the text around a
+    client's text encodes as it does in the template."""
+    special = {i: t.content for i, t in processor.tokenizer.added_tokens_decoder.items() if t.special}
+    split = "(" + "|".join(re.escape(t) for t in sorted(special.values(), key=len, reverse=True)) + ")"
+    pieces = iter([p for p in re.split(split, prompt) if p and p not in special.values()])
+    out, in_piece = [], False
+    for token in ids:
+        if token in special:
+            out.append(token)
+            in_piece = False
+        elif not in_piece:
+            in_piece = True
+            text = _TEXT_MARK.sub(lambda m: texts[int(m.group(1))], next(pieces))
+            out += processor.plain_text.encode(text, add_special_tokens=False).ids
+    return out
+
+
 def max_token_chars(tokenizer) -> int:
     """The most characters one token of `tokenizer` stands for (byte-level BPE: one character per byte), so
     text of n characters is at least n / max_token_chars tokens."""
@@ -230,11 +289,14 @@ def prepare_inputs(processor, messages: list[dict], use_audio_in_video: bool = F
         videos = [d for kind, d in decoded if kind == "video"]
         fps = [p.fps for p in pending if p.kind == "video"]
         del decoded
+        conversation, texts = _mark_texts(conversation)
         prompt = processor.tokenizer.apply_chat_template(
             conversation, chat_template=processor.chat_template, add_generation_prompt=True, tokenize=False)
         batch = processor(text=[prompt], images=images or None, audio=audios or None, videos=videos or None,
                           fps=fps[0] if fps else None, use_audio_in_video=use_audio_in_video, return_tensors="pt")
     out = {k: batch[k] for k in _OUTPUT_KEYS if k in batch}
+    ids = torch.tensor([_with_texts(processor, prompt, texts, out["input_ids"][0].tolist())])
+    out["input_ids"], out["attention_mask"] = ids, torch.ones_like(ids)
     if "video_second_per_grid" in out:
         out["video_second_per_grid"] = torch.as_tensor(out["video_second_per_grid"], dtype=torch.float32)
     return out

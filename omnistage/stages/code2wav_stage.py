@@ -12,6 +12,9 @@
 # are padded to static shapes and replayed as CUDA graphs (code2wav_later.py) and the rest run eager, by
 # shape. A lane decodes one forward's group per step (take_group: the lowest key, oldest first), so what
 # arrives meanwhile is admitted before the next group is taken.
+#
+# A session whose caller dies between two chunks gets neither its end nor an abort: a sweeper thread closes
+# sessions left idle (no chunk in flight) for session_idle_s, so their state does not stay resident for good.
 from __future__ import annotations
 
 import logging
@@ -42,6 +45,7 @@ LATER_CHUNK_BATCH = 4
 # Open sessions per stage instance: one per request speaking through it (omni_ensemble's max_inflight per
 # orchestrator bounds them well below this); a session holds its state on the device until it ends.
 MAX_SESSIONS = 1024
+SWEEP_SECONDS = 1.0  # the sweeper's period at most: an idle session goes within session_idle_s + this
 _NO_SAMPLING = SamplingParams()  # a chunk samples nothing; Sequence wants params
 
 
@@ -49,6 +53,7 @@ _NO_SAMPLING = SamplingParams()  # a chunk samples nothing; Sequence wants param
 class Code2WavSession:
     state: StreamState | None = None  # after the chunks decoded so far; None before the first
     busy: bool = False  # a chunk of it is queued or being decoded
+    idle_since: float = 0.0  # time.monotonic() its last chunk was answered (or it opened)
 
 
 @dataclass(eq=False)
@@ -85,10 +90,11 @@ class Code2WavSessions:
                     raise BadRequestError(f"code2wav session {session_id!r} is already open")
                 if len(self._open) >= self.max_sessions:
                     raise OverloadedError(f"code2wav has {self.max_sessions} sessions open")
-                session = self._open[session_id] = Code2WavSession()
+                session = self._open[session_id] = Code2WavSession(idle_since=time.monotonic())
             elif session is None:
                 raise BadRequestError(f"no open code2wav session {session_id!r}: a stream starts with action "
-                                      "'start' and ends with its chunk marked 'end', or an abort")  # fmt: skip
+                                      "'start' and ends with its chunk marked 'end' or an abort; a session "
+                                      "idle too long is closed")  # fmt: skip
             if session.busy:
                 raise BadRequestError(f"code2wav session {session_id!r} has a chunk in flight: send the next "
                                       "once its audio is back")  # fmt: skip
@@ -97,9 +103,19 @@ class Code2WavSessions:
 
     def done(self, session_id: str, session: Code2WavSession, close: bool) -> None:
         with self._lock:
-            session.busy = False
+            session.busy, session.idle_since = False, time.monotonic()
             if close and self._open.get(session_id) is session:
                 del self._open[session_id]
+
+    def expire(self, idle_s: float, now: float | None = None) -> list[str]:
+        """Closes the sessions with no chunk in flight whose last chunk was answered idle_s or more before
+        `now`; returns their ids."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            expired = [i for i, s in self._open.items() if not s.busy and now - s.idle_since >= idle_s]
+            for session_id in expired:
+                del self._open[session_id]
+        return expired
 
     def close(self, session_id: str) -> None:
         with self._lock:
@@ -190,13 +206,17 @@ class Code2WavStage:
     finish_reason, error) answers a chunk (always final: "stop", or "abort" with no output); emit_first, if
     given, answers the first lane's chunks (a response thread of their own). On CUDA the static-shape
     decoders replay CUDA graphs and the audio leaves in pinned host memory (stages/host_copy.py); the CPU
-    runs the same code eagerly, with the later decoder only where later_chunk_batch asks for it (tests)."""
+    runs the same code eagerly, with the later decoder only where later_chunk_batch asks for it (tests).
+    session_idle_s: a session with no chunk for this long is closed (None: never)."""
 
     def __init__(self, runner: Code2WavRunner, emit: Emit, *, max_batch: int = 64, first_chunk_frames=(),
                  chunk_frames: int = 25, later_chunk_batch: int | None = None, emit_first: Emit | None = None,
-                 max_sessions: int = MAX_SESSIONS):  # fmt: skip
+                 max_sessions: int = MAX_SESSIONS, session_idle_s: float | None = None):  # fmt: skip
         self.runner = runner
         self.sessions = Code2WavSessions(max_sessions)
+        self.session_idle_s, self.sessions_expired = session_idle_s, 0
+        self._stop_sweeping = threading.Event()
+        self._sweeper = threading.Thread(target=self._sweep, name="code2wav-sessions", daemon=True)
         cuda_graphs = host_outputs = runner.device.type == "cuda"
         if later_chunk_batch is None:
             later_chunk_batch = LATER_CHUNK_BATCH if cuda_graphs else 0
@@ -222,10 +242,20 @@ class Code2WavStage:
             decoder.capture_all()
         for engine in self.engines.values():
             engine.start()
+        if self.session_idle_s is not None:
+            self._sweeper.start()
 
     def stop(self) -> None:
+        self._stop_sweeping.set()
         for engine in self.engines.values():
             engine.stop()
+
+    def _sweep(self) -> None:
+        while not self._stop_sweeping.wait(min(SWEEP_SECONDS, self.session_idle_s / 4)):
+            for session_id in self.sessions.expire(self.session_idle_s):
+                self.sessions_expired += 1
+                log.warning("[code2wav] session %s closed after %.0fs without a chunk (its caller is gone)",
+                            session_id, self.session_idle_s)  # fmt: skip
 
     def lane(self, codes: torch.Tensor | None, start: bool) -> str:
         """The lane a chunk goes to: "first" for a stream's first chunk of a first-lane length, else "main"."""
@@ -262,6 +292,7 @@ class Code2WavStage:
         later = self.lanes["main"].later
         return {
             "sessions": len(self.sessions),
+            "sessions_expired": self.sessions_expired,
             "queued": sum(s["running"] + s["waiting"] for s in engines.values()),
             "chunks": sum(lane.chunks for lane in self.lanes.values()),
             "groups": sum(lane.groups for lane in self.lanes.values()),

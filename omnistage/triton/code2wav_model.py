@@ -18,6 +18,7 @@ from .metrics import MetricsPublisher
 from .responder import Responder, error_response, send_final
 from .stage_model import init_instance
 from .tensors import input_tensor, request_parameters, wants_bf16_bytes
+from .workarounds import CALLER_SILENT_SECONDS
 
 log = logging.getLogger(__name__)
 
@@ -28,12 +29,7 @@ class Code2WavModel:
         module = load_stage(params["model_path"], "code2wav", dtype, device)
         if device.type == "cuda":  # the measured path there (perf/results/2026-12-03-h200-streams.json)
             log.info("[code2wav] fused kernels installed: %s", fused.install(module))
-        context = int(params["left_context_frames"]) if params.get("left_context_frames") else None
-        runner = Code2WavRunner(module, device, dtype, context_frames=context)
-        if context is not None and context < runner.conv_reach:
-            # the chunks would not join into the full decode: refuse rather than serve worse audio
-            raise ValueError(f"left_context_frames {context} is below this checkpoint's conv reach "
-                             f"({runner.conv_reach} frames); use null or >= {runner.conv_reach}")
+        runner = Code2WavRunner(module, device, dtype)
         self.responders = {lane: Responder(f"code2wav-{lane}", self.encode, self._cancel) for lane in ("first", "main")}
         self.stage = Code2WavStage(
             runner, self.responders["main"].emit, emit_first=self.responders["first"].emit,
@@ -41,6 +37,7 @@ class Code2WavModel:
             # the first lane takes first chunks of the schedule's lengths (0 or none: no first lane)
             first_chunk_frames=[int(n) for n in params.get("first_chunk_frames", "").split(",") if n.strip()],
             chunk_frames=int(params.get("chunk_frames", 25)),  # the later chunks' largest size
+            session_idle_s=CALLER_SILENT_SECONDS,  # a session whose caller died between chunks (workarounds.py)
         )  # fmt: skip
         for responder in self.responders.values():
             responder.start()
@@ -59,7 +56,9 @@ class Code2WavModel:
                         .counter("omni_code2wav_first_chunk_seconds_total", "their seconds from execute() to the "
                                  "response sent")
                         .counter("omni_code2wav_later_chunks_total", "chunks with carried state decoded padded to "
-                                 "static shapes (CUDA graphs)"))  # fmt: skip
+                                 "static shapes (CUDA graphs)")
+                        .counter("omni_code2wav_sessions_expired_total", "sessions closed after "
+                                 f"{CALLER_SILENT_SECONDS:.0f}s without a chunk (their caller died)"))  # fmt: skip
         self.metrics.start()
 
     def execute(self, requests):
@@ -120,7 +119,8 @@ class Code2WavModel:
                  s["first_lane_seconds"] + first.encode_seconds + first.send_seconds),
                 ("omni_code2wav_first_chunks_total", {}, s["first_chunks"]),
                 ("omni_code2wav_first_chunk_seconds_total", {}, first.first_response_seconds),
-                ("omni_code2wav_later_chunks_total", {}, s["later_chunks"])]  # fmt: skip
+                ("omni_code2wav_later_chunks_total", {}, s["later_chunks"]),
+                ("omni_code2wav_sessions_expired_total", {}, s["sessions_expired"])]  # fmt: skip
 
     def finalize(self) -> None:
         self.metrics.stop()

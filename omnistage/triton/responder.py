@@ -72,6 +72,10 @@ class Responder:
         # request id -> (sender, bf16_bytes): bf16_bytes for omni_ensemble's BLS calls (tensors.wants_bf16_bytes)
         self._senders: dict[str, tuple[Any, bool]] = {}
         self._cancelled: dict[str, float] = {}  # request id -> when its client was seen gone
+        # request id -> (when its caller last sent something for it, how long it may be silent): requests fed
+        # by later requests of their caller (a talker's appends), which end when it falls silent
+        # (workarounds.py, 12)
+        self._expected: dict[str, tuple[float, float]] = {}
         self._send_started = 0.0  # monotonic start of the send() in progress, 0 between sends
         self._poll_ring = PollRing()  # who is asked next whether its client left
         self._lock = threading.Lock()
@@ -113,7 +117,22 @@ class Responder:
             if self._senders.get(request_id, (None,))[0] is sender:
                 del self._senders[request_id]
                 self._registered_at.pop(request_id, None)
+                self._expected.pop(request_id, None)
                 self._poll_ring.discard(request_id)
+
+    def expect_caller(self, request_id: str, silent_s: float) -> None:
+        """The request's caller feeds it through later requests: if it sends nothing for silent_s (heard_from),
+        the caller is taken to be gone and the request is cancelled."""
+        with self._lock:
+            self._expected[request_id] = (time.monotonic(), silent_s)
+
+    def heard_from(self, request_id: str, last: bool = False) -> None:
+        """The caller sent something for the request; last: nothing more will come (it stops being expected)."""
+        with self._lock:
+            if last:
+                self._expected.pop(request_id, None)
+            elif request_id in self._expected:
+                self._expected[request_id] = (time.monotonic(), self._expected[request_id][1])
 
     def emit(self, request_id: str, output, finish_reason: str | None, error: OmniError | None) -> None:
         """Engine callback: must not block."""
@@ -148,6 +167,7 @@ class Responder:
                 t0 = time.perf_counter()
                 self._poll_cancellation()
                 self.poll_seconds += time.perf_counter() - t0
+                self._cancel_silent()
                 self._answer_abandoned()
 
     @staticmethod
@@ -173,6 +193,8 @@ class Responder:
         with self._lock:
             entry = self._senders.pop(request_id, None) if final else self._senders.get(request_id)
             registered_at = self._registered_at.pop(request_id, None) if output is not None or final else None
+            if final:
+                self._expected.pop(request_id, None)
         if final:
             self._poll_ring.discard(request_id)
         if entry is None:
@@ -261,6 +283,19 @@ class Responder:
             else:
                 answered = True
         return answered
+
+    def _cancel_silent(self) -> None:
+        """Cancels the expected requests whose caller has been silent too long, as if their client had left."""
+        now = time.monotonic()
+        with self._lock:
+            silent = [(i, now - heard) for i, (heard, silent_s) in self._expected.items() if now - heard >= silent_s]
+            for request_id, _ in silent:
+                del self._expected[request_id]
+            silent = [(i, quiet) for i, quiet in silent if i in self._senders and i not in self._cancelled]
+        for request_id, quiet in silent:
+            log.warning("[%s] %s: its caller sent nothing for %.0fs: cancelled", self.name, request_id, quiet)
+            self._cancelled[request_id] = now
+            self.on_cancel(request_id)
 
     def _answer_abandoned(self) -> None:
         """Ends the requests whose client left CANCEL_GRACE_SECONDS ago and which are still open: their

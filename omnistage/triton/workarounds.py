@@ -29,20 +29,28 @@
 # 7. The stub's shared-memory region grows under load, and a stub died silently when full-size GPU handoffs
 #    outgrew it (python_backend_args, GPU servers only). Can go when growth failures are reported.
 # 8. A model being reloaded is named only in error text (NOT_READY): requests to it fail with "Request for
-#    unknown model: ... is not ready" (or "... has no available versions") and no status code of its own;
+#    unknown model: ... is not ready" (or "... has no available versions", or "Server not ready" while the
+#    server shuts down for a restart) and no status code of its own;
 #    both omni_ensemble (bls.py) and the frontend (triton_codec.py) read the text to answer 503, retryable.
 #    Can go when Triton reports UNAVAILABLE for these on gRPC and in BLS.
 # 9. An instance replaced while requests were in flight on its dead or stopped stub never finishes
 #    unloading (stale_stubs): Triton waits for those requests, which nothing ends, so the instance keeps
 #    ~515 backend threads, its shm region and, for a stopped stub, its memory (on the GPU its CUDA memory
 #    too). Its stub cannot simply be killed: a stub killed while Triton finalizes its instance aborts
-#    tritonserver. The launcher's TritonServer restarts the server once restart_after_stale such instances
-#    exist. Can go when a reload of a model whose stub died ends its in-flight requests and unloads the old
-#    instance.
+#    tritonserver. Such an instance shows as a live stub with a newer one for its instance, or as a dead stub
+#    never reaped (a zombie: the server reaps a stub only when its instance unloads), and counts once it
+#    outlives STALE_STUB_GRACE_SECONDS with every model READY. The launcher's TritonServer restarts the
+#    server once restart_after_stale such instances exist, or one has for stale_restart_s. Can go when a reload of a model whose stub died ends its in-flight requests and unloads
+#    the old instance.
 # 10. Concurrent metric calls from several threads of a stub crash the server: one publisher thread per
 #    instance writes every metric (metrics.py). Can go when the stub's metric API is thread-safe.
 # 11. BLS has no cancellation: a cancelled omni_ensemble request sends action=abort to each stage it started
 #    (pipeline/request.py). Can go when cancelling a BLS request reaches the callee's is_cancelled().
+# 12. A callee is not told that its BLS caller died: the requests of a dead omni_ensemble stub never turn
+#    is_cancelled() in the stages. A talker stream waits for its text rows, and a Code2Wav session for its next
+#    chunk, with nothing in flight that could fail. Both end once their caller has been silent for
+#    CALLER_SILENT_SECONDS (the talker's responder: Responder.expect_caller; Code2Wav: session_idle_s), far
+#    above the longest gap between a live caller's appends or chunks. Can go with (11).
 from __future__ import annotations
 
 import json
@@ -66,7 +74,11 @@ UNDELIVERABLE_MARK = "cannot deliver"
 # responder (4)
 CANCEL_GRACE_SECONDS = 5.0
 STALE_STUB_GRACE_SECONDS = 30.0  # a normal unload finalizes the old stub within seconds
-NOT_READY = re.compile(r"unknown model|is not ready|not at ready state|has no available versions|is not found")
+# a stage stream whose caller sent nothing for this long is ended (12): a live caller appends a talker's text
+# rows and sends Code2Wav's chunks at the thinker's and talker's step rate, well under a second apart
+CALLER_SILENT_SECONDS = 60.0
+NOT_READY = re.compile(r"unknown model|is not ready|not at ready state|has no available versions|is not found|"
+                       r"Server not ready")
 
 
 def python_backend_args(gpus: Sequence[int]) -> list[str]:
@@ -89,25 +101,36 @@ def forced_reload_config(config: dict) -> str:
     return json.dumps(config)
 
 
-def stale_stubs(server_pid: int, grace_s: float = STALE_STUB_GRACE_SECONDS) -> list[int]:
-    """Pids of the server's Python stubs whose model instance (argv[8], e.g. talker_0_0) has a newer stub,
-    started more than grace_s ago: instances replaced by a reload that never unloaded (9)."""
-    from omnistage.launch.proc_stats import children, cmdline
+def stale_stubs(server_pid: int, dead_since: dict[int, float] | None = None,
+                grace_s: float = STALE_STUB_GRACE_SECONDS) -> list[int]:
+    """Pids of the server's Python stubs whose instance a reload replaced more than grace_s ago and that have not
+    unloaded (9): live stubs whose model instance (argv[8], e.g. talker_0_0) has a newer stub, and dead stubs
+    not reaped (zombies, whose argv is gone) with a stub started after they were seen dead. dead_since: the
+    caller's record of dead stubs, pid -> seconds since boot when first seen, updated here."""
+    from omnistage.launch.proc_stats import children, cmdline, process_state
 
     tick = os.sysconf("SC_CLK_TCK")
+    now = float(Path("/proc/uptime").read_text().split()[0])  # the clock of the start times: since boot
     by_instance: dict[str, list[tuple[float, int]]] = {}
+    dead, live = {}, []
     for pid in children(server_pid):
         argv = cmdline(pid)
         try:
             started = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]) / tick
         except (OSError, IndexError, ValueError):
             continue
-        if len(argv) > 8 and argv[0].endswith("triton_python_backend_stub"):
+        if process_state(pid)["state"] == "Z":
+            dead[pid] = (dead_since or {}).get(pid, now)
+        elif len(argv) > 8 and argv[0].endswith("triton_python_backend_stub"):
             by_instance.setdefault(argv[8], []).append((started, pid))
-    now = float(Path("/proc/uptime").read_text().split()[0])  # the clock of the start times: since boot
+            live.append(started)
+    if dead_since is not None:
+        dead_since.clear()
+        dead_since.update(dead)
     stale = []
     for stubs in by_instance.values():
         newest = max(stubs)
         if now - newest[0] > grace_s:
             stale += [pid for started, pid in stubs if (started, pid) != newest]
+    stale += [pid for pid, seen in dead.items() if any(seen <= started < now - grace_s for started in live)]
     return stale

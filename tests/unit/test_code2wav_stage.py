@@ -1,9 +1,10 @@
 # Code2Wav as a stage engine, driven without Triton on the tiny checkpoint's Code2Wav: a lane batches streams
 # at different positions into one forward; sessions streamed through the stage's lanes (first lane, later
 # decoder or eager) equal the full decode; a stream's state stays in the stage (only frames in, samples out);
-# finish, abort and bad chunks free or refuse sessions as they should.
+# finish, abort, bad chunks and sessions left idle free or refuse sessions as they should.
 import queue
 import threading
+import time
 
 import pytest
 import torch
@@ -229,6 +230,43 @@ def test_bad_chunks_are_refused_before_anything_is_queued(runner):
         assert stage.stats()["sessions"] == 1  # t ended with its last chunk; s is open
     finally:
         stage.stop()
+
+
+
+def test_a_session_left_idle_is_closed(runner):
+    """A caller that dies between two chunks sends neither the end nor an abort: the session's state goes after
+    session_idle_s; a session with a chunk in flight or one still fed stays."""
+    answers = Answers()
+    stage = Code2WavStage(runner, answers, session_idle_s=0.5)
+    stage.start()
+    try:
+        for session in ("fed", "orphan"):
+            stage.submit(session, codes_of(5, seed=6), start=True, end=False)
+            assert answers.next(session)[1] == "stop"
+        deadline = time.monotonic() + 60
+        while "orphan" in stage.sessions._open and time.monotonic() < deadline:
+            stage.submit("fed", codes_of(5, seed=7), start=False, end=False)  # its caller keeps sending chunks
+            assert answers.next("fed")[1] == "stop"
+            time.sleep(0.1)
+        assert stage.stats()["sessions"] == 1 and stage.stats()["sessions_expired"] == 1
+        with pytest.raises(BadRequestError, match="no open code2wav session 'orphan'.*idle too long"):
+            stage.submit("orphan", codes_of(5, seed=8), start=False, end=False)
+        stage.submit("fed", codes_of(5, seed=9), start=False, end=True)
+        assert answers.next("fed")[1] == "stop"
+        assert stage.stats()["sessions"] == 0 and stage.stats()["sessions_expired"] == 1
+    finally:
+        stage.stop()
+
+
+def test_expiry_spares_a_session_whose_chunk_is_in_flight():
+    sessions = Code2WavSessions()
+    busy = sessions.take("busy", start=True)  # queued, not answered yet
+    idle = sessions.take("idle", start=True)
+    sessions.done("idle", idle, close=False)
+    now = time.monotonic() + 3600
+    assert sessions.expire(60, now) == ["idle"] and len(sessions) == 1
+    sessions.done("busy", busy, close=False)
+    assert sessions.expire(60) == [] and sessions.expire(60, time.monotonic() + 61) == ["busy"]
 
 
 @pytest.mark.gpu

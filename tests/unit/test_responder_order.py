@@ -1,6 +1,6 @@
-# The response thread (omnistage/triton/responder.py): its send order (within a round, emit order) and its
-# wait counters. Runs the real thread against a stand-in for the stub's module and
-# response senders (they exist only in a stub).
+# The response thread (omnistage/triton/responder.py): its send order (within a round, emit order), its
+# wait counters, and the requests it cancels when their caller falls silent. Runs the real thread against a
+# stand-in for the stub's module and response senders (they exist only in a stub).
 import sys
 import threading
 import time
@@ -17,6 +17,7 @@ class Sender:
         if self.gate is not None:
             self.gate.wait(5)  # holds the thread in its round while the next round piles up
         self.log.append(self.name)
+        self.last = (response, flags)
 
     def is_cancelled(self):
         return False
@@ -26,7 +27,7 @@ class Sender:
 def responder_module(monkeypatch):
     pb = types.ModuleType("triton_python_backend_utils")
     pb.InferenceResponse = lambda output_tensors=None, error=None: ("response", output_tensors, error)
-    pb.TritonError = lambda message, code=None: message
+    pb.TritonError = type("TritonError", (), {"__new__": lambda cls, message, code=None: message, "CANCELLED": 1})
     pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", pb)
     monkeypatch.delitem(sys.modules, "omnistage.triton.responder", raising=False)
@@ -93,4 +94,29 @@ def test_the_wait_for_pickup_is_counted_apart_from_the_round(responder_module):
         assert r.delay_seconds >= 0.4
     finally:
         gate.set()
+        r.stop()
+
+
+def test_a_request_whose_caller_falls_silent_is_cancelled(responder_module):
+    """A talker stream waits for appends from its caller; a caller that died sends none (workarounds.py, 12)."""
+    log, cancelled = [], []
+    r = responder_module.Responder("talker", lambda output, reason: {}, cancelled.append)
+    r.on_cancel = lambda request_id: (cancelled.append(request_id), r.emit(request_id, None, "abort", None))
+    for name in ("fed", "silent", "ended"):
+        r.register(name, Sender(name, log))
+        r.expect_caller(name, 0.3)
+    r.heard_from("ended", last=True)  # its text is complete: nothing more is expected from the caller
+    r.start()
+    try:
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:  # appends keep coming for "fed"
+            r.heard_from("fed")
+            time.sleep(0.05)
+        assert cancelled == ["silent"]
+        _wait(lambda: log == ["silent"])  # its final answer: cancelled, the engine having aborted it
+        assert r.active == 2  # fed and ended stay open
+        r.emit("fed", None, "stop", None)
+        _wait(lambda: log == ["silent", "fed"])
+        assert cancelled == ["silent"]
+    finally:
         r.stop()
