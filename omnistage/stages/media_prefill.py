@@ -82,7 +82,7 @@ class MediaPrefill(StaticPrefill):
         deltas = []
         for i, (p, length) in enumerate(zip(prompts, lengths)):
             ids[i, :length] = p.input_ids
-            pos, delta = self._rope_index(p)
+            pos, delta = self.rope_index(p)
             positions[:, i, :length] = pos  # past the prompt: 0, K/V overwritten by decode steps before read
             deltas.append(delta)
         ids[n:], positions[:, n:] = ids[:1], positions[:, :1]
@@ -104,11 +104,14 @@ class MediaPrefill(StaticPrefill):
         return self.embeds[row, :length]
 
     # ---- internals ----------------------------------------------------------------------------------------
-    def _rope_index(self, p) -> tuple[torch.Tensor, int]:
+    def rope_index(self, p) -> tuple[torch.Tensor, int]:
         """MRoPE positions [3, L] and rope delta of one prompt, as transformers' forward computes them (for a
-        text-only prompt 0..L-1 on every section, delta 0, without its per-token host loop)."""
+        text-only prompt 0..L-1 on every section, delta 0, without its per-token host loop); the prompt's
+        own when its admission derived them."""
         if p.is_text_only:
             return torch.arange(p.input_ids.numel()).expand(3, -1), 0
+        if p.rope is not None:
+            return p.rope
         ids = p.input_ids[None].cpu()
         lengths = p.feature_attention_mask.cpu().sum(-1) if p.feature_attention_mask is not None else None
         grid = p.image_grid_thw.cpu() if p.image_grid_thw is not None else None
