@@ -20,6 +20,7 @@ from .host_copy import sync_current_stream, to_device, to_host
 from .conditioning import TalkerConditioning
 from .runner import WARM_UP_STEPS, DecoderRunner
 from .talker_prompt import PromptBuilder, PromptRows, TalkerPrompt
+from .warm_up import warm_up_turns
 
 
 @dataclass
@@ -119,13 +120,23 @@ class TalkerRunner(DecoderRunner):
                 results[i] = self._frame_sent(results[i].seq, sent[j : j + 1])
         return results + pending
 
-    def _warm_up_payload(self) -> TalkerPrompt:
-        """A text-only conditioning of 8 user rows and a reply of as many rows as the warm-up has steps."""
-        width = self.config.thinker_config.text_config.hidden_size  # the thinker's rows, before projection
-        cond = TalkerConditioning(torch.zeros(8, width), torch.zeros(8, dtype=torch.bool),
-                                  torch.full((8,), 1000, dtype=torch.long), torch.zeros(6, width))  # fmt: skip
-        speaker = next(iter(self.config.talker_config.speaker_id.values()))
-        return TalkerPrompt(cond, speaker, [torch.zeros(width)] * (WARM_UP_STEPS + 1), text_end=True)
+    def _warm_up_batches(self) -> list[list[TalkerPrompt]]:
+        """The conditioning of a text turn alone, then of an audio and an image turn together (stages/
+        warm_up.py), each with a reply of as many rows as the warm-up has steps; those longer than the slots
+        are left out."""
+        c = self.config
+        width = c.thinker_config.text_config.hidden_size  # the thinker's rows, before projection
+        mm = torch.tensor([c.thinker_config.audio_token_id, c.thinker_config.image_token_id])
+        speaker = next(iter(c.talker_config.speaker_id.values()))
+        prompts = []
+        for turn in warm_up_turns(c):
+            ids = turn.user_ids()
+            cond = TalkerConditioning(torch.zeros(ids.numel(), width), torch.isin(ids, mm), ids, torch.zeros(6, width))
+            lengths = turn.feature_attention_mask.sum(-1) if turn.feature_attention_mask is not None else None
+            prompts.append(TalkerPrompt(cond, speaker, [torch.zeros(width)] * (WARM_UP_STEPS + 1), text_end=True,
+                                        image_grid_thw=turn.image_grid_thw, audio_feature_lengths=lengths))  # fmt: skip
+        fits = [p for p in prompts if p.cond.user_ids.numel() + 10 + WARM_UP_STEPS < self.max_seq_len]
+        return [fits[:1], fits[1:]]
 
     @torch.inference_mode()
     def capture_graphs(self) -> None:

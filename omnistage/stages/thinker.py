@@ -17,7 +17,8 @@ from .host_copy import outputs_to_host, to_device, to_host
 from .media_prefill import MediaPrefill
 from .media_prefix import MediaPrefixPrefill
 from .prefix_cache import PrefixCache
-from .runner import DecoderRunner
+from .runner import WARM_UP_STEPS, DecoderRunner
+from .warm_up import warm_up_turns
 
 
 @dataclass
@@ -185,12 +186,15 @@ class ThinkerRunner(DecoderRunner):
             return False
         return self.prompt_tokens(seq) <= self.media_prefill.max_tokens
 
-    def _warm_up_payload(self) -> ThinkerPrompt:
-        """A short user turn and the assistant header, feeding a talker (its conditioning is built too)."""
-        c, newline, word = self.config, 198, 1000  # "\n" and an ordinary token of the Qwen vocabulary
-        ids = [c.im_start_token_id, c.user_token_id, newline, *[word] * 8, c.im_end_token_id, newline,
-               c.im_start_token_id, c.assistant_token_id, newline]  # fmt: skip
-        return ThinkerPrompt(torch.tensor(ids), export_talker=True)
+    def _warm_up_batches(self) -> list[list[ThinkerPrompt]]:
+        """A text turn alone (StaticPrefill), then an audio and an image turn together (MediaPrefill and both
+        encoders), each feeding a talker (its conditioning is built too); those longer than the slots or
+        the media buffers are left out."""
+        turns = [ThinkerPrompt(torch.tensor(t.ids), t.pixel_values, t.image_grid_thw, t.input_features,
+                               t.feature_attention_mask, export_talker=True)
+                 for t in warm_up_turns(self.config)]  # fmt: skip
+        fits = lambda p: p.input_ids.numel() + WARM_UP_STEPS < min(self.max_seq_len, self.media_prefill.max_tokens)  # noqa: E731
+        return [[turns[0]], [p for p in turns[1:] if fits(p)]]
 
     @torch.inference_mode()
     def warm_up(self) -> None:

@@ -170,17 +170,25 @@ def test_talker_eos_ends_the_stream_without_a_frame_for_it(hf_model, processor):
     assert torch.equal(stopped, codes[:k])
 
 
-def test_a_warmed_up_runner_serves_as_a_fresh_one(hf_model, processor):
-    """warm_up (run while a stage loads, so that ready means warm) leaves no trace: every slot is free, the
-    thinker's prefix cache saw nothing, and the next request, in the slot the warm-up used, still equals
-    generate()."""
+def test_a_warmed_up_runner_serves_as_a_fresh_one(hf_model, processor, monkeypatch):
+    """warm_up (run while a stage loads, so that ready means warm) serves a text turn and, together, an audio
+    and an image turn (both encoders, the batched media prefill, the talker's prompts from media turns), and
+    leaves no trace: every slot is free, the thinker's prefix cache saw nothing, and the next request, in
+    the slot the warm-up used, still equals generate()."""
     inputs = prepare_inputs(processor, oracle.messages("text"))
     want_text, want_codes, _ = oracle.generate(hf_model, inputs, REPLY, FRAMES)
     kw = dict(max_slots=4, max_seq_len=512, device="cpu", dtype=torch.float32)
     thinker = ThinkerRunner(hf_model.thinker, hf_model.config, prefix_cache_bytes=1 << 20, **kw)
     talker = TalkerRunner(hf_model.talker, hf_model.config, **kw)
+    encoded, media_rows = [], []
+    for name in ("audio", "vision"):
+        encoder = getattr(thinker.media_prefill, name)
+        monkeypatch.setattr(thinker.media_prefill, name, lambda *a, _e=encoder: encoded.append(_e) or _e(*a))
+    spy = lambda f: lambda *a: media_rows.append(a[0].payload.cond.user_is_mm.sum()) or f(*a)  # noqa: E731
+    monkeypatch.setattr(talker.prompts, "_media", spy(talker.prompts._media))
     thinker.warm_up()
     talker.warm_up()
+    assert len(encoded) == 2 and len(media_rows) == 2 and all(n > 0 for n in media_rows)
     assert thinker.slots == talker.slots == [None] * 4
     assert thinker.stats()["prefix_prompt_tokens"] == 0
     prompt = ThinkerPrompt(inputs["input_ids"][0], export_talker=True)
