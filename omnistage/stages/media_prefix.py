@@ -49,6 +49,7 @@ class MediaPrefixPrefill:
         """Keeps the prompt's blocks (in its slot after a prefill) from this first sighting on, with its media
         rows' accept-layer hidden states when given (`hidden`: [L, D], every row of the prompt)."""
         mm = self._media_rows(seq.payload.input_ids.cpu())
+        mm = mm[mm < len(found.names) * BLOCK]  # rows of the blocks that can be kept
         rows = self._rows_by_block(mm, hidden) if hidden is not None else None
         self.runner.prefix.store(seq.slot, found, rows, first_sighting=True)
 
@@ -169,8 +170,12 @@ class MediaPrefixPrefill:
 
     @staticmethod
     def _rows_by_block(mm: torch.Tensor, hidden: torch.Tensor) -> dict[int, torch.Tensor]:
-        blocks = mm // BLOCK
-        return {int(b): hidden[to_device(mm[blocks == b], hidden.device)] for b in blocks.unique().tolist()}
+        """Block number -> the rows `mm` (host, ascending) of `hidden` in that block: one gather for all."""
+        if not mm.numel():
+            return {}
+        blocks, counts = torch.unique_consecutive(mm // BLOCK, return_counts=True)
+        rows = hidden.index_select(0, to_device(mm, hidden.device))
+        return dict(zip(blocks.tolist(), rows.split(counts.tolist())))
 
     def _positions(self, p, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """MRoPE positions [3, 1, L] and the rope delta of the whole prompt (transformers' get_rope_index)."""
