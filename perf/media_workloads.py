@@ -139,16 +139,22 @@ def video_mp4(seconds: float, seed: int, width: int = 320, height: int = 240, fp
                 out.mux(packet)
         for packet in video.encode(None):
             out.mux(packet)
-        samples = speech_like_clip(seconds, seed)
-        step = audio.codec_context.frame_size or 1024
-        for start in range(0, samples.size, step):
-            chunk = av.AudioFrame.from_ndarray(samples[start : start + step][None], format="flt", layout="mono")
-            chunk.sample_rate, chunk.pts = AUDIO_RATE, start
-            for packet in audio.encode(chunk):
-                out.mux(packet)
-        for packet in audio.encode(None):
-            out.mux(packet)
+        mux_audio(out, audio, speech_like_clip(seconds, seed), AUDIO_RATE)
     return buf.getvalue()
+
+
+def mux_audio(out, stream, samples: np.ndarray, rate: int) -> None:
+    """Encodes mono float32 samples into a PyAV audio stream of container `out`, frame by frame."""
+    import av
+
+    step = stream.codec_context.frame_size or 1024
+    for start in range(0, samples.size, step):
+        chunk = av.AudioFrame.from_ndarray(samples[start : start + step][None], format="flt", layout="mono")
+        chunk.sample_rate, chunk.pts = rate, start
+        for packet in stream.encode(chunk):
+            out.mux(packet)
+    for packet in stream.encode(None):
+        out.mux(packet)
 
 
 def video_prompts(n: int, seed: int = 0, seconds: float = 10.0) -> list[list[dict]]:
