@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from ..models.layer_stack import run_layers
 from .host_copy import to_device
-from .paged_kv import PagedKVCache, PagedWriter
+from .paged_kv import PagedKVCache
 from .static_prefill import StaticPrefill
 
 
@@ -34,13 +33,5 @@ class PositionedPrefill(StaticPrefill):
         host[:, len(positions) :] = host[:, :1]
         self.positions[:, :rows, :tokens].copy_(to_device(host, self.positions.device))
 
-    def _run(self, rows: int, tokens: int) -> None:
-        embeds = self.embeds[:rows, :tokens]
-        position_embeddings = self.text_model.rotary_emb(embeds, self.positions[:, :rows, :tokens])
-        steps = torch.arange(tokens, device=embeds.device)[None].expand(rows, tokens)
-        writer = PagedWriter(self.cache, self.slots[:rows], steps, None)
-        # no mask: sdpa runs causal over the new tokens
-        hidden = run_layers(self.text_model.layers, embeds, attention_mask=None, position_embeddings=position_embeddings,
-                            past_key_values=writer)  # fmt: skip
-        last = hidden[torch.arange(rows, device=hidden.device), self.last[:rows]]  # [rows, D]
-        self.hidden_out[:rows].copy_(self.text_model.norm(last))
+    def _positions(self, rows: int, tokens: int) -> torch.Tensor:
+        return self.positions[:, :rows, :tokens]
