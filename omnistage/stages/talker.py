@@ -140,7 +140,7 @@ class TalkerRunner(DecoderRunner):
             lengths = turn.feature_attention_mask.sum(-1) if turn.feature_attention_mask is not None else None
             prompts.append(TalkerPrompt(cond, speaker, [torch.zeros(width)] * (WARM_UP_STEPS + 1), text_end=True,
                                         image_grid_thw=turn.image_grid_thw, audio_feature_lengths=lengths))  # fmt: skip
-        fits = [p for p in prompts if p.cond.user_ids.numel() + 10 + WARM_UP_STEPS < self.max_seq_len]
+        fits = [p for p in prompts if p.cond.user_ids.numel() + 10 + WARM_UP_STEPS < self.context]
         return [fits[:1], fits[1:]]
 
     @torch.inference_mode()

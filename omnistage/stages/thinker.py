@@ -193,7 +193,7 @@ class ThinkerRunner(DecoderRunner):
         turns = [ThinkerPrompt(torch.tensor(t.ids), t.pixel_values, t.image_grid_thw, t.input_features,
                                t.feature_attention_mask, export_talker=True)
                  for t in warm_up_turns(self.config)]  # fmt: skip
-        fits = lambda p: p.input_ids.numel() + WARM_UP_STEPS < min(self.max_seq_len, self.media_prefill.max_tokens)  # noqa: E731
+        fits = lambda p: p.input_ids.numel() + WARM_UP_STEPS < min(self.context, self.media_prefill.max_tokens)  # noqa: E731
         return [[turns[0]], [p for p in turns[1:] if fits(p)]]
 
     @torch.inference_mode()
