@@ -338,9 +338,14 @@ class Bench:
             1.0 - w2_share - media_share,
             warmup=a.warmup,
         )
-        for i, (name, levels) in enumerate(a.media):  # W3, W4: media in, each with its own warm-up
+        for i, (name, levels) in enumerate(a.media):  # W3, W4, W5: media in, each with its own warm-up
             sizes = loadgen.level_sizes(levels, a.w1_factor, a.w1_min_prompts)
-            workload = workloads.build(name, max(sizes)).with_lengths(a.w1_reply_tokens, a.w1_frames)
+            t0 = time.monotonic()
+            try:
+                workload = workloads.build(name, max(sizes)).with_lengths(a.w1_reply_tokens, a.w1_frames)
+            except ImportError as missing:  # W5's clips are made with PyAV, which a bare GPU image lacks
+                self.phase(name, "skipped", t0, note=str(missing))
+                continue
             share = (1.0 - w2_share) / (len(a.media) - i)  # of what is left: the rest split evenly, W2's kept
             self.sweep(name, workload, levels, sizes, [2.0 + c / 16 for c in levels], share, warmup=a.warmup)
         if not a.skip_w2:
@@ -368,8 +373,8 @@ def _instances(text: str) -> dict[str, int]:
 
 def _media_levels(text: str) -> tuple[str, list[int]]:
     name, _, levels = text.partition(":")
-    if name not in ("w3", "w4") or not levels or not all(c.isdigit() and int(c) > 0 for c in levels.split(",")):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected w3:C[,C...] or w4:C[,C...]")
+    if name not in ("w3", "w4", "w5") or not levels or not all(c.isdigit() and int(c) > 0 for c in levels.split(",")):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected w3:C[,C...], w4:C[,C...] or w5:C[,C...]")
     return name, [int(c) for c in levels.split(",")]
 
 
@@ -401,7 +406,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--warmup-cap-s", type=float, default=40.0)
     ap.add_argument("--media", type=_media_levels, nargs="*", default=[], metavar="W:C[,C]",
-                    help="media-in levels after W1 (W1's lengths and prompt factor), e.g. w3:1,64 w4:64")  # fmt: skip
+                    help="media-in levels after W1 (W1's lengths and prompt factor), e.g. w3:1,64 w4:64 w5:16")  # fmt: skip
     ap.add_argument("--media-share", type=float, default=0.4, help="of the time left after the server start")
     ap.add_argument("--w2-concurrency", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--w2-prompts-per-level", type=int, default=1, help="x concurrency")

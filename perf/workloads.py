@@ -2,7 +2,8 @@
 #   W1 "Seed-TTS-like": a ~115-token text-to-speech system prompt + a ~20-token English sentence
 #      (~150 prompt tokens with the chat template); 18 reply tokens, 46 codec frames (~3.7 s of audio).
 #   W2 "vLLM-Omni DFX": ~2500 prompt tokens of random text; 900 reply tokens and 900 frames (72 s).
-#   W3 voice chat and W4 image: media in, 18 reply tokens and 46 frames (perf/media_workloads.py).
+#   W3 voice chat, W4 image, W5 video with its audio track: media in, 18 reply tokens and 46 frames
+#      (perf/media_workloads.py).
 # With dummy weights nothing stops on its own, so both lengths are forced (max_tokens + ignore_eos).
 from __future__ import annotations
 
@@ -128,12 +129,14 @@ class Workload:
     temperature: float = 0.0
     prompts: list[list[dict]] = field(default_factory=list, repr=False)  # chat messages per prompt
     prompt_tokens: list[int] = field(default_factory=list, repr=False)  # with the chat template
+    options: dict = field(default_factory=dict)  # request fields beside the sampling ones (use_audio_in_video)
 
     def body(self, i: int) -> dict:
         """The /v1/chat/completions request for prompt i (cycled)."""
-        return chat_body(
+        body = chat_body(
             self.prompts[i % len(self.prompts)], self.reply_tokens, self.frames, self.voice, self.temperature
         )
+        return {**body, **self.options}
 
     def omni_parameters(self) -> dict:
         """The same request as omni_ensemble parameters (Triton clients, perf_analyzer)."""
@@ -223,10 +226,10 @@ def w2(n_prompts: int = 32, tokenizer=None, seed: int = 0, prompt_tokens: int = 
     )
 
 
-def _media_in(name: str, description: str, prompts: list[list[dict]]) -> Workload:
+def _media_in(name: str, description: str, prompts: list[list[dict]], **options) -> Workload:
     """A media-in workload with W1's forced lengths (18 reply tokens, 46 frames)."""
     return Workload(name=name, description=description, reply_tokens=18, frames=46, concurrency=(1, 16, 32, 64),
-                    prompts=prompts)  # fmt: skip
+                    prompts=prompts, options=options)  # fmt: skip
 
 
 def w3(n_prompts: int = 64, seed: int = 0) -> Workload:
@@ -242,7 +245,14 @@ def w4(n_prompts: int = 64, seed: int = 0) -> Workload:
     return _media_in("w4", "image: one 448x448 picture (196 vision tokens) + a question", image_prompts(n_prompts, seed))
 
 
-BUILDERS = {"w1": (w1, 1088), "w2": (w2, 32), "w3": (w3, 64), "w4": (w4, 64)}
+def w5(n_prompts: int = 32, seed: int = 0) -> Workload:
+    from perf.media_workloads import video_prompts
+
+    return _media_in("w5", "video: a 10 s 320x240 clip with a speech-like audio track (use_audio_in_video) "
+                     "+ a question", video_prompts(n_prompts, seed), use_audio_in_video=True)  # fmt: skip
+
+
+BUILDERS = {"w1": (w1, 1088), "w2": (w2, 32), "w3": (w3, 64), "w4": (w4, 64), "w5": (w5, 32)}
 
 
 def build(name: str, n_prompts: int | None = None, **kw) -> Workload:

@@ -5,6 +5,8 @@ import io
 
 import numpy as np
 
+from perf.media_workloads import mux_audio
+
 
 def make_video(seconds=2.0, fps=10, width=96, height=64, audio=True, seed=0, audio_rate=16000) -> bytes:
     import av
@@ -29,15 +31,7 @@ def make_video(seconds=2.0, fps=10, width=96, height=64, audio=True, seed=0, aud
         if a is not None:
             t = np.arange(int(seconds * audio_rate)) / audio_rate
             tone = (0.3 * np.sin(2 * np.pi * (220 + 60 * np.sin(t * 3 + seed)) * t)).astype(np.float32)
-            frame_size = a.codec_context.frame_size or 1024
-            for start in range(0, tone.size, frame_size):
-                chunk = tone[start : start + frame_size][None]
-                frame = av.AudioFrame.from_ndarray(chunk, format="flt", layout="mono")
-                frame.sample_rate, frame.pts = audio_rate, start
-                for packet in a.encode(frame):
-                    out.mux(packet)
-            for packet in a.encode(None):
-                out.mux(packet)
+            mux_audio(out, a, tone, audio_rate)
     return buf.getvalue()
 
 

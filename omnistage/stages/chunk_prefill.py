@@ -5,7 +5,8 @@
 # slot's positions [0, kv) read through its block table: the kept prefix and the suffix so far. Rows are
 # right-padded to the bucket's tokens (the padded positions lie past the prompt, in its last block or the
 # null block, are masked for its real tokens and are overwritten by its decode steps before anything reads
-# them); padding rows repeat row 0. Text-only prompts: MRoPE positions equal on every section.
+# them); padding rows repeat row 0. The suffixes are text: MRoPE positions equal on every section, each
+# row's shifted by its rope offset (a prompt whose kept prefix holds media: its rope delta).
 from __future__ import annotations
 
 import torch
@@ -41,7 +42,8 @@ class ChunkPrefill:
         self.row_buckets = batch_buckets(max_rows) if self.bank.enabled else None
         self.kv_buckets = [b for b in kv_buckets if b < self.max_kv] + [self.max_kv]
         self.embeds = torch.zeros(max_rows, self.max_tokens, hidden, dtype=dtype, device=device)
-        self.index = torch.zeros(3, max_rows, dtype=torch.long, device=device)  # slots, starts, last token
+        # slots, starts, last token, rope offsets
+        self.index = torch.zeros(4, max_rows, dtype=torch.long, device=device)
         self.hidden_out = torch.zeros(max_rows, hidden, dtype=dtype, device=device)
 
     def shape_for(self, rows: int, tokens: int, furthest_start: int) -> tuple[int, int, int]:
@@ -61,8 +63,10 @@ class ChunkPrefill:
         rows, _, kv_len = self.shape_for(rows, tokens, furthest_start)
         return self.max_attended is None or rows * kv_len <= self.max_attended
 
-    def run(self, embeds: list[torch.Tensor], slots: list[int], starts: list[int]) -> torch.Tensor:
-        """embeds: per prompt its suffix [T_i, D] on the device; starts: where each suffix begins in its slot.
+    def run(self, embeds: list[torch.Tensor], slots: list[int], starts: list[int],
+            rope_offsets: list[int] | None = None) -> torch.Tensor:  # fmt: skip
+        """embeds: per prompt its suffix [T_i, D] on the device; starts: where each suffix begins in its slot;
+        rope_offsets: what each row adds to its slot positions for the rotary embedding (default 0).
         Returns the normed hidden state at each suffix's last token, [n, D] (a static buffer's view)."""
         n, lengths = len(embeds), [e.shape[0] for e in embeds]
         for slot, start, length in zip(slots, starts, lengths):
@@ -70,7 +74,9 @@ class ChunkPrefill:
         self.cache.sync()
         rows, tokens, kv_len = self.shape_for(n, max(lengths), max(starts))
         pad = load_padded(self.embeds, embeds, rows, tokens)
-        index = [slots + slots[:1] * pad, starts + starts[:1] * pad, [x - 1 for x in lengths + lengths[:1] * pad]]
+        offsets = rope_offsets or [0] * n
+        index = [slots + slots[:1] * pad, starts + starts[:1] * pad, [x - 1 for x in lengths + lengths[:1] * pad],
+                 offsets + offsets[:1] * pad]
         self.index[:, :rows].copy_(to_device(index, self.index.device))
         self.bank.run((rows, tokens, kv_len), lambda: self._run(rows, tokens, kv_len))
         return self.hidden_out[:n]
@@ -88,9 +94,10 @@ class ChunkPrefill:
     def _run(self, rows: int, tokens: int, kv_len: int) -> None:
         kv_len = blocks_for(kv_len) * BLOCK  # a gather reads whole blocks
         embeds = self.embeds[:rows, :tokens]
-        slots, starts, last = self.index[0, :rows], self.index[1, :rows], self.index[2, :rows]
+        slots, starts, last, offsets = (self.index[i, :rows] for i in range(4))
         positions = starts[:, None] + torch.arange(tokens, device=embeds.device)[None, :]  # [rows, tokens]
-        position_embeddings = self.text_model.rotary_emb(embeds, positions[None].expand(3, rows, tokens))
+        rope = (positions + offsets[:, None])[None].expand(3, rows, tokens)
+        position_embeddings = self.text_model.rotary_emb(embeds, rope)
         # [rows, 1, tokens, kv_len]: each token sees the slot's positions up to its own
         mask = (torch.arange(kv_len, device=embeds.device)[None, None, :] <= positions[:, :, None])[:, None]
         writer = PagedWriter(self.cache, slots, positions, kv_len)

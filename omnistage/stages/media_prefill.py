@@ -20,12 +20,12 @@ from ..models.layer_stack import run_layers
 from .audio_encoder import AudioEncoder, encoded_length
 from .host_copy import to_device
 from .paged_kv import PagedKVCache, PagedWriter
-from .static_prefill import StaticPrefill
+from .positioned_prefill import PositionedPrefill
 
 
-class MediaPrefill(StaticPrefill):
-    """StaticPrefill's buffers, buckets and graphs, plus per-row MRoPE positions, deepstack rows, the
-    accept layer's rows and the media encoders."""
+class MediaPrefill(PositionedPrefill):
+    """StaticPrefill's buffers, buckets and graphs with per-row MRoPE positions (PositionedPrefill), plus
+    deepstack rows, the accept layer's rows and the media encoders."""
 
     def __init__(self, name: str, thinker, cache: PagedKVCache, *, max_rows: int, max_tokens: int,
                  accept_layer: int, cuda_graphs: bool):  # fmt: skip
@@ -47,7 +47,6 @@ class MediaPrefill(StaticPrefill):
         self.deepstack_count, self.accept_layer = deepstack, accept_layer
         rows, tokens, hidden = self.embeds.shape
         device, dtype = self.embeds.device, self.embeds.dtype
-        self.positions = torch.zeros(3, rows, tokens, dtype=torch.long, device=device)
         self.deepstack = torch.zeros(deepstack, rows, tokens, hidden, dtype=dtype, device=device)
         self.accept_out = torch.zeros(rows, tokens, hidden, dtype=dtype, device=device)
 
@@ -78,18 +77,14 @@ class MediaPrefill(StaticPrefill):
         self.cache.sync()
         rows, tokens = self.shape_for(n, max(lengths))
         ids = torch.zeros(rows, tokens, dtype=torch.long)
-        positions = torch.zeros(3, rows, tokens, dtype=torch.long)
-        deltas = []
         for i, (p, length) in enumerate(zip(prompts, lengths)):
             ids[i, :length] = p.input_ids
-            pos, delta = self._rope_index(p)
-            positions[:, i, :length] = pos  # past the prompt: 0, K/V overwritten by decode steps before read
-            deltas.append(delta)
-        ids[n:], positions[:, n:] = ids[:1], positions[:, :1]
+        ids[n:] = ids[:1]
+        positions, deltas = zip(*(self.rope_index(p) for p in prompts))
         embeds = self.embeds[:rows, :tokens]
         embeds.copy_(self.thinker.get_input_embeddings()(to_device(ids, embeds.device)))
         self._scatter_media(prompts, ids[:n])
-        self.positions[:, :rows, :tokens].copy_(to_device(positions, embeds.device))
+        self.load_positions(positions, rows, tokens)
         if rows > n:
             embeds[n:].copy_(embeds[:1].expand(rows - n, -1, -1))
             self.deepstack[:, n:rows, :tokens].copy_(self.deepstack[:, :1, :tokens].expand(-1, rows - n, -1, -1))
@@ -98,17 +93,20 @@ class MediaPrefill(StaticPrefill):
         self.slots[:rows].copy_(index[0])
         self.last[:rows].copy_(index[1])
         self.bank.run((rows, tokens), lambda: self._run(rows, tokens))
-        return self.hidden_out[:n], deltas
+        return self.hidden_out[:n], list(deltas)
 
     def embeds_out(self, row: int, length: int) -> torch.Tensor:
         return self.embeds[row, :length]
 
     # ---- internals ----------------------------------------------------------------------------------------
-    def _rope_index(self, p) -> tuple[torch.Tensor, int]:
+    def rope_index(self, p) -> tuple[torch.Tensor, int]:
         """MRoPE positions [3, L] and rope delta of one prompt, as transformers' forward computes them (for a
-        text-only prompt 0..L-1 on every section, delta 0, without its per-token host loop)."""
+        text-only prompt 0..L-1 on every section, delta 0, without its per-token host loop); the prompt's
+        own when its admission derived them."""
         if p.is_text_only:
             return torch.arange(p.input_ids.numel()).expand(3, -1), 0
+        if p.rope is not None:
+            return p.rope
         ids = p.input_ids[None].cpu()
         lengths = p.feature_attention_mask.cpu().sum(-1) if p.feature_attention_mask is not None else None
         grid = p.image_grid_thw.cpu() if p.image_grid_thw is not None else None

@@ -1,14 +1,16 @@
-# Prefill of a thinker prompt with media (images, audio, video), reusing the prefix cache's K/V where a kept
-# prefix allows. The cache's block names carry a digest of each media item's decoded content (its patches or
-# features, grid and timing), folded in at the block where the item starts, so placeholder ids that only say
-# how long an item is can never make two different items share K/V. A kept prefix is used when it ends
-#   - before the prompt's first media row: the rest (all media included) is prefilled after it, or
-#   - after its last media row: the rest is text; when the prompt feeds a talker, the media rows' accept-layer
-#     hidden states kept with the blocks stand in for the ones the skipped forward would have given.
-# Otherwise it is cut back to the blocks before the first media row. With no cache, the whole prompt runs.
-# Blocks are kept from their first prompt on, so a second request with the same media (or the next turn of a
-# conversation that resends it) encodes nothing.
-# One forward of transformers' thinker either way (its multimodal merge, deepstack and MRoPE positions).
+# Prefix reuse for thinker prompts with media (images, audio, video). The cache's block names carry a digest
+# of each media item's decoded content (its patches or features, grid and timing), folded in at the block where
+# the item starts, so placeholder ids that only say how long an item is can never make two different items
+# share K/V. A kept prefix is used when it ends
+#   - after the prompt's last media row: the rest is text (the thinker runs it batched, ChunkPrefill); when the
+#     prompt feeds a talker, the media rows' accept-layer hidden states kept with the blocks stand in for the
+#     ones the skipped forward would have given, or
+#   - before its first media row: the rest, all media included, is prefilled after it (here).
+# Otherwise it is cut back to the blocks before the first media row. Blocks are kept from their first prompt
+# on, so a second request with the same media (or the next turn of a conversation that resends it) encodes
+# nothing.
+# The prefill here is for the prompts the batched paths do not take (video, prompts longer than their
+# buffers): one forward of transformers' thinker (its multimodal merge, deepstack and MRoPE positions).
 from __future__ import annotations
 
 import hashlib
@@ -35,18 +37,19 @@ class MediaPrefixPrefill:
         if self.runner.prefix is None:
             return None
         ids = p.input_ids.cpu()
-        return self._usable(self.runner.prefix.match(ids.tolist(), self.salts(p, ids)), self._media_rows(ids),
-                            p.export_talker)  # fmt: skip
+        salts = p.salts if p.salts is not None else self.salts(p, ids)
+        return self._usable(self.runner.prefix.match(ids.tolist(), salts), self._media_rows(ids), p.export_talker)
 
-    def reaches_media(self, p, found: PrefixMatch | None) -> bool:
-        """Whether the kept prefix covers media rows of p: only then does this prefill save encoder work."""
+    def covers_media(self, p, found: PrefixMatch | None) -> bool:
+        """Whether the kept prefix `found` (match()) holds every media row of p: only text is left to run."""
         mm = self._media_rows(p.input_ids.cpu())
-        return found is not None and mm.numel() > 0 and found.tokens > int(mm[0])
+        return found is not None and mm.numel() > 0 and found.tokens > int(mm[-1])
 
     def store(self, seq: Sequence, found: PrefixMatch, hidden: torch.Tensor | None) -> None:
         """Keeps the prompt's blocks (in its slot after a prefill) from this first sighting on, with its media
         rows' accept-layer hidden states when given (`hidden`: [L, D], every row of the prompt)."""
         mm = self._media_rows(seq.payload.input_ids.cpu())
+        mm = mm[mm < len(found.names) * BLOCK]  # rows of the blocks that can be kept
         rows = self._rows_by_block(mm, hidden) if hidden is not None else None
         self.runner.prefix.store(seq.slot, found, rows, first_sighting=True)
 
@@ -91,7 +94,7 @@ class MediaPrefixPrefill:
         if p.export_talker and not p.resumed_from:
             head = r.model.get_input_embeddings()(to_device(ids[:start], dev))  # [start, D] layer-0 rows
             embeds = torch.cat([head, out.hidden_states[0][0]])
-            hidden = torch.cat([self._kept_rows(head, mm, found), out.hidden_states[r.accept_layer][0]])
+            hidden = torch.cat([self.kept_rows(p, head, found), out.hidden_states[r.accept_layer][0]])
             talker, tail = r._talker_conditioning(ids, embeds, hidden)
         if found is not None:
             self.store(seq, found, hidden)
@@ -153,11 +156,11 @@ class MediaPrefixPrefill:
             found = PrefixMatch(found.names, found.entries[: int(mm[0]) // BLOCK])
         return found
 
-    def _kept_rows(self, head: torch.Tensor, mm: torch.Tensor, found: PrefixMatch | None) -> torch.Tensor:
-        """Accept-layer rows of the kept prefix for the talker: the kept media rows at their places, the
-        layer-0 rows elsewhere (text rows take those)."""
-        start = head.shape[0]
-        kept = mm[mm < start]
+    def kept_rows(self, p, head: torch.Tensor, found: PrefixMatch | None) -> torch.Tensor:
+        """Accept-layer rows of p's first head.shape[0] rows for the talker: the kept media rows of the prefix
+        `found` at their places, the layer-0 rows `head` elsewhere (text rows take those)."""
+        mm = self._media_rows(p.input_ids.cpu())
+        kept = mm[mm < min(head.shape[0], found.tokens if found is not None else 0)]
         if not kept.numel():
             return head
         rows = torch.cat([self.runner.prefix.media_rows[found.entries[b]] for b in (kept // BLOCK).unique().tolist()])
@@ -167,8 +170,12 @@ class MediaPrefixPrefill:
 
     @staticmethod
     def _rows_by_block(mm: torch.Tensor, hidden: torch.Tensor) -> dict[int, torch.Tensor]:
-        blocks = mm // BLOCK
-        return {int(b): hidden[to_device(mm[blocks == b], hidden.device)] for b in blocks.unique().tolist()}
+        """Block number -> the rows `mm` (host, ascending) of `hidden` in that block: one gather for all."""
+        if not mm.numel():
+            return {}
+        blocks, counts = torch.unique_consecutive(mm // BLOCK, return_counts=True)
+        rows = hidden.index_select(0, to_device(mm, hidden.device))
+        return dict(zip(blocks.tolist(), rows.split(counts.tolist())))
 
     def _positions(self, p, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """MRoPE positions [3, 1, L] and the rope delta of the whole prompt (transformers' get_rope_index)."""

@@ -92,22 +92,30 @@ class DecoderRunner:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Serves one synthetic text-only request (prefill and WARM_UP_STEPS decode steps) in slot 0 and frees
-        it, before the stage reports ready: what the graph captures leave out (prompt projections, sampling,
-        the host copies of outputs) loads and compiles its kernels now, not on the first request served.
-        Leaves no trace: the slot and the request's sampler are freed, and its prompt is kept nowhere."""
-        seq = Sequence("warm-up", SamplingParams(max_tokens=WARM_UP_STEPS + 1, ignore_eos=True),
-                       self._warm_up_payload(), slot=0)  # fmt: skip
-        seq.status = SeqStatus.RUNNING
-        try:
-            results = self.prefill([seq])
-            while results[0].finish_reason is None and self.is_ready(seq):
-                results = self.decode([seq])
-        finally:
-            self.release(seq)
+        """Serves the stage's synthetic requests (_warm_up_batches: each batch prefilled in one step, then
+        decoded for WARM_UP_STEPS steps) in slots 0.. and frees them, before the stage reports ready: what the
+        graph captures leave out (prompt projections, the media encoders, sampling, the host copies of
+        outputs) loads and picks its kernels now, not on the first request served. Leaves no trace: the slots
+        and the requests' samplers are freed, and their prompts are kept nowhere."""
+        for batch in self._warm_up_batches():
+            for first in range(0, len(batch), len(self.slots)):
+                self._warm_up_step(batch[first : first + len(self.slots)])
 
-    def _warm_up_payload(self):
-        """The synthetic request's prompt (the stage's payload type)."""
+    def _warm_up_step(self, payloads: list) -> None:
+        params = SamplingParams(max_tokens=WARM_UP_STEPS + 1, ignore_eos=True)
+        seqs = [Sequence(f"warm-up-{i}", params, p, slot=i) for i, p in enumerate(payloads)]
+        for seq in seqs:
+            seq.status = SeqStatus.RUNNING
+        try:
+            results = self.prefill(seqs)
+            while live := [r.seq for r in results if r.finish_reason is None and self.is_ready(r.seq)]:
+                results = self.decode(live)
+        finally:
+            for seq in seqs:
+                self.release(seq)
+
+    def _warm_up_batches(self) -> list[list]:
+        """The synthetic requests' prompts (the stage's payload type), by prefill step."""
         raise NotImplementedError
 
     # ---- shared internals ---------------------------------------------------------------------------------

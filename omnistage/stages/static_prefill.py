@@ -83,10 +83,13 @@ class StaticPrefill:
         keys = [(r, t) for r in self.row_buckets for t in self.token_buckets]
         self.bank.capture_all(keys, lambda key: lambda: self._run(*key))
 
+    def _positions(self, rows: int, tokens: int) -> torch.Tensor:
+        """MRoPE positions [3, rows, tokens]: 0..tokens-1 in every section (text-only prompts)."""
+        return torch.arange(tokens, device=self.embeds.device).view(1, 1, tokens).expand(3, rows, tokens)
+
     def _run(self, rows: int, tokens: int) -> None:
         embeds = self.embeds[:rows, :tokens]
-        positions = torch.arange(tokens, device=embeds.device).view(1, 1, tokens).expand(3, rows, tokens)
-        position_embeddings = self.text_model.rotary_emb(embeds, positions)
+        position_embeddings = self.text_model.rotary_emb(embeds, self._positions(rows, tokens))
         steps = torch.arange(tokens, device=embeds.device)[None].expand(rows, tokens)
         writer = PagedWriter(self.cache, self.slots[:rows], steps, None)
         # no mask: sdpa runs causal over the new tokens

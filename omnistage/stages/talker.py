@@ -18,8 +18,10 @@ from ..core.scheduler import Sequence
 from .code_predictor import CodePredictor, StaticCodePredictor
 from .host_copy import sync_current_stream, to_device, to_host
 from .conditioning import TalkerConditioning
+from .positioned_prefill import PositionedPrefill
 from .runner import WARM_UP_STEPS, DecoderRunner
 from .talker_prompt import PromptBuilder, PromptRows, TalkerPrompt
+from .warm_up import warm_up_turns
 
 
 @dataclass
@@ -71,6 +73,10 @@ class TalkerRunner(DecoderRunner):
         self.suppress[self.eos] = False
         self.prompts = PromptBuilder(model, config, self.device, dtype, self.context)
         self.long_prompts: dict[int, PromptRows] = {}  # slot -> its prompt's rows, while prefilled in pieces
+        # steps with prompts from media turns (their rows take MRoPE positions of their own) prefill batched too
+        self.media_prefill = PositionedPrefill(f"{self.STAGE}_media", model.model, self.cache,
+                                               max_rows=self.static_prefill.max_rows,
+                                               max_tokens=self.static_prefill.max_tokens, cuda_graphs=cuda_graphs)  # fmt: skip
 
     # ---- engine hooks -------------------------------------------------------------------------------------
     def prompt_tokens(self, seq: Sequence) -> int:
@@ -119,17 +125,31 @@ class TalkerRunner(DecoderRunner):
                 results[i] = self._frame_sent(results[i].seq, sent[j : j + 1])
         return results + pending
 
-    def _warm_up_payload(self) -> TalkerPrompt:
-        """A text-only conditioning of 8 user rows and a reply of as many rows as the warm-up has steps."""
-        width = self.config.thinker_config.text_config.hidden_size  # the thinker's rows, before projection
-        cond = TalkerConditioning(torch.zeros(8, width), torch.zeros(8, dtype=torch.bool),
-                                  torch.full((8,), 1000, dtype=torch.long), torch.zeros(6, width))  # fmt: skip
-        speaker = next(iter(self.config.talker_config.speaker_id.values()))
-        return TalkerPrompt(cond, speaker, [torch.zeros(width)] * (WARM_UP_STEPS + 1), text_end=True)
+    def _warm_up_batches(self) -> list[list[TalkerPrompt]]:
+        """The conditioning of a text turn alone, then of an audio and an image turn together (stages/
+        warm_up.py), each with a reply of as many rows as the warm-up has steps; those longer than the slots
+        are left out."""
+        c = self.config
+        width = c.thinker_config.text_config.hidden_size  # the thinker's rows, before projection
+        mm = torch.tensor([c.thinker_config.audio_token_id, c.thinker_config.image_token_id])
+        speaker = next(iter(c.talker_config.speaker_id.values()))
+        prompts = []
+        for turn in warm_up_turns(c):
+            ids = turn.user_ids()
+            cond = TalkerConditioning(torch.zeros(ids.numel(), width), torch.isin(ids, mm), ids, torch.zeros(6, width))
+            lengths = turn.feature_attention_mask.sum(-1) if turn.feature_attention_mask is not None else None
+            prompts.append(TalkerPrompt(cond, speaker, [torch.zeros(width)] * (WARM_UP_STEPS + 1), text_end=True,
+                                        image_grid_thw=turn.image_grid_thw, audio_feature_lengths=lengths))  # fmt: skip
+        fits = [p for p in prompts if p.cond.user_ids.numel() + 10 + WARM_UP_STEPS < self.context]
+        return [fits[:1], fits[1:]]
 
     @torch.inference_mode()
     def capture_graphs(self) -> None:
         super().capture_graphs()
+        # the two prefills' graphs replay one at a time on one stream and leave their results in buffers
+        # outside the pool, so they share one pool of intermediates (as the thinker's do)
+        self.media_prefill.bank.pool = self.static_prefill.bank.pool
+        self.media_prefill.capture_all()
         if self.static_predictor is not None:
             self.static_predictor.capture_all()
 
@@ -170,6 +190,9 @@ class TalkerRunner(DecoderRunner):
         lengths = [p.embeds.shape[0] for p in prompts]
         if all(p.text_only for p in prompts) and self.static_prefill.fits(len(seqs), max(lengths)):
             hidden = self.static_prefill.run([p.embeds for p in prompts], [s.slot for s in seqs])
+        elif self.media_prefill.fits(len(seqs), max(lengths)):
+            hidden = self.media_prefill.run([p.embeds for p in prompts], [s.slot for s in seqs],
+                                            [p.positions for p in prompts])  # fmt: skip
         else:
             hidden = self._prefill_eager(seqs, prompts, lengths)
         return self._prefilled(seqs, prompts, hidden)
@@ -214,16 +237,17 @@ class TalkerRunner(DecoderRunner):
         return results
 
     def _prefill_eager(self, seqs: list[Sequence], prompts: list[PromptRows], lengths: list[int]) -> torch.Tensor:
-        """One transformers forward for all prompts of the step (prompts with media among them), right-padded
+        """One transformers forward for all prompts of a step too long for the static buffers, right-padded
         (causal attention never looks right, so each row's first L_i positions are its own prompt's); a lone
-        prompt runs unpadded, as generate(). Loads the slots' K/V and returns each prompt's last hidden
-        state [n, D]."""
+        prompt runs unpadded, as generate(). Loads the slots' K/V and returns each prompt's last hidden state
+        [n, D]."""
         batch, width = len(seqs), max(lengths)
         embeds = torch.zeros(batch, width, self.text_config.hidden_size, dtype=self.dtype, device=self.device)
-        positions = torch.zeros(3, batch, width, dtype=torch.long, device=self.device)
-        mask = torch.zeros(batch, width, dtype=torch.long, device=self.device)
+        positions = torch.zeros(3, batch, width, dtype=torch.long)
+        mask = torch.zeros(batch, width, dtype=torch.long)
         for i, (p, n) in enumerate(zip(prompts, lengths)):
             embeds[i, :n], positions[:, i, :n], mask[i, :n] = p.embeds, p.positions, 1
+        positions, mask = to_device(positions, self.device), to_device(mask, self.device)
         past = DynamicCache(config=self.text_config)
         out = self.model.model(inputs_embeds=embeds, position_ids=positions, attention_mask=mask if batch > 1 else None,
                                past_key_values=past, use_cache=True)  # fmt: skip

@@ -35,7 +35,7 @@ class PromptRows:
     """One talker prompt as rows to prefill, with what its decode steps need."""
 
     embeds: torch.Tensor  # [L, D]
-    positions: torch.Tensor  # [3, L] MRoPE position ids
+    positions: torch.Tensor  # [3, L] MRoPE position ids, on the host
     rope_delta: int
     tts_eos: torch.Tensor  # [D]
     tts_pad: torch.Tensor  # [D]
@@ -50,7 +50,7 @@ class PromptBuilder:
         self.codec_prefix = [tc.codec_nothink_id, tc.codec_think_bos_id, tc.codec_think_eos_id]
         self.codec_suffix = [tc.codec_pad_id, tc.codec_bos_id]
         self.tts_pad_id = config.tts_pad_token_id
-        self.positions = torch.arange(max_seq_len, device=device)  # a text-only prompt's are a prefix
+        self.positions = torch.arange(max_seq_len)  # host: a text-only prompt's are a prefix
 
     def _media(self, seq: Sequence) -> PromptRows:
         """The talker prompt rows generate() builds for a prompt with images, audio or video: user turn (media rows
@@ -61,21 +61,25 @@ class PromptBuilder:
         t = self.model
         cond = p.cond
         user = to_device(cond.user_rows, self.device).to(self.dtype)
-        is_mm = to_device(cond.user_is_mm, self.device)
+        # which rows take which projection is known on the host: the device only gathers and scatters (a
+        # boolean mask on the device would wait for it, once per prompt)
+        is_mm = cond.user_is_mm.cpu()
         user_part = torch.empty(user.shape[0], self.hidden_size, dtype=self.dtype, device=self.device)
-        if is_mm.any():
-            user_part[is_mm] = t.hidden_projection(user[is_mm])
-        user_part[~is_mm] = t.text_projection(user[~is_mm])
+        for rows, projection in ((is_mm, t.hidden_projection), (~is_mm, t.text_projection)):
+            if rows.any():
+                where = to_device(rows.nonzero().squeeze(1), self.device)
+                user_part.index_copy_(0, where, projection(user.index_select(0, where)))
         special = t.text_projection(to_device(cond.special_rows, self.device).to(self.dtype))  # [6, D]
         first_text = t.text_projection(to_device(p.text[0], self.device).to(self.dtype)[None])
         embeds = torch.cat([user_part, self._assistant_rows(special[None], first_text[None], [seq])[0]])  # [L, D]
         tts_eos, tts_pad = special[4], special[5]
-        ids = torch.cat([cond.user_ids.to(self.device), torch.full((9,), self.tts_pad_id, device=self.device)])[None]
+        ids = torch.cat([cond.user_ids.cpu(), torch.full((9,), self.tts_pad_id)])[None]
         # generate() hands the talker the grids but not use_audio_in_video: its positions count video and audio
-        # rows apart even where the thinker's interleave them
+        # rows apart even where the thinker's interleave them. On the host, as the ids and grids are: its
+        # loops read values one by one
         positions, deltas = t.get_rope_index(
-            ids, _opt(p.image_grid_thw, self.device), _opt(p.video_grid_thw, self.device), torch.ones_like(ids),
-            False, _opt(p.audio_feature_lengths, self.device), _opt(p.video_second_per_grid, self.device),
+            ids, _host(p.image_grid_thw), _host(p.video_grid_thw), torch.ones_like(ids), False,
+            _host(p.audio_feature_lengths), _host(p.video_second_per_grid),
         )  # fmt: skip
         return PromptRows(embeds, positions[:, 0], int(deltas.reshape(-1)[0]), tts_eos, tts_pad, False)
 
@@ -124,5 +128,5 @@ class PromptBuilder:
         return text_side + codec_side
 
 
-def _opt(t: torch.Tensor | None, device) -> torch.Tensor | None:
-    return None if t is None else t.to(device)
+def _host(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.cpu()

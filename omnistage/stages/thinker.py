@@ -17,7 +17,8 @@ from .host_copy import outputs_to_host, to_device, to_host
 from .media_prefill import MediaPrefill
 from .media_prefix import MediaPrefixPrefill
 from .prefix_cache import PrefixCache
-from .runner import DecoderRunner
+from .runner import WARM_UP_STEPS, DecoderRunner
+from .warm_up import warm_up_turns
 
 
 @dataclass
@@ -35,6 +36,10 @@ class ThinkerPrompt:
     # a preempted sequence's prompt when it comes back: the original prompt's length (input_ids then go on
     # with the tokens it had generated, recomputed in its prefill); 0: a first prefill
     resumed_from: int = 0
+    # derived from the media at admission (ThinkerRunner.validate, on the caller's thread), so that the
+    # engine's steps do not hash a picture's patches or walk get_rope_index's host loops while others wait
+    salts: dict[int, bytes] | None = None  # the media's content digests by block (MediaPrefixPrefill.salts)
+    rope: tuple[torch.Tensor, int] | None = None  # MRoPE positions [3, L] and rope delta (MediaPrefill.rope_index)
 
     @property
     def is_text_only(self) -> bool:
@@ -85,7 +90,8 @@ class ThinkerRunner(DecoderRunner):
         self.prefix = PrefixCache(self.cache, prefix_cache_bytes) if prefix_cache_bytes else None
         self.chunk_prefill = (ChunkPrefill("thinker", model.model, self.cache, max_rows=min(max_prefills, max_slots),
                                            cuda_graphs=cuda_graphs) if self.prefix else None)  # fmt: skip
-        # prompts with media one at a time, taking kept prefixes keyed by the media's content (media_prefix.py)
+        # kept prefixes of prompts with media, keyed by the media's content; the prefill of prompts with video
+        # (media_prefix.py)
         self.media_prefix = MediaPrefixPrefill(self)
         self.eos_ids = {config.im_end_token_id, 151643}  # <|im_end|>, <|endoftext|>
         self.accept_layer = config.talker_config.accept_hidden_layer
@@ -111,18 +117,24 @@ class ThinkerRunner(DecoderRunner):
         if length == 0:
             raise BadRequestError("empty prompt")
         seq.params = seq.params.fit_to_context(length, self.context)
-        if not seq.payload.is_text_only:
-            self.media_prefill.validate(seq.payload)
+        p = seq.payload
+        if not p.is_text_only:
+            self.media_prefill.validate(p)
+            if self.prefix is not None:
+                p.salts = self.media_prefix.salts(p, p.input_ids.cpu())
+            if self._media_batches(seq):
+                p.rope = self.media_prefill.rope_index(p)
 
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> list[StepResult]:
-        """Every prompt of a step, one of five ways: text-only prompts that start with a kept prefix prefill
-        only the rest (ChunkPrefill); audio/image prompts that fit the static buffers, joined by the step's
-        other fresh prompts while rows remain, in one MediaPrefill forward; other text-only prompts that fit
-        the static buffers together (StaticPrefill); longer text-only prompts in chunks, this step's piece
-        of each (LongPrefill); all graph-replayed on CUDA. Prompts with video, media prompts whose kept
-        prefix reaches into their media, and media prompts too long for the buffers run one by one through
-        MediaPrefixPrefill. A piece that does not end its prompt answers with a StepResult without output."""
+        """Every prompt of a step, one of five ways, the first four graph-replayed on CUDA: prompts whose kept
+        prefix leaves only text to run (text-only prompts after a shared prefix, prompts whose kept prefix
+        covers all their media) prefill that text (ChunkPrefill); audio/image prompts that fit the static
+        buffers, joined by the step's other fresh prompts while rows remain, in one MediaPrefill forward;
+        other text-only prompts that fit the static buffers together (StaticPrefill); longer text-only prompts
+        in chunks, this step's piece of each (LongPrefill). Prompts with video and media prompts too long for
+        the buffers run one by one through MediaPrefixPrefill, eager. A piece that does not end its prompt
+        answers with a StepResult without output."""
         for seq in seqs:  # a prompt's first piece starts its slot afresh (resumed ones from their generated tokens)
             if seq.piece(self.prompt_tokens(seq))[0] == 0:
                 self.cache.release(seq.slot)
@@ -133,15 +145,17 @@ class ThinkerRunner(DecoderRunner):
         # blocks would only push the shared ones out)
         found = {id(s): self.prefix.match(s.payload.input_ids.tolist()) for s in text
                  if s.payload.input_ids.numel() <= self.chunk_prefill.max_kv} if self.prefix else {}  # fmt: skip
-        hits = self._chunk_hits(text, found)
+        kept = {id(s): self.media_prefix.match(s.payload) for s in seqs if not s.payload.is_text_only}
+        covered = {id(s): kept[id(s)] for s in seqs if self.media_prefix.covers_media(s.payload, kept.get(id(s)))}
+        hits = self._chunk_hits([s for s in seqs if id(s) in found or id(s) in covered], found | covered)
         fresh = [s for s in text if all(s is not h for h in hits)
                  and s.payload.input_ids.numel() <= self.static_prefill.max_tokens][: self.static_prefill.max_rows]
-        kept = {id(s): self.media_prefix.match(s.payload) for s in seqs if not s.payload.is_text_only}
         rows = self.media_prefill.max_rows
-        media = [s for s in seqs if id(s) in kept and self._media_batches(s, kept[id(s)])][:rows]
+        media = [s for s in seqs if id(s) in kept and all(s is not h for h in hits) and self._media_batches(s)][:rows]
         joined = media + fresh[: rows - len(media)] if media else []
         fresh = [s for s in fresh if all(s is not j for j in joined)]
-        results = (self._prefill_static(hits, found) if hits else []) + (self._prefill_static(fresh) if fresh else [])
+        results = (self._prefill_after_prefix(hits, found | covered) if hits else [])
+        results += self._prefill_static(fresh) if fresh else []
         results += self._prefill_media(joined, kept) if joined else []
         batched = {id(r.seq) for r in results}
         results += [self.media_prefix.prefill(s, kept[id(s)]) for s in seqs
@@ -161,24 +175,26 @@ class ThinkerRunner(DecoderRunner):
         p = seq.payload
         original = p.resumed_from or int(p.input_ids.numel())
         ids = torch.cat([p.input_ids[:original].cpu(), torch.tensor(seq.generated, dtype=p.input_ids.dtype)])
-        seq.payload = replace(p, input_ids=ids, resumed_from=original)
+        # what admission derived from the original prompt does not hold for the longer one
+        seq.payload = replace(p, input_ids=ids, resumed_from=original, salts=None, rope=None)
 
-    def _media_batches(self, seq: Sequence, found) -> bool:
-        """Whether a prompt with media takes the batched MediaPrefill: audio/image prompts that fit its buffers,
-        unless a kept prefix covers their media (MediaPrefixPrefill then skips encoding it). The
-        MediaPrefill has no video encoder and no audio-in-video interleave."""
+    def _media_batches(self, seq: Sequence) -> bool:
+        """Whether a prompt with media takes the batched MediaPrefill in full: audio/image prompts that fit its
+        buffers. It has no video encoder and no audio-in-video interleave."""
         p = seq.payload
         if p.pixel_values_videos is not None or p.use_audio_in_video:
             return False
-        fits = self.prompt_tokens(seq) <= self.media_prefill.max_tokens
-        return fits and not self.media_prefix.reaches_media(p, found)
+        return self.prompt_tokens(seq) <= self.media_prefill.max_tokens
 
-    def _warm_up_payload(self) -> ThinkerPrompt:
-        """A short user turn and the assistant header, feeding a talker (its conditioning is built too)."""
-        c, newline, word = self.config, 198, 1000  # "\n" and an ordinary token of the Qwen vocabulary
-        ids = [c.im_start_token_id, c.user_token_id, newline, *[word] * 8, c.im_end_token_id, newline,
-               c.im_start_token_id, c.assistant_token_id, newline]  # fmt: skip
-        return ThinkerPrompt(torch.tensor(ids), export_talker=True)
+    def _warm_up_batches(self) -> list[list[ThinkerPrompt]]:
+        """A text turn alone (StaticPrefill), then an audio and an image turn together (MediaPrefill and both
+        encoders), each feeding a talker (its conditioning is built too); those longer than the slots or
+        the media buffers are left out."""
+        turns = [ThinkerPrompt(torch.tensor(t.ids), t.pixel_values, t.image_grid_thw, t.input_features,
+                               t.feature_attention_mask, export_talker=True)
+                 for t in warm_up_turns(self.config)]  # fmt: skip
+        fits = lambda p: p.input_ids.numel() + WARM_UP_STEPS < min(self.context, self.media_prefill.max_tokens)  # noqa: E731
+        return [[turns[0]], [p for p in turns[1:] if fits(p)]]
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -246,34 +262,54 @@ class ThinkerRunner(DecoderRunner):
         return results
 
     def _chunk_hits(self, seqs: list[Sequence], found: dict) -> list[Sequence]:
-        """The prompts with a kept prefix, when they fit one ChunkPrefill step together (else none: they
+        """The prompts with a kept prefix, in order, as many as fit one ChunkPrefill step together (the others
         prefill in full, which is correct, only slower)."""
-        hits = [s for s in seqs if found.get(id(s)) is not None and found[id(s)].entries]
-        if not hits:
-            return []
-        suffix = max(int(s.payload.input_ids.numel()) - found[id(s)].tokens for s in hits)
-        fits = self.chunk_prefill.fits(len(hits), suffix, max(found[id(s)].tokens for s in hits))
-        return hits if fits else []
+        hits, suffix, start = [], 0, 0
+        for s in seqs:
+            kept = found.get(id(s))
+            if kept is None or not kept.entries:
+                continue
+            longer, further = max(suffix, self.prompt_tokens(s) - kept.tokens), max(start, kept.tokens)
+            if self.chunk_prefill.fits(len(hits) + 1, longer, further):
+                hits.append(s)
+                suffix, start = longer, further
+        return hits
 
-    def _prefill_static(self, seqs: list[Sequence], found: dict | None = None) -> list[StepResult]:
-        """Text-only prompts through the static prefill (stages/static_prefill.py) or, given their kept
-        prefixes (`found`), through the chunk prefill of what follows them (stages/chunk_prefill.py). The
-        talker's conditioning of a text-only prompt needs only its input embeddings (no audio/image rows
-        take hidden states)."""
-        embed = self.model.get_input_embeddings()
-        embeds = [embed(to_device(s.payload.input_ids, self.device)) for s in seqs]
-        if found is None:
-            last = self.static_prefill.run(embeds, [s.slot for s in seqs])
-        else:
-            for s in seqs:
-                self.prefix.load(s.slot, found[id(s)])
-            starts = [found[id(s)].tokens for s in seqs]  # as loaded
-            last = self.chunk_prefill.run([e[p:] for e, p in zip(embeds, starts)], [s.slot for s in seqs], starts)
+    def _prefill_static(self, seqs: list[Sequence]) -> list[StepResult]:
+        """Text-only prompts through the static prefill (stages/static_prefill.py). The talker's conditioning
+        of a text-only prompt needs only its input embeddings (no audio/image rows take hidden states)."""
+        embeds = [self._embed(s) for s in seqs]
+        last = self.static_prefill.run(embeds, [s.slot for s in seqs])
         tokens = self._sample(self.model.lm_head(last), seqs)
         rows = self._text_rows(tokens, seqs)
         # no audio/image rows, so the accept layer's hidden states are never read: the embeddings stand in
         return [self._prefilled_text(seq, e.shape[0], token, e, e, rows, i)
                 for i, (seq, e, token) in enumerate(zip(seqs, embeds, tokens.tolist()))]  # fmt: skip
+
+    def _prefill_after_prefix(self, seqs: list[Sequence], found: dict) -> list[StepResult]:
+        """Prompts whose kept prefix (`found`) leaves only text: that text through the chunk prefill
+        (stages/chunk_prefill.py), at the prompt's rope delta (text after media sits at its index plus the
+        delta on every MRoPE section). The talker's conditioning of a prompt with media takes its media rows'
+        accept-layer hidden states kept with the prefix (the layer-0 embeddings on text rows)."""
+        embeds = [self._embed(s) for s in seqs]
+        deltas = [0 if s.payload.is_text_only else self.media_prefill.rope_index(s.payload)[1] for s in seqs]
+        for s in seqs:
+            self.prefix.load(s.slot, found[id(s)])
+        starts = [found[id(s)].tokens for s in seqs]  # as loaded
+        last = self.chunk_prefill.run([e[p:] for e, p in zip(embeds, starts)], [s.slot for s in seqs], starts, deltas)
+        tokens = self._sample(self.model.lm_head(last), seqs)
+        rows = self._text_rows(tokens, seqs)
+        results = []
+        for i, (seq, e, token, delta) in enumerate(zip(seqs, embeds, tokens.tolist(), deltas)):
+            media = not seq.payload.is_text_only
+            hidden = self.media_prefix.kept_rows(seq.payload, e, found[id(seq)]) if media else e
+            results.append(self._prefilled_text(seq, e.shape[0], token, e, hidden, rows, i, rope_delta=delta))
+            if media:  # the text blocks after the media, kept as a media prompt's are
+                self.media_prefix.store(seq, found[id(seq)], None)
+        return results
+
+    def _embed(self, seq: Sequence) -> torch.Tensor:
+        return self.model.get_input_embeddings()(to_device(seq.payload.input_ids, self.device))  # [L, D]
 
     def _prefill_media(self, seqs: list[Sequence], kept: dict) -> list[StepResult]:
         """Prompts with audio/image rows, with the step's other fresh prompts, in one MediaPrefill forward

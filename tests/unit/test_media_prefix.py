@@ -113,3 +113,59 @@ def test_a_resent_turn_with_its_clip_reuses_its_kv_and_talker_rows(hf_model, pro
         last_media = int((inputs["input_ids"][0] == AUDIO_PAD).nonzero()[-1])
         if i > 0:  # turn 1's blocks, clip included, were kept from turn 1 on
             assert cached.prefix.hit_tokens - hits_before > last_media, i
+
+
+def _run_together(runner, seqs) -> dict:
+    """One prefill step of all seqs, then decode steps of those still running; each one's merged output."""
+    outs = {}
+    live = []
+    for r in runner.prefill(seqs):
+        outs[r.seq.request_id] = r.output
+        live += [r.seq] if r.finish_reason is None else []
+    while live:
+        results, live = runner.decode(live), []
+        for r in results:
+            outs[r.seq.request_id] = outs[r.seq.request_id].merge(r.output)
+            live += [r.seq] if r.finish_reason is None else []
+    for s in seqs:
+        runner.release(s)
+    return outs
+
+
+@torch.inference_mode()
+def test_a_step_of_prompts_with_seen_media_prefills_their_text_together(hf_model, processor):
+    # A benchmark level that cycles its prompts, or voice sessions that all open with one greeting: prompts whose
+    # media were seen before take their kept prefix (media rows included) and prefill only the text after it,
+    # all in one chunk-prefill forward with a text-only prompt's tail (each row at its own rope delta: the
+    # image prompt's is not 0), none one by one; each equals generate() and a full prefill's conditioning.
+    runner = ThinkerRunner(hf_model.thinker, hf_model.config, max_slots=6, max_seq_len=512, device="cpu",
+                           dtype=torch.float32, prefix_cache_bytes=8 << 20)  # fmt: skip
+    plain = _runner(hf_model, 0)
+    user = lambda item, text: [SYSTEM, {"role": "user", "content": [item, {"type": "text", "text": text}]}]  # noqa: E731
+    msgs = [user(_item("audio", 1), QUESTION), user(_item("image", 2), "And this?"),
+            user(_clip(4), "Tell me what you hear in it, please."), [SYSTEM, {"role": "user", "content": QUESTION}]]
+    inputs = [prepare_inputs(processor, m) for m in msgs]
+    params = SamplingParams(max_tokens=REPLY)
+    # first sightings: media prompts keep their blocks at once, text-only ones on their second sighting
+    _run_together(runner, [running(f"a{i}", params, _prompt(x), slot=i) for i, x in enumerate(inputs + inputs[3:])])
+    assert runner.media_prefill.rope_index(_prompt(inputs[1]))[1] != 0
+    calls = []
+    chunk_run = runner.chunk_prefill.run
+    runner.chunk_prefill.run = lambda embeds, *a: calls.append(len(embeds)) or chunk_run(embeds, *a)
+    runner.media_prefill.run = runner.media_prefix.prefill = None  # neither may run: the media are in the cache
+    hits_before = runner.prefix.hit_tokens
+    seqs = [running(f"b{i}", params, _prompt(x), slot=5 - i) for i, x in enumerate(inputs)]
+    for s in seqs:  # admission digests the media, so the step hashes nothing
+        runner.validate(s)
+    runner.media_prefix.salts = None
+    got = _run_together(runner, seqs)
+    assert calls == [len(inputs)]
+    assert runner.prefix.hit_tokens - hits_before >= sum(x["input_ids"].shape[1] - BLOCK for x in inputs)
+    for i, x in enumerate(inputs):
+        want = oracle.generate(hf_model, x, REPLY, 2)[0]
+        ref, _ = run_thinker(plain, running(f"p{i}", params, _prompt(x), slot=0))
+        assert got[f"b{i}"].token_ids == want == ref.token_ids, i
+        torch.testing.assert_close(got[f"b{i}"].talker.user_rows, ref.talker.user_rows, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got[f"b{i}"].talker.special_rows, ref.talker.special_rows, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got[f"b{i}"].text_rows, ref.text_rows, rtol=1e-4, atol=1e-5)
+        plain.release(running(f"p{i}", params, _prompt(x), slot=0))

@@ -95,3 +95,17 @@ def test_media_workloads_decode_differ_and_are_accepted(name):
             assert media.decode_image(raw, "image").size == (448, 448)
     plan = plan_now(ChatCompletionRequest.model_validate(w.body(1)), FrontendSettings())
     assert plan.audio_out and plan.parameters["max_tokens"] == 18 and plan.parameters["talker_max_tokens"] == 46
+
+
+def test_w5_is_a_10s_video_with_its_audio_track_and_asks_for_it(processor):
+    from omnistage.models.processor import prepare_inputs
+
+    w = workloads.build("w5", 2)
+    assert workloads.build("w5", 2).prompts == w.prompts  # same clips every run
+    assert w.prompts[0][0]["content"][0] != w.prompts[1][0]["content"][0]  # every prompt its own clip
+    inputs = prepare_inputs(processor, w.prompts[0], use_audio_in_video=True)
+    assert inputs["video_grid_thw"][0, 0] * inputs["video_second_per_grid"][0] == 10  # 10 s of sampled frames
+    assert 1000 <= inputs["feature_attention_mask"].sum() <= 1010  # its track: 10 s (AAC pads its first frame)
+    plan = plan_now(ChatCompletionRequest.model_validate(w.body(1)), FrontendSettings())
+    assert plan.audio_out and plan.parameters["use_audio_in_video"] is True
+    assert plan.parameters["max_tokens"] == 18 and plan.parameters["talker_max_tokens"] == 46

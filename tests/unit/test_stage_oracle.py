@@ -84,20 +84,25 @@ def test_thinker_and_talker_match_generate(kind, hf_model, processor):
     assert torch.equal(codes, want_codes)
 
 
-def test_talker_prefills_prompts_of_different_kinds_and_lengths_together(hf_model, processor):
-    """One talker prefill of two text-only prompts of different lengths (built in one pass) and an image prompt,
-    then their decode steps together: each gets the codec codes generate() gives it alone."""
+def test_talker_prefills_prompts_of_different_kinds_and_lengths_together(hf_model, processor, monkeypatch):
+    """One talker prefill of two text-only prompts of different lengths (built in one pass), an image prompt
+    and an audio prompt, in one batched forward (the media rows at their own MRoPE positions, none through
+    the eager forward), then their decode steps together: each gets the codec codes generate() gives it
+    alone."""
     kw = dict(max_slots=4, max_seq_len=512, device="cpu", dtype=torch.float32)
     thinker = ThinkerRunner(hf_model.thinker, hf_model.config, **kw)
     talker = TalkerRunner(hf_model.talker, hf_model.config, **kw)
+    monkeypatch.setattr(talker, "_prefill_eager", lambda *a: pytest.fail("eager talker prefill"))
     seqs, want = [], {}
-    for i, (kind, text) in enumerate([("text", "Say hello!"), ("image", "Say hello!"),
+    for i, (kind, text) in enumerate([("text", "Say hello!"), ("image", "Say hello!"), ("audio", "Answer it."),
                                       ("text", "Please read this much longer sentence out loud, slowly.")]):  # fmt: skip
         inputs = prepare_inputs(processor, oracle.messages(kind, text))
         prompt = ThinkerPrompt(inputs["input_ids"][0], inputs.get("pixel_values"), inputs.get("image_grid_thw"),
+                               inputs.get("input_features"), inputs.get("feature_attention_mask"),
                                export_talker=True)  # fmt: skip
         out, _ = run_thinker(thinker, running(f"t{i}", SamplingParams(max_tokens=REPLY), prompt, slot=i))
-        tp = TalkerPrompt(out.talker, 2302, list(out.text_rows.unbind(0)), True, inputs.get("image_grid_thw"))
+        lengths = inputs["feature_attention_mask"].sum(-1) if "feature_attention_mask" in inputs else None
+        tp = TalkerPrompt(out.talker, 2302, list(out.text_rows.unbind(0)), True, inputs.get("image_grid_thw"), lengths)
         seqs.append(running(f"a{i}", SamplingParams(max_tokens=FRAMES, repetition_penalty=1.05), tp, slot=i))
         want[f"a{i}"] = oracle.generate(hf_model, inputs, REPLY, FRAMES)[1]
     frames = {s.request_id: [] for s in seqs}
@@ -170,17 +175,25 @@ def test_talker_eos_ends_the_stream_without_a_frame_for_it(hf_model, processor):
     assert torch.equal(stopped, codes[:k])
 
 
-def test_a_warmed_up_runner_serves_as_a_fresh_one(hf_model, processor):
-    """warm_up (run while a stage loads, so that ready means warm) leaves no trace: every slot is free, the
-    thinker's prefix cache saw nothing, and the next request, in the slot the warm-up used, still equals
-    generate()."""
+def test_a_warmed_up_runner_serves_as_a_fresh_one(hf_model, processor, monkeypatch):
+    """warm_up (run while a stage loads, so that ready means warm) serves a text turn and, together, an audio
+    and an image turn (both encoders, the batched media prefill, the talker's prompts from media turns), and
+    leaves no trace: every slot is free, the thinker's prefix cache saw nothing, and the next request, in
+    the slot the warm-up used, still equals generate()."""
     inputs = prepare_inputs(processor, oracle.messages("text"))
     want_text, want_codes, _ = oracle.generate(hf_model, inputs, REPLY, FRAMES)
     kw = dict(max_slots=4, max_seq_len=512, device="cpu", dtype=torch.float32)
     thinker = ThinkerRunner(hf_model.thinker, hf_model.config, prefix_cache_bytes=1 << 20, **kw)
     talker = TalkerRunner(hf_model.talker, hf_model.config, **kw)
+    encoded, media_rows = [], []
+    for name in ("audio", "vision"):
+        encoder = getattr(thinker.media_prefill, name)
+        monkeypatch.setattr(thinker.media_prefill, name, lambda *a, _e=encoder: encoded.append(_e) or _e(*a))
+    spy = lambda f: lambda *a: media_rows.append(a[0].payload.cond.user_is_mm.sum()) or f(*a)  # noqa: E731
+    monkeypatch.setattr(talker.prompts, "_media", spy(talker.prompts._media))
     thinker.warm_up()
     talker.warm_up()
+    assert len(encoded) == 2 and len(media_rows) == 2 and all(n > 0 for n in media_rows)
     assert thinker.slots == talker.slots == [None] * 4
     assert thinker.stats()["prefix_prompt_tokens"] == 0
     prompt = ThinkerPrompt(inputs["input_ids"][0], export_talker=True)
