@@ -12,6 +12,7 @@ from omnistage.core.voices import resolve_voice
 from openai_frontend.audio_store import AudioStore
 from openai_frontend.errors import FrontendError
 from openai_frontend.media_inputs import prepare_messages
+from openai_frontend.openai_voices import openai_voice
 from openai_frontend.schemas import ChatCompletionRequest, ChatMessage, NamedToolChoice, Sampling
 from openai_frontend.settings import FrontendSettings
 from openai_frontend.tool_calls import prompt_messages
@@ -80,11 +81,12 @@ async def plan_chat(req: ChatCompletionRequest, settings: FrontendSettings, audi
 
 
 def _voice(req: ChatCompletionRequest, settings: FrontendSettings) -> str:
-    # OpenAI's audio.voice first, then vLLM-Omni's top-level speaker / voice. Every one given must exist,
-    # used or not: a typo should not pass silently.
-    given = [(param, voice) for param, voice in (("audio.voice", req.audio.voice if req.audio else None),
-                                                 ("speaker", req.speaker), ("voice", req.voice)) if voice is not None]
-    resolved = [resolve_voice(voice, settings.voices, param=param) for param, voice in given]
+    # OpenAI's audio.voice first (OpenAI's built-in names too: openai_voices.py), then vLLM-Omni's top-level
+    # speaker / voice. Every one given must exist, used or not: a typo should not pass silently.
+    asked = req.audio.voice if req.audio else None
+    resolved = [openai_voice(asked, settings, "audio.voice")] if asked is not None else []
+    resolved += [resolve_voice(voice, settings.voices, param=param)
+                 for param, voice in (("speaker", req.speaker), ("voice", req.voice)) if voice is not None]  # fmt: skip
     return resolved[0] if resolved else settings.default_voice
 
 

@@ -34,6 +34,8 @@ def usage(reported: dict[str, Any] | None, *, tokens_seen: int, audio_out: bool)
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        # of the prompt, the tokens whose K/V came from the thinker's prefix cache (whole 16-token blocks)
+        "prompt_tokens_details": {"cached_tokens": int(reported.get("cached_tokens", 0))},
     }
     if audio_out:
         out["completion_tokens_details"] = {"audio_tokens": int(reported.get("audio_frames", 0))}

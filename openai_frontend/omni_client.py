@@ -22,7 +22,7 @@ class OmniChunk:
     token_ids: list[int] = field(default_factory=list)  # the delta's token ids
     audio: np.ndarray | None = None  # [samples] float32, 24 kHz mono in [-1, 1]
     finish_reason: str | None = None
-    usage: dict[str, Any] | None = None  # {"prompt_tokens", "completion_tokens", "audio_frames"}
+    usage: dict[str, Any] | None = None  # {"prompt_tokens", "cached_tokens", "completion_tokens", "audio_frames"}
 
     @property
     def is_final(self) -> bool:

@@ -16,7 +16,9 @@ from openai_frontend.chat_params import ChatPlan
 from openai_frontend.chat_reply import reply_pieces
 from openai_frontend.metrics import RequestMeter
 from openai_frontend.omni_client import OmniClient
+from openai_frontend.openai_voices import openai_voice
 from openai_frontend.schemas import ChatCompletionRequest, StageSampling, _Open, check_voice
+from openai_frontend.settings import FrontendSettings
 
 READ_ALOUD = (
     "You are a text-to-speech engine. Read the user's message aloud exactly as written, word for word, "
@@ -28,7 +30,7 @@ MAX_INPUT_CHARS = 4096  # OpenAI's limit
 class SpeechRequest(_Open):
     model: str | None = None
     input: Annotated[str, Field(min_length=1, max_length=MAX_INPUT_CHARS)]
-    voice: Any = None  # a voice of the served checkpoint; None: the server default
+    voice: Any = None  # a voice of the served checkpoint or an OpenAI built-in one; None: the server default
     response_format: Literal[FORMATS] = "mp3"  # type: ignore[valid-type]  # OpenAI's default
     instructions: Annotated[str, Field(max_length=MAX_INPUT_CHARS)] | None = None  # how to speak, for the prompt
     speed: Annotated[float, Field(ge=0.25, le=4.0)] = 1.0
@@ -45,13 +47,13 @@ class SpeechRequest(_Open):
         return value
 
 
-def chat_request(req: SpeechRequest) -> ChatCompletionRequest:
+def chat_request(req: SpeechRequest, settings: FrontendSettings) -> ChatCompletionRequest:
     system = READ_ALOUD + (f" Speaking style: {req.instructions}" if req.instructions else "")
     return ChatCompletionRequest.model_validate({
         "model": req.model,
         "messages": [{"role": "system", "content": system}, {"role": "user", "content": req.input}],
         "modalities": ["audio"],
-        "voice": req.voice,
+        "voice": openai_voice(req.voice, settings, "voice"),  # OpenAI's built-in names too (openai_voices.py)
         "audio": {"format": req.response_format},
         "sampling_params_list": req.sampling_params_list,
     })  # fmt: skip

@@ -82,7 +82,8 @@ THINKER = ModelContract(
         TensorSpec("talker_user_is_mm", "TYPE_BOOL", (-1,)),  # [Lu]
         TensorSpec("talker_user_ids", "TYPE_INT64", (-1,)),  # [Lu]
         TensorSpec("talker_special_rows", "TYPE_FP32", (6, -1)),  # im_start, assistant, \n, tts_bos, tts_eos, tts_pad
-        TensorSpec("prompt_tokens", "TYPE_INT64", (1,)),
+        TensorSpec("prompt_tokens", "TYPE_INT64", (1,)),  # first response only
+        TensorSpec("cached_tokens", "TYPE_INT64", (1,)),  # first response only: prompt tokens the prefix cache gave
         TensorSpec("finish_reason", "TYPE_STRING", (1,)),  # final response: "stop" | "length" | "abort"
     ),
     # use_audio_in_video: the video's audio track is interleaved with its frames (MRoPE positions)

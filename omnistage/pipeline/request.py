@@ -114,6 +114,7 @@ class OmniRequest:
         self.error: OmniError | None = None
         self.finish_reason: str | None = None
         self.prompt_tokens = 0
+        self.cached_tokens = 0  # of prompt_tokens, those whose K/V the thinker's prefix cache gave
         self.completion_tokens = 0
         self.audio_frames = 0
         self._cond: dict | None = None  # the thinker's talker conditioning (first response)
@@ -155,6 +156,7 @@ class OmniRequest:
             return
         usage = {
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "completion_tokens": self.completion_tokens,
             "audio_frames": self.audio_frames,
             "audio_seconds": round(self.audio_frames * FRAME_SECONDS, 3),
@@ -186,6 +188,8 @@ class OmniRequest:
         self.completion_tokens += len(ids)
         if "prompt_tokens" in out:
             self.prompt_tokens = int(out["prompt_tokens"].reshape(-1)[0])
+        if "cached_tokens" in out:
+            self.cached_tokens = int(out["cached_tokens"].reshape(-1)[0])
         if "finish_reason" in out:
             self.finish_reason = out["finish_reason"]
             self._mark("thinker_done")

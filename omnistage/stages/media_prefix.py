@@ -98,7 +98,8 @@ class MediaPrefixPrefill:
             talker, tail = r._talker_conditioning(ids, embeds, hidden)
         if found is not None:
             self.store(seq, found, hidden)
-        output = ThinkerOutput(talker=talker, prompt_tokens=None if p.resumed_from else length, text_rows=tail)
+        output = ThinkerOutput(talker=talker, prompt_tokens=None if p.resumed_from else length, text_rows=tail,
+                               cached_tokens=None if p.resumed_from else start)
         return r._accept(seq, int(token[0]), output, r._text_rows(token, [seq]))
 
     def _media_rows(self, ids: torch.Tensor) -> torch.Tensor:

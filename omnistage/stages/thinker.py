@@ -52,6 +52,7 @@ class ThinkerOutput:
     text_rows: torch.Tensor | None = None  # [n, D] input embeddings of token_ids (export_talker only)
     talker: TalkerConditioning | None = None  # first output only
     prompt_tokens: int | None = None  # first output only
+    cached_tokens: int | None = None  # first output only: prompt tokens whose K/V came from the prefix cache
 
     def merge(self, later: ThinkerOutput) -> ThinkerOutput:
         rows = [r for r in (self.text_rows, later.text_rows) if r is not None]
@@ -60,6 +61,7 @@ class ThinkerOutput:
             text_rows=torch.cat(rows) if rows else None,
             talker=self.talker or later.talker,
             prompt_tokens=self.prompt_tokens if self.prompt_tokens is not None else later.prompt_tokens,
+            cached_tokens=self.cached_tokens if self.cached_tokens is not None else later.cached_tokens,
         )
 
 
@@ -303,7 +305,8 @@ class ThinkerRunner(DecoderRunner):
         for i, (seq, e, token, delta) in enumerate(zip(seqs, embeds, tokens.tolist(), deltas)):
             media = not seq.payload.is_text_only
             hidden = self.media_prefix.kept_rows(seq.payload, e, found[id(seq)]) if media else e
-            results.append(self._prefilled_text(seq, e.shape[0], token, e, hidden, rows, i, rope_delta=delta))
+            results.append(self._prefilled_text(seq, e.shape[0], token, e, hidden, rows, i, rope_delta=delta,
+                                                cached=starts[i]))
             if media:  # the text blocks after the media, kept as a media prompt's are
                 self.media_prefix.store(seq, found[id(seq)], None)
         return results
@@ -329,16 +332,17 @@ class ThinkerRunner(DecoderRunner):
         return results
 
     def _prefilled_text(self, seq: Sequence, n: int, token: int, embeds, hidden, rows, i: int,
-                        rope_delta: int = 0) -> StepResult:  # fmt: skip
+                        rope_delta: int = 0, cached: int = 0) -> StepResult:  # fmt: skip
         """A prompt of n tokens is in its slot and its first token picked: the slot's state, the talker's
         conditioning when it feeds one (embeds / hidden: its rows, see _talker_conditioning), and row i of
-        `rows` (the first token's text row, or None)."""
+        `rows` (the first token's text row, or None); `cached` of its tokens came from the prefix cache."""
         self.slots[seq.slot] = _SlotState(n, rope_delta, 0)
         talker = tail = None
         resumed = seq.payload.resumed_from
         if seq.payload.export_talker and not resumed:
             talker, tail = self._talker_conditioning(seq.payload.input_ids, embeds, hidden)
-        output = ThinkerOutput(talker=talker, prompt_tokens=None if resumed else n, text_rows=tail)
+        output = ThinkerOutput(talker=talker, prompt_tokens=None if resumed else n, text_rows=tail,
+                               cached_tokens=None if resumed else cached)
         return self._accept(seq, token, output, None if rows is None else rows[i : i + 1])
 
     def _text_rows(self, tokens: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor | None:

@@ -65,6 +65,8 @@ def thinker_response(output: ThinkerOutput | None, finish_reason: str | None) ->
                        talker_user_ids=c.user_ids.long(), talker_special_rows=c.special_rows)  # fmt: skip
         if output.prompt_tokens is not None:
             out["prompt_tokens"] = torch.tensor([output.prompt_tokens], dtype=torch.int64)
+        if output.cached_tokens is not None:
+            out["cached_tokens"] = torch.tensor([output.cached_tokens], dtype=torch.int64)
     if finish_reason is not None:
         out["finish_reason"] = finish_reason
     return out

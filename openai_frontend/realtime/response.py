@@ -42,7 +42,7 @@ class ResponsePlan:
         params: dict[str, Any] = {"modalities": "text,audio" if c.audio_out else "text"}
         if c.audio_out:
             # the client plays the audio as it arrives: chunks sized to keep it ahead of playback
-            params["speaker"], params["chunk_schedule"] = c.voice, "playback"
+            params["speaker"], params["chunk_schedule"] = c.speaker, "playback"
         for prefix, stage in zip(_STAGE_PREFIX, c.sampling_params_list or ()):
             params.update({prefix + k: v for k, v in (stage or {}).items()})
         if c.max_output_tokens != "inf":

@@ -54,7 +54,7 @@ def _overrides(options: dict[str, Any], session: SessionConfig, settings: Fronte
         config.max_output_tokens = max_output_tokens(options["max_output_tokens"], "response.max_output_tokens")
     out = (get(options, "audio", dict, required=False, where=where) or {}).get("output") or {}
     if "voice" in out:
-        config.voice = voice(out["voice"], settings, "response.audio.output.voice")
+        config.voice, config.speaker = voice(out["voice"], settings, "response.audio.output.voice")
     if "format" in out:
         config.output_format = format_from_client(out["format"], "response.audio.output.format")
     return config

@@ -9,8 +9,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from omnistage.core.errors import BadRequestError
-from omnistage.core.voices import resolve_voice
+from omnistage.core.voices import normalize_voice
 
+from openai_frontend.openai_voices import openai_voice
 from openai_frontend.realtime.audio import FORMAT_RATES
 from openai_frontend.realtime.events import EventError, field as get
 from openai_frontend.schemas import StageSampling
@@ -30,7 +31,8 @@ _SESSION_KEYS = {"type", "model", "instructions", "output_modalities", "audio", 
 
 @dataclass
 class SessionConfig:
-    voice: str
+    voice: str  # as the client named it, echoed back
+    speaker: str  # the checkpoint voice that speaks it (openai_voices.py)
     model: str
     instructions: str = ""
     output_modalities: list[str] = field(default_factory=lambda: ["audio"])
@@ -43,7 +45,7 @@ class SessionConfig:
 
     @classmethod
     def default(cls, settings: FrontendSettings) -> SessionConfig:
-        return cls(voice=settings.default_voice, model=settings.model_for(None))
+        return cls(voice=settings.default_voice, speaker=settings.default_voice, model=settings.model_for(None))
 
     @property
     def audio_out(self) -> bool:
@@ -169,18 +171,20 @@ def _apply_output(new: SessionConfig, audio_out: dict[str, Any], settings: Front
     if "format" in audio_out:
         new.output_format = format_from_client(audio_out["format"], f"{where}.format")
     if "voice" in audio_out:
-        new.voice = voice(audio_out["voice"], settings, f"{where}.voice")
+        new.voice, new.speaker = voice(audio_out["voice"], settings, f"{where}.voice")
     if audio_out.get("speed", 1.0) != 1.0:
         raise EventError("only speed 1.0 is supported", code="unsupported", param=f"{where}.speed")
 
 
-def voice(value: Any, settings: FrontendSettings, param: str) -> str:
+def voice(value: Any, settings: FrontendSettings, param: str) -> tuple[str, str]:
+    """(the name to echo, the checkpoint voice that speaks it): the checkpoint's voices, and OpenAI's built-in
+    names, which voice-agent clients send by default, spoken in the default voice."""
     name = value.get("id") if isinstance(value, dict) else value
     if not isinstance(name, str):
         raise EventError(f"unknown voice {name!r}; valid voices: {', '.join(settings.voices)}", code="invalid_voice",
                          param=param)  # fmt: skip
     try:
-        return resolve_voice(name, settings.voices, param=param)  # the one voice check of every layer
+        return normalize_voice(name), openai_voice(name, settings, param)  # the one voice check of every layer
     except BadRequestError as e:
         raise EventError(str(e), code="invalid_voice", param=param) from None
 

@@ -21,7 +21,7 @@ router = APIRouter()
 @router.post("/v1/audio/speech", response_class=Response)
 async def create_speech(body: speech.SpeechRequest, request: Request) -> Response:
     settings = request.app.state.settings
-    plan = await plan_chat(speech.chat_request(body), settings)
+    plan = await plan_chat(speech.chat_request(body, settings), settings)
     request_id = f"speech-{uuid.uuid4().hex}"
     meter = RequestMeter(request.app.state.metrics, getattr(request.state, "arrival", None) or time.perf_counter(),
                          SAMPLE_RATE, request_id=request_id)  # fmt: skip

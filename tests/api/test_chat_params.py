@@ -42,6 +42,8 @@ def test_modalities(modalities, wire):
     ({"voice": "aiden"}, "aiden"),
     ({"audio": {"voice": "ethan"}, "speaker": "aiden"}, "ethan"),  # audio.voice wins
     ({"audio": {"voice": {"id": "Chelsie"}, "format": "pcm16"}}, "chelsie"),
+    ({"audio": {"voice": "Alloy", "format": "wav"}}, "chelsie"),  # OpenAI's built-in names: the default voice
+    ({"audio": {"voice": "marin"}, "speaker": "aiden"}, "chelsie"),
 ])
 def test_voice_sources(body, voice):
     assert plan(**body).parameters["speaker"] == voice
@@ -95,8 +97,9 @@ def test_stream_options():
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio.voice"),
+    ({"audio": {"voice": "albert", "format": "wav"}}, "audio.voice"),
     ({"speaker": "nobody"}, "speaker"),
+    ({"voice": "alloy"}, "voice"),  # vLLM-Omni's fields take the checkpoint's voices only, as vLLM-Omni does
     ({"speaker": "ethan", "voice": "x"}, "voice"),  # a bad one is an error even when another one is used
 ])
 def test_unknown_voice_lists_the_served_ones(body, param):

@@ -65,6 +65,26 @@ async def test_text_item_then_response_streams_ga_events(server, fake):
     assert added.item.content[0].text == "Hello?"
 
 
+async def test_openai_voice_names_are_echoed_and_spoken_in_the_default_voice(server, fake):
+    """LiveKit's and Pipecat's OpenAI realtime plugins send one of OpenAI's voices in their first
+    session.update: the update is taken whole, the name echoed, the speech in the server's default voice."""
+    async with sdk(server.url).realtime.connect(model="qwen3-omni") as conn:
+        await until(conn, "session.created")
+        await conn.session.update(session={"type": "realtime", "instructions": "Be brief.",
+                                           "audio": {"output": {"voice": "marin"}}})  # fmt: skip
+        updated = await until(conn, "session.updated")
+        assert updated.session.audio.output.voice == "marin" and updated.session.instructions == "Be brief."
+        await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                  "content": [{"type": "input_text", "text": "Hello?"}]})  # fmt: skip
+        await until(conn, "conversation.item.done")
+        await conn.response.create()
+        first = await until(conn, "response.done")
+        await conn.response.create(response={"audio": {"output": {"voice": "Alloy"}}})
+        second = await until(conn, "response.done")
+    assert (first.response.audio.output.voice, second.response.audio.output.voice) == ("marin", "alloy")
+    assert [call["parameters"]["speaker"] for call in fake.calls] == ["ethan", "ethan"]
+
+
 async def test_server_vad_turn_commits_audio_and_answers(server, fake):
     async with sdk(server.url).realtime.connect(model="qwen3-omni") as conn:
         await until(conn, "session.created")
@@ -175,7 +195,7 @@ async def test_bad_events_get_errors_and_the_session_lives_on(server):
         e = await answer(json.dumps({"type": "session.fly", "event_id": "evt_1"}))
         assert (e["error"]["code"], e["error"]["event_id"], e["error"]["param"]) == ("unknown_event_type", "evt_1", "type")
         e = await answer(json.dumps({"type": "session.update", "event_id": "evt_2",
-                                     "session": {"audio": {"output": {"voice": "alloy"}}}}))  # fmt: skip
+                                     "session": {"audio": {"output": {"voice": "albert"}}}}))  # fmt: skip
         assert (e["error"]["code"], e["error"]["param"], e["error"]["event_id"]) == \
             ("invalid_voice", "session.audio.output.voice", "evt_2")  # fmt: skip
         e = await answer(json.dumps({"type": "input_audio_buffer.append", "event_id": "evt_3", "audio": "%%%"}))

@@ -143,3 +143,21 @@ async def test_second_turn_prefill_hits_the_prefix_cache(frontend, triton):
     assert first.response.status == second.response.status == "completed"
     # turn 1's prompt is not recomputed: its whole 16-token blocks come from the cache
     assert hit >= (first.response.usage.input_tokens - 1) // 16 * 16 > 0
+
+
+async def test_usage_counts_the_prompt_tokens_taken_from_the_prefix_cache(frontend):
+    """Text turns: a text prompt's blocks are kept on their second sighting (core/prefix_index.py), so turn 3
+    takes the conversation's first turns from the thinker's cache, and its usage says how many tokens (whole
+    16-token blocks), as OpenAI's `input_token_details.cached_tokens` does."""
+    async with sdk(frontend.url).realtime.connect(model="qwen3-omni") as conn:
+        await configure(conn, SHORT, output_modalities=["text"],
+                        instructions="You answer the usage test, and only the usage test, in a few words. " * 3)
+        usages = []
+        for text in ("What is the first thing to say?", "And the second?", "And the third?"):
+            await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_text", "text": text}]})  # fmt: skip
+            await conn.response.create()
+            usages.append((await until(conn, "response.done", timeout=TURN_S)).response.usage)
+    cached = [u.input_token_details.cached_tokens for u in usages]
+    assert cached[:2] == [0, 0] and cached[2] > 48 and cached[2] % 16 == 0, cached
+    assert cached[2] < usages[2].input_tokens and usages[2].input_token_details.cached_tokens_details.text_tokens == cached[2]

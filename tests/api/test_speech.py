@@ -30,6 +30,13 @@ def test_every_format(openai_client, fake, fmt):
     assert [m["role"] for m in call["messages"]] == ["system", "user"] and call["messages"][1]["content"] == "Hello there"
 
 
+def test_openai_voice_names_speak_in_the_default_voice(openai_client, fake):
+    fake.script = spoken()
+    # the openai SDK requires a voice, and examples written for OpenAI pass one of its own
+    openai_client.audio.speech.create(model="qwen3-omni", voice="alloy", input="Hello there", response_format="wav")
+    assert fake.calls[0]["parameters"]["speaker"] == "ethan"
+
+
 def test_default_format_is_mp3_and_instructions_reach_the_prompt(http, fake):
     fake.script = spoken()
     r = http.post("/v1/audio/speech", json={"input": "Hi", "instructions": "whisper"})
@@ -58,7 +65,7 @@ def test_disconnect_cancels(http, fake):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"input": "x", "voice": "alloy"}, "voice"),
+    ({"input": "x", "voice": "albert"}, "voice"),
     ({"input": ""}, "input"),
     ({"input": "x" * 4097}, "input"),
     ({"input": "x", "speed": 1.5}, "speed"),

@@ -24,7 +24,7 @@ BAD_BODIES = {
     "stream not bool": ({"messages": USER, "stream": "yes"}, "stream"),
     "modality unknown": ({"messages": USER, "modalities": ["video"]}, "modalities[0]"),
     "modalities empty": ({"messages": USER, "modalities": []}, "modalities"),
-    "voice unknown": ({"messages": USER, "audio": {"voice": "alloy", "format": "wav"}}, "audio.voice"),
+    "voice unknown": ({"messages": USER, "audio": {"voice": "albert", "format": "wav"}}, "audio.voice"),
     "speaker unknown": ({"messages": USER, "speaker": "bob"}, "speaker"),
     "format unsupported": ({"messages": USER, "audio": {"voice": "ethan", "format": "aac"}}, "audio.format"),
     "stop empty": ({"messages": USER, "stop": ""}, "stop"),
@@ -62,7 +62,7 @@ def test_messages_of_interest(http):
     def message(body):
         return http.post("/v1/chat/completions", json={"messages": USER, **body}).json()["error"]["message"]
 
-    assert "valid voices: chelsie, ethan, aiden" in message({"audio": {"voice": "alloy", "format": "wav"}})
+    assert "valid voices: chelsie, ethan, aiden" in message({"audio": {"voice": "albert", "format": "wav"}})
     assert "supported: wav, pcm, pcm16, flac, mp3, opus" in message({"audio": {"voice": "ethan", "format": "aac"}})
     assert "n > 1 is not supported" in message({"n": 3})
     assert "response_format 'json_schema' is not supported" in message({"response_format": {"type": "json_schema"}})

@@ -122,6 +122,22 @@ def test_text_only(frontend, direct):
     assert completion.choices[0].message.audio is None
 
 
+def test_usage_counts_the_prompt_tokens_taken_from_the_prefix_cache(frontend):
+    """A text prompt's blocks are kept on their second sighting (core/prefix_index.py), so its third request
+    takes them from the thinker's cache: all of its whole 16-token blocks but the last token's, as OpenAI
+    reports them in usage.prompt_tokens_details.cached_tokens, streamed or not."""
+    messages = [{"role": "system", "content": "You read the user's message aloud, word for word. " * 3},
+                {"role": "user", "content": "The usage test's own sentence, seen by no other test."}]  # fmt: skip
+    ask = dict(model="qwen3-omni", messages=messages, modalities=["text"], max_tokens=2, temperature=0)
+    usages = [client(frontend).chat.completions.create(**ask).usage for _ in range(3)]
+    stream = client(frontend).chat.completions.create(**ask, stream=True, stream_options={"include_usage": True})
+    usages.append([c for c in stream if c.usage is not None][-1].usage)
+    prompt = usages[0].prompt_tokens
+    assert prompt > 48 and all(u.prompt_tokens == prompt for u in usages)
+    whole_blocks = (prompt - 1) // 16 * 16
+    assert [u.prompt_tokens_details.cached_tokens for u in usages] == [0, 0, whole_blocks, whole_blocks]
+
+
 # ---- response styles, formats, metrics and bad input over the real pipeline ------------------------------
 def test_vllm_omni_style_stream(frontend, direct):
     from ..api.test_response_styles import vllm_omni_stream

@@ -111,6 +111,7 @@ def test_a_resent_turn_with_its_clip_reuses_its_kv_and_talker_rows(hf_model, pro
         torch.testing.assert_close(got.talker.user_rows, ref.talker.user_rows, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(got.text_rows, ref.text_rows, rtol=1e-4, atol=1e-5)
         last_media = int((inputs["input_ids"][0] == AUDIO_PAD).nonzero()[-1])
+        assert (got.cached_tokens, ref.cached_tokens) == (cached.prefix.hit_tokens - hits_before, 0), i
         if i > 0:  # turn 1's blocks, clip included, were kept from turn 1 on
             assert cached.prefix.hit_tokens - hits_before > last_media, i
 

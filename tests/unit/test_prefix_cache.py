@@ -38,6 +38,7 @@ def test_prompts_sharing_a_system_prompt_prefill_only_the_rest_and_match_generat
         ref, _ = run_thinker(plain, running(f"p{i}", SamplingParams(max_tokens=REPLY), prompt, slot=i % 4))
         assert got.token_ids == want_text == ref.token_ids
         shared = cached.prefix.hit_tokens - hits_before
+        assert (got.cached_tokens, ref.cached_tokens) == (shared, 0)  # each request's own count, for its usage
         # the system prompt's blocks are kept after the second prompt; the 1st prompt's own blocks after its
         # second sighting (the 4th), so the 5th takes all of them but its last token
         assert (shared > 0) == (i >= 2), (i, shared)
