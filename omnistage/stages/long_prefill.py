@@ -5,9 +5,9 @@
 # with the slot's positions up to its own. Each layer writes all rows' K/V into their slots before any row
 # attends, so a row reads the rows before it of its prompt from the same forward as it reads the pieces of
 # earlier steps: the prompt's K/V and last hidden state are those of one causal pass over it. Rows start
-# at multiples of CHUNK_TOKENS, so one token bucket serves every row, and a row padded to it ends inside a
-# block table that spans whole chunks (DecoderRunner sizes it so on graphs); its padded positions past the
-# prompt's blocks write to the null block.
+# every CHUNK_TOKENS from the prompt's start, or from the end of the kept prefix its slot took (the prefix
+# cache's blocks, never written), so one token bucket serves every row; a row padded to it ends inside the
+# block table (usable_prefix), and its padded positions past the prompt's blocks write to the null block.
 from __future__ import annotations
 
 import torch
@@ -26,6 +26,15 @@ CHUNK_TOKENS = 512
 # forward of 2 rows, one at 64k alone.
 MAX_ROWS = 16
 MAX_ATTENDED = 16 * 4096
+
+
+def usable_prefix(prefix: int, length: int, table_len: int) -> int:
+    """How much of a kept prefix of `prefix` tokens a prompt of `length` tokens takes. Its last row starts a
+    whole number of rows after the prefix and, padded to CHUNK_TOKENS on graphs, must end inside the block
+    table (table_len positions); where it would not, the prefix is cut back to whole chunks, whose rows
+    fit a table that spans whole chunks (DecoderRunner sizes it so on graphs)."""
+    last_row = prefix + (length - prefix - 1) // CHUNK_TOKENS * CHUNK_TOKENS
+    return prefix if last_row + CHUNK_TOKENS <= table_len else prefix // CHUNK_TOKENS * CHUNK_TOKENS
 
 
 class LongPrefill:
