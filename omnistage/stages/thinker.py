@@ -15,7 +15,6 @@ from ..core.scheduler import Sequence
 from .chunk_prefill import ChunkPrefill
 from .conditioning import TalkerConditioning
 from .host_copy import outputs_to_host, to_device, to_host
-from .long_prefill import usable_prefix
 from .media_prefill import MediaPrefill
 from .media_prefix import MediaPrefixPrefill
 from .prefix_cache import PrefixCache
@@ -116,13 +115,13 @@ class ThinkerRunner(DecoderRunner):
 
     def prefix_blocks(self, seq: Sequence) -> list[int]:
         """The kept prefix a waiting text-only prompt in chunks starts with (core/scheduler.py): its pool
-        blocks, as far as its chunk rows allow (usable_prefix). A conversation's next turn finds its earlier
+        blocks, as far as its chunk rows allow (LongPrefill.usable_prefix). A conversation's next turn finds its earlier
         turns here: a long prompt's blocks are kept after its prefill (see prefill())."""
         if self.prefix is None or not self._in_chunks(seq):
             return []
         ids = self._prompt_ids(seq)
         found = self.prefix.peek(ids.tolist())
-        return found.entries[: usable_prefix(found.tokens, ids.numel(), self.cache.max_len) // BLOCK]
+        return found.entries[: self.long_prefill.usable_prefix(found.tokens, ids.numel()) // BLOCK]
 
     def validate(self, seq: Sequence) -> None:
         length = self.prompt_tokens(seq)

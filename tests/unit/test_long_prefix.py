@@ -12,7 +12,7 @@ from omnistage.core.engine import StageEngine
 from omnistage.core.sampling import SamplingParams
 from omnistage.core.scheduler import Scheduler, Sequence
 from omnistage.models.processor import prepare_inputs
-from omnistage.stages.long_prefill import CHUNK_TOKENS, usable_prefix
+from omnistage.stages.long_prefill import CHUNK_TOKENS
 from omnistage.stages.paged_kv import block_bytes
 from omnistage.stages.thinker import ThinkerPrompt, ThinkerRunner
 
@@ -107,12 +107,15 @@ def test_a_burst_of_unrelated_long_prompts_leaves_a_shared_short_prefix_kept(hf_
         served.close()
 
 
-def test_a_kept_prefix_is_cut_back_to_whole_chunks_where_a_padded_row_would_leave_the_block_table():
-    table = 4 * CHUNK_TOKENS  # a 2048-position table; rows padded to CHUNK_TOKENS on graphs
-    assert usable_prefix(1040, 1552, table) == 1040  # one row, 1040 .. 1552
-    assert usable_prefix(1040, 2000, table) == 2 * CHUNK_TOKENS  # a second row at 1552 would end at 2064
-    assert usable_prefix(1600, 2000, table) == 3 * CHUNK_TOKENS  # its one row would end at 2112
-    assert usable_prefix(0, 2000, table) == 0
+def test_a_kept_prefix_is_cut_back_to_whole_chunks_where_a_padded_row_would_leave_the_block_table(hf_model):
+    long = ThinkerRunner(hf_model.thinker, hf_model.config, max_slots=1, max_seq_len=2048, device="cpu",
+                         dtype=torch.float32).long_prefill  # fmt: skip
+    assert long.usable_prefix(1600, 2000) == 1600  # exact sizes: every row ends with its prompt
+    long.rows.row_buckets = [1]  # rows padded to CHUNK_TOKENS, as on graphs, in a 2048-position table
+    assert long.usable_prefix(1040, 1552) == 1040  # one row, 1040 .. 1552
+    assert long.usable_prefix(1040, 2000) == 2 * CHUNK_TOKENS  # a second row at 1552 would end at 2064
+    assert long.usable_prefix(1600, 2000) == 3 * CHUNK_TOKENS  # its one row would end at 2112
+    assert long.usable_prefix(0, 2000) == 0
 
 
 def _next_turn(runner, first, second, slot):
