@@ -115,8 +115,8 @@ class ThinkerRunner(DecoderRunner):
 
     def prefix_blocks(self, seq: Sequence) -> list[int]:
         """The kept prefix a waiting text-only prompt in chunks starts with (core/scheduler.py): its pool
-        blocks, as far as its chunk rows allow (LongPrefill.usable_prefix). A conversation's next turn finds its earlier
-        turns here: a long prompt's blocks are kept after its prefill (see prefill())."""
+        blocks, as far as its chunk rows allow (LongPrefill.usable_prefix). A conversation's next turn finds
+        its earlier turns here: a long prompt's blocks are kept after its prefill (see prefill())."""
         if self.prefix is None or not self._in_chunks(seq):
             return []
         ids = self._prompt_ids(seq)
