@@ -38,7 +38,8 @@ class StageRunner(Protocol):
     # its slot's state and blocks, keeping what a recompute needs); chunk_tokens(seq) -> int, the most of its
     # prompt one prefill piece holds (a longer prompt is prefilled over several steps: prefill() then gets
     # seqs whose piece, Sequence.piece(), is part of the prompt, and answers a piece that does not end the
-    # prompt with a StepResult without output)
+    # prompt with a StepResult without output); prefix_blocks(seq) -> list[int], the pool blocks of a kept
+    # prefix such a prompt's slot starts with (its pieces then start after it)
 
 
 # emit(request_id, output, finish_reason, error): finish_reason or error set means the stream ends
@@ -142,7 +143,8 @@ class StageEngine:
                 self._apply(kind, item)
             batch = self.scheduler.schedule(self.runner.is_ready, getattr(self.runner, "prompt_tokens", None),
                                             getattr(self.runner, "kv_tokens", None),
-                                            getattr(self.runner, "chunk_tokens", None))  # fmt: skip
+                                            getattr(self.runner, "chunk_tokens", None),
+                                            getattr(self.runner, "prefix_blocks", None))  # fmt: skip
             for seq in batch.preempted:  # back in the queue, recomputed when it is admitted again
                 log.info("[%s] %s preempted for KV blocks", self.name, seq.request_id)
                 self.runner.preempt(seq)
@@ -192,7 +194,7 @@ class StageEngine:
         """Runs a phase and hands its results on."""
         t_phase = time.perf_counter()
         if phase == "prefill":
-            first = [s for s in seqs if s.prefilled == s.chunk]  # their prompt's first piece (or all of it)
+            first = [s for s in seqs if s.first_piece]  # their prompt's first piece (or all of it)
             self.prefilled_rows += len(first)
             self.queue_seconds += sum(t_phase - s.added_at for s in first)
         failed: list[tuple[Sequence, Exception]] = []  # a failed step fails its sequences, not the engine

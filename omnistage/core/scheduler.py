@@ -10,6 +10,8 @@
 # running sequence: its blocks go back, and it waits at the head of the queue to be prefilled again from
 # its prompt and the tokens it had generated. A stage whose sequences cannot be recomputed (the talker)
 # reserves each sequence's whole reply, so its decode steps always find their blocks.
+# A prompt that goes in pieces may start with a kept prefix (the runner's prefix cache): its slot takes those
+# blocks by reference, its pieces start after them, and its admission counts only the blocks it adds.
 from __future__ import annotations
 
 import enum
@@ -18,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .block_pool import BlockPool, blocks_for
+from .block_pool import BLOCK, BlockPool, blocks_for
 from .errors import BadRequestError, OverloadedError
 from .sampling import SamplingParams
 
@@ -47,6 +49,18 @@ class Sequence:
     prompt_len: int = 0  # its prompt's tokens, when the runner counts them (0: prefilled in one piece)
     prefilled: int = 0  # prompt tokens in its slot once this step's prefill has run
     chunk: int = 0  # of those, the ones this step's prefill writes (0: none scheduled, the whole prompt)
+    # pool blocks of the kept prompt prefix its slot starts with (a prompt in pieces, set at admission)
+    prefix: list[int] = field(default_factory=list)
+
+    @property
+    def cached(self) -> int:
+        """Prompt tokens its slot takes from a kept prefix, not prefilled."""
+        return len(self.prefix) * BLOCK
+
+    @property
+    def first_piece(self) -> bool:
+        """This step's piece starts its prompt (right after its kept prefix)."""
+        return self.chunk == 0 or self.prefilled - self.chunk == self.cached
 
     @property
     def prefilling(self) -> bool:
@@ -136,11 +150,14 @@ class Scheduler:
     def schedule(self, is_ready: Callable[[Sequence], bool] = lambda s: True,
                  prompt_tokens: Callable[[Sequence], int] | None = None,
                  kv_tokens: Callable[[Sequence], int] | None = None,
-                 chunk_tokens: Callable[[Sequence], int] | None = None) -> Batch:  # fmt: skip
+                 chunk_tokens: Callable[[Sequence], int] | None = None,
+                 prefix_blocks: Callable[[Sequence], list[int]] | None = None) -> Batch:  # fmt: skip
         """prompt_tokens(seq): its prompt's length, for max_prefill_tokens and the blocks a prefill takes;
         kv_tokens(seq): positions a running sequence's cache holds after its next decode step (both needed
         with a block pool); chunk_tokens(seq): the most of its prompt the runner prefills in one piece
-        (without it: all of it). Sets each prefilled sequence's piece (Sequence.chunk, .prefilled)."""
+        (without it: all of it); prefix_blocks(seq): the pool blocks of the kept prefix a waiting prompt that
+        goes in pieces would start with now (Sequence.prefix). Sets each prefilled sequence's piece
+        (Sequence.chunk, .prefilled)."""
         decodes = [s for s in self.running.values() if not s.prefilling and is_ready(s)]
         preempted = self._make_room(decodes, kv_tokens) if self.blocks is not None else []
         self._spare = self._spare_blocks() if self.blocks is not None and self.waiting else 0
@@ -165,7 +182,11 @@ class Scheduler:
         for seq in partial:
             step.take(seq)
         for seq in [] if blocked else list(self.waiting):
-            if step.full or step.budget < 1 or not self._fits(seq, seq.prompt_len):
+            if step.full or step.budget < 1:
+                break
+            seq.prefix = prefix_blocks(seq) if prefix_blocks is not None else []
+            seq.prefilled = seq.cached  # its pieces start after the prefix
+            if not self._fits(seq, seq.prompt_len):
                 break
             if step.take(seq, admit=lambda s: self._admit(s, s.prompt_len)):
                 self.waiting.remove(seq)
@@ -180,7 +201,7 @@ class Scheduler:
         if not self._free:
             self.wait_reason = "slots"
             return False
-        if self.blocks is not None and (self._preempting or self._reserved_blocks(seq, prompt) > self._spare):
+        if self.blocks is not None and (self._preempting or self._taken_blocks(seq, prompt) > self._spare):
             self.wait_reason = "blocks"
             return False
         return True
@@ -188,7 +209,7 @@ class Scheduler:
     def _admit(self, seq: Sequence, prompt: int) -> Sequence:
         if self.blocks is not None:
             seq.reserved_blocks = self._reserved_blocks(seq, prompt)
-            self._spare -= seq.reserved_blocks
+            self._spare -= self._taken_blocks(seq, prompt)
         seq.slot = heapq.heappop(self._free)
         seq.status = SeqStatus.RUNNING
         seq.admitted, self._admitted = self._admitted, self._admitted + 1
@@ -201,6 +222,13 @@ class Scheduler:
         writes, and its reply reserve."""
         reply = seq.params.max_tokens if self.reply_reserve is None else min(seq.params.max_tokens, self.reply_reserve)
         return blocks_for(prompt + 1 + reply)
+
+    def _taken_blocks(self, seq: Sequence, prompt: int) -> int:
+        """Spare blocks admitting seq takes: its reserve less the kept prefix it shares, and those blocks of
+        the prefix that only the prefix cache holds (spare while they could be reclaimed, not once seq holds
+        them too)."""
+        alone = sum(1 for b in seq.prefix if self.blocks.refs[b] == 1)
+        return self._reserved_blocks(seq, prompt) - len(seq.prefix) + alone
 
     def _spare_blocks(self) -> int:
         """Blocks to be had (free, or kept by a prefix cache alone) beyond what the running sequences have
@@ -230,6 +258,7 @@ class Scheduler:
         self.blocks.release(seq.slot)
         seq.status = SeqStatus.WAITING
         seq.prefilled = seq.chunk = 0  # prefilled again from its start
+        seq.prefix = []
         seq.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(seq)

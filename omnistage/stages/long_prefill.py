@@ -5,9 +5,9 @@
 # with the slot's positions up to its own. Each layer writes all rows' K/V into their slots before any row
 # attends, so a row reads the rows before it of its prompt from the same forward as it reads the pieces of
 # earlier steps: the prompt's K/V and last hidden state are those of one causal pass over it. Rows start
-# at multiples of CHUNK_TOKENS, so one token bucket serves every row, and a row padded to it ends inside a
-# block table that spans whole chunks (DecoderRunner sizes it so on graphs); its padded positions past the
-# prompt's blocks write to the null block.
+# every CHUNK_TOKENS from the prompt's start, or from the end of the kept prefix its slot took (the prefix
+# cache's blocks, never written), so one token bucket serves every row; a row padded to it ends inside the
+# block table (usable_prefix()), and its padded positions past the prompt's blocks write to the null block.
 from __future__ import annotations
 
 import torch
@@ -34,6 +34,16 @@ class LongPrefill:
         self.rows = ChunkPrefill(f"{name}_long", text_model, cache, max_rows=min(max_rows, MAX_ROWS),
                                  cuda_graphs=cuda_graphs, token_buckets=(CHUNK_TOKENS,), kv_buckets=kv_buckets,
                                  max_attended=MAX_ATTENDED)  # fmt: skip
+
+    def usable_prefix(self, prefix: int, length: int) -> int:
+        """How much of a kept prefix of `prefix` tokens a prompt of `length` tokens takes. Its rows start every
+        CHUNK_TOKENS after the prefix; padded to CHUNK_TOKENS (graphs), the last must end inside the block
+        table: where it would not, the prefix is cut back to whole chunks, whose rows fit a table that spans
+        whole chunks (DecoderRunner sizes it so on graphs)."""
+        if self.rows.row_buckets is None:
+            return prefix  # exact sizes: every row ends where its prompt does
+        last_row = prefix + (length - prefix - 1) // CHUNK_TOKENS * CHUNK_TOKENS
+        return prefix if last_row + CHUNK_TOKENS <= self.rows.max_kv else prefix // CHUNK_TOKENS * CHUNK_TOKENS
 
     def run(self, pieces: list[tuple[torch.Tensor, int, int]]) -> torch.Tensor:
         """pieces: per prompt (embeds [T, D] of its piece on the device, its slot, where the piece starts in

@@ -47,6 +47,10 @@ class PrefixCache:
         self.prompt_tokens += len(ids)
         return found
 
+    def peek(self, ids: list[int]) -> PrefixMatch:
+        """The kept prefix a prompt would take now (PrefixIndex.peek), counting nothing."""
+        return self.index.peek(ids)
+
     def load(self, slot: int, found: PrefixMatch) -> None:
         """The slot's table starts with the kept prefix's blocks (positions [0, found.tokens)); found is cut
         to the blocks still kept (a prompt of the same step may have evicted some since the match)."""
@@ -61,7 +65,7 @@ class PrefixCache:
               first_sighting: bool = False) -> None:  # fmt: skip
         """After the prompt's prefill: keeps the blocks of the slot that the index admits.
         media_rows: block number -> its media rows' accept-layer hidden states, kept with the block;
-        first_sighting: keep the blocks from their first prompt on (PrefixIndex.admit)."""
+        first_sighting: keep the blocks from their first prompt on, on probation (PrefixIndex.admit)."""
         pool = self.cache.pool
         admitted, evicted = self.index.admit(found, pool.tables[slot], first_sighting)
         for block in evicted:

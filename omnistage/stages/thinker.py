@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ..core.block_pool import BLOCK
 from ..core.engine import StepResult
 from ..core.errors import BadRequestError
 from ..core.scheduler import Sequence
@@ -114,6 +115,16 @@ class ThinkerRunner(DecoderRunner):
     def _text_only(self, seq: Sequence) -> bool:
         return seq.payload.is_text_only
 
+    def prefix_blocks(self, seq: Sequence) -> list[int]:
+        """The kept prefix a waiting text-only prompt in chunks starts with (core/scheduler.py): its pool
+        blocks, as far as its chunk rows allow (LongPrefill.usable_prefix). A conversation's next turn finds
+        its earlier turns here: a long prompt's blocks are kept after its prefill (see prefill())."""
+        if self.prefix is None or not self._in_chunks(seq):
+            return []
+        ids = self._prompt_ids(seq)
+        found = self.prefix.peek(ids.tolist())
+        return found.entries[: self.long_prefill.usable_prefix(found.tokens, ids.numel()) // BLOCK]
+
     def validate(self, seq: Sequence) -> None:
         length = self.prompt_tokens(seq)
         if length == 0:
@@ -134,17 +145,21 @@ class ThinkerRunner(DecoderRunner):
         covers all their media) prefill that text (ChunkPrefill); audio/image prompts that fit the static
         buffers, joined by the step's other fresh prompts while rows remain, in one MediaPrefill forward;
         other text-only prompts that fit the static buffers together (StaticPrefill); longer text-only prompts
-        in chunks, this step's piece of each (LongPrefill). Prompts with video and media prompts too long for
-        the buffers run one by one through MediaPrefixPrefill, eager. A piece that does not end its prompt
-        answers with a StepResult without output."""
+        in chunks after the kept prefix they were admitted with, this step's piece of each (LongPrefill).
+        Prompts with video and media prompts too long for the buffers run one by one through
+        MediaPrefixPrefill, eager. A piece that does not end its prompt answers with a StepResult without
+        output. Long prompts keep their blocks for a conversation's next turn once their last piece ran (on
+        probation: core/prefix_index.py)."""
         for seq in seqs:  # a prompt's first piece starts its slot afresh (resumed ones from their generated tokens)
-            if seq.piece(self.prompt_tokens(seq))[0] == 0:
+            if seq.first_piece:
                 self.cache.release(seq.slot)
                 if seq.num_generated:
                     self._resume(seq)
+                if seq.prefix:
+                    self._take_prefix(seq)
         text = [s for s in seqs if s.payload.is_text_only]
-        # only prompts the chunk prefill could serve look up and keep prefixes (a 2500-token W2 prompt's
-        # blocks would only push the shared ones out)
+        # prompts the chunk prefill could serve look up their prefixes here; longer ones took theirs at
+        # admission (prefix_blocks)
         found = {id(s): self.prefix.match(s.payload.input_ids.tolist()) for s in text
                  if s.payload.input_ids.numel() <= self.chunk_prefill.max_kv} if self.prefix else {}  # fmt: skip
         kept = {id(s): self.media_prefix.match(s.payload) for s in seqs if not s.payload.is_text_only}
@@ -163,10 +178,14 @@ class ThinkerRunner(DecoderRunner):
         results += [self.media_prefix.prefill(s, kept[id(s)]) for s in seqs
                     if id(s) not in batched and not s.payload.is_text_only]  # fmt: skip
         long = [s for s in text if id(s) not in batched]
-        results += self._prefill_long(long) if long else []
+        results += (long_results := self._prefill_long(long) if long else [])
         for seq in text:  # keep the blocks worth keeping (copied in stream order: after the prefill)
             if id(seq) in found:
                 self.prefix.store(seq.slot, found[id(seq)])
+        for r in long_results if self.prefix else []:  # a long prompt's blocks, kept for the next turn
+            if r.output is not None:  # its last piece ran
+                match = self.prefix.peek(r.seq.payload.input_ids.tolist())
+                self.prefix.store(r.seq.slot, match, first_sighting=True)
         # the talker's conditioning was gathered after the tokens' sync: one more sync (none on the CPU)
         outputs_to_host([r.output for r in results if r.output is not None], self.device)
         return results
@@ -174,11 +193,30 @@ class ThinkerRunner(DecoderRunner):
     def _resume(self, seq: Sequence) -> None:
         """The sequence was preempted after generating seq.generated: its prompt becomes the original prompt and
         those tokens, whose prefill picks its next token as its next decode step would have."""
-        p = seq.payload
-        original = p.resumed_from or int(p.input_ids.numel())
-        ids = torch.cat([p.input_ids[:original].cpu(), torch.tensor(seq.generated, dtype=p.input_ids.dtype)])
+        original = seq.payload.resumed_from or int(seq.payload.input_ids.numel())
         # what admission derived from the original prompt does not hold for the longer one
-        seq.payload = replace(p, input_ids=ids, resumed_from=original, salts=None, rope=None)
+        seq.payload = replace(seq.payload, input_ids=self._prompt_ids(seq), resumed_from=original, salts=None,
+                              rope=None)  # fmt: skip
+
+    def _prompt_ids(self, seq: Sequence) -> torch.Tensor:
+        """The token ids its prefill runs over, on the host: a preempted sequence's go on with the tokens it
+        had generated."""
+        p = seq.payload
+        if not seq.num_generated:
+            return p.input_ids.cpu()
+        original = p.resumed_from or int(p.input_ids.numel())
+        return torch.cat([p.input_ids[:original].cpu(), torch.tensor(seq.generated, dtype=p.input_ids.dtype)])
+
+    def _take_prefix(self, seq: Sequence) -> None:
+        """The slot of a prompt in chunks starts with the kept prefix it was admitted with (seq.prefix). Its
+        blocks are kept still (nothing evicts between the schedule and this prefill); should fewer be, its
+        first piece starts where they end."""
+        found = self.prefix.match(seq.payload.input_ids.tolist())
+        del found.entries[len(seq.prefix) :]
+        self.prefix.load(seq.slot, found)
+        if found.entries != seq.prefix:
+            seq.chunk += seq.cached - found.tokens
+            seq.prefix = found.entries
 
     def _media_batches(self, seq: Sequence) -> bool:
         """Whether a prompt with media takes the batched MediaPrefill in full: audio/image prompts that fit its

@@ -194,6 +194,25 @@ def test_a_repeated_prompt_takes_its_prefix_from_the_thinkers_cache(triton_serve
     assert "omni_talker_prefix_cache" not in triton_server.metrics()
 
 
+def test_a_long_chats_next_turn_takes_its_earlier_turn_from_the_cache(triton_server, hf_model, processor):
+    """Prompts longer than a prefill chunk keep their blocks for the conversation's next turn, which prefills
+    only what follows them and still gets generate()'s tokens."""
+    words = lambda k: " ".join(f"word{(i * k) % 89} and" for i in range(150 if k == 3 else 50))
+    user = lambda k: {"role": "user", "content": [{"type": "text", "text": words(k)}]}
+    first = [oracle.SYSTEM, user(3)]
+    second = first + [{"role": "assistant", "content": "Sure."}, user(5)]
+    n = prepare_inputs(processor, first)["input_ids"].shape[1]
+    assert n > 512  # a long prompt (stages/long_prefill.py's CHUNK_TOKENS)
+    hits = lambda: gauge(triton_server.metrics(), "omni_thinker_prefix_cache_hit_tokens_total")
+    params = dict(GREEDY, max_tokens=3, modalities="text")
+    assert omni(triton_server.grpc_url, first, params).error is None
+    time.sleep(0.5)  # metrics lag up to 0.25 s
+    before = hits()
+    r = omni(triton_server.grpc_url, second, params)
+    assert r.error is None and r.token_ids == oracle.generate(hf_model, prepare_inputs(processor, second), 3, 2)[0]
+    wait_for(lambda: hits() >= before + (n - 1) // 16 * 16, what="the first turn's blocks taken")
+
+
 def test_many_concurrent_requests_all_finish(triton_server):
     """More requests than Triton's default Python-backend BLS thread pool (32) can hold streams for: with
     that default the orchestrator deadlocked at 64 concurrent requests."""

@@ -113,14 +113,3 @@ def test_chunk_prefill_buckets_keep_every_padded_position_below_its_kv_length(hf
     assert chunk.shape_for(1, 50, 200) == (1, 64, 512)  # 200 + 64 padded tokens need the 512 bucket
     assert chunk.fits(4, 64, 448) and not chunk.fits(4, 64, 449)  # 449 + 64 > 512
     assert not chunk.fits(4, 65, 0) and not chunk.fits(5, 10, 0)  # too long a suffix, too many rows
-
-
-@torch.inference_mode()
-def test_prompts_longer_than_the_chunk_prefill_serves_keep_no_blocks(hf_model, processor):
-    runner = _runner(hf_model, 8 << 20)
-    runner.chunk_prefill.max_kv = 32  # as if every prompt here were longer than the chunk prefill serves
-    prompt = _prompt(processor, "Say hello!")[1]
-    assert prompt.input_ids.numel() > 32
-    for i in range(3):
-        run_thinker(runner, running(f"l{i}", SamplingParams(max_tokens=1), prompt, slot=i))
-    assert len(runner.prefix.index) == 0 and runner.prefix.prompt_tokens == 0

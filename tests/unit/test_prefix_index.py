@@ -60,3 +60,31 @@ def test_least_recently_used_blocks_are_evicted():
     index.admit(index.match(c), [3])
     assert index.admit(index.match(c), [3]) == ([(0, 3)], [2])  # b's block goes back to the pool
     assert index.match(a).tokens == BLOCK and index.match(b).tokens == 0 and index.match(c).tokens == BLOCK
+
+
+def test_first_sightings_go_on_probation_and_never_evict_protected_blocks():
+    index = PrefixIndex(capacity=4)  # at most 3 protected
+    shared = ids((0, BLOCK + 1))
+    for _ in range(2):  # seen twice: protected
+        index.admit(index.match(shared), [1])
+    for n in range(5):  # a burst of unrelated long prompts, kept on their first sighting
+        prompt = ids((1000 * (n + 1), 2 * BLOCK + 1))
+        index.admit(index.match(prompt), [10 + 2 * n, 11 + 2 * n], first_sighting=True)
+    assert len(index) == 4 and index.match(shared).tokens == BLOCK
+    assert index.blocks() == [17, 18, 19, 1]  # the burst's last three, then the protected block
+    assert index.match(ids((5000, 2 * BLOCK + 1))).tokens == 2 * BLOCK  # matched: protected from now on
+    index.admit(index.match(ids((9000, 3 * BLOCK + 1))), [30, 31, 32], first_sighting=True)
+    # room for one block of it: it evicts the oldest on probation, not its own; the matched prefix's first
+    # block is the most recently used
+    assert index.blocks() == [30, 1, 19, 18]
+
+
+def test_protected_blocks_beyond_their_share_go_back_on_probation():
+    index = PrefixIndex(capacity=4)
+    prompts = [ids((1000 * n, BLOCK + 1)) for n in range(4)]
+    for n, prompt in enumerate(prompts):
+        for _ in range(2):
+            index.admit(index.match(prompt), [n + 1])
+    assert index.blocks() == [1, 2, 3, 4]  # the oldest protected one is on probation, first to go
+    index.match(prompts[0])
+    assert index.blocks() == [2, 3, 4, 1]

@@ -207,3 +207,47 @@ def test_a_prompt_preempted_part_way_through_its_prefill_starts_again_from_its_f
     assert long.status is SeqStatus.WAITING and (long.prefilled, long.chunk) == (0, 0)
     s.finish(a)
     assert pieces(s.schedule(**hooks)) == {"long": (0, 32)}
+
+
+def test_prompts_with_a_kept_prefix_are_admitted_for_the_blocks_they_add_and_prefill_after_it():
+    s = pooled(blocks=10, reserve=0)
+    lengths = {"a": 95, "long1": 100, "long2": 100, "long3": 100}
+    hooks = dict(chunked(lengths, chunk=32), kv_tokens=lambda q: 96)
+    s.add(blocked("a", 95))
+    [a] = s.schedule(**hooks).prefills
+    s.blocks.grow(a.slot, 96)  # a's prompt and first decode position: 6 blocks, 4 left
+    shared = s.blocks.tables[a.slot][:5]  # its first 5 blocks, kept by a prefix cache too
+    for block in shared:
+        s.blocks.hold(block)
+    for name in ("long1", "long2", "long3"):  # 101 positions each: 7 blocks, 5 of them shared, so 2 new
+        s.add(blocked(name, 100))
+    batch = s.schedule(**hooks, prefix_blocks=lambda q: shared)
+    assert pieces(batch) == {"long1": (5 * BLOCK, 100), "long2": (5 * BLOCK, 100)} and s.wait_reason == "blocks"
+    for q in batch.prefills:
+        assert q.first_piece and q.cached == 5 * BLOCK and q.reserved_blocks == 7
+
+
+def test_a_kept_prefix_only_the_cache_holds_counts_as_taken_at_admission():
+    """Blocks the prefix cache alone holds are spare (it gives them back on demand) until a prompt shares
+    them: admitting that prompt takes them as well as the blocks it adds."""
+    s = pooled(blocks=8, reserve=0)
+    pool = s.blocks
+    pool.grow(3, 5 * BLOCK)
+    kept = list(pool.tables[3])
+    for block in kept:
+        pool.hold(block)
+    pool.release(3)  # only the "cache" holds the 5 blocks now; 3 are free
+
+    class Cache:
+        def reclaimable(self):
+            return sum(1 for b in kept if pool.refs[b] == 1)
+
+        def reclaim(self, n):
+            raise AssertionError("nothing reclaims here")
+
+    pool.reclaimer = Cache()
+    hooks = dict(chunked({"long": 100, "other": 70}, chunk=32), kv_tokens=lambda q: 0)
+    s.add(blocked("long", 100))  # 7 blocks, 5 of them the kept prefix: 2 new + the 5 it keeps from reclaim
+    s.add(blocked("other", 70))  # 5 blocks of its own: 8 - 7 = 1 left
+    batch = s.schedule(**hooks, prefix_blocks=lambda q: kept if q.request_id == "long" else [])
+    assert list(pieces(batch)) == ["long"] and s.wait_reason == "blocks"
