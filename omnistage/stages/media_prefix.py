@@ -71,8 +71,7 @@ class MediaPrefixPrefill:
         """When a sequence ends: keeps the blocks of its prompt and reply (the first `length` of them, what
         its slot holds), so the conversation's next turn, which resends both, prefills only what is new."""
         p = seq.payload
-        original = p.resumed_from or int(p.input_ids.numel())
-        ids = torch.cat([p.input_ids[:original].cpu(), torch.tensor(seq.generated, dtype=torch.long)])[:length]
+        ids = self.runner._prompt_ids(seq)[:length]  # its prompt and reply: it has generated at least a token
         salts = p.salts if p.salts is not None else self.salts(p, ids)
         found = PrefixMatch(PrefixIndex.names(ids.tolist(), salts), [])
         self.runner.prefix.store(seq.slot, found, self.turn_rows.pop(seq.slot, None), first_sighting=True)

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..core.engine import StepResult
 from ..core.block_pool import BLOCK
+from ..core.engine import StepResult
 from ..core.errors import BadRequestError
 from ..core.scheduler import Sequence
 from .chunk_prefill import ChunkPrefill
@@ -255,12 +255,6 @@ class ThinkerRunner(DecoderRunner):
         if self.chunk_prefill is not None:
             self.chunk_prefill.capture_all()
 
-    def release(self, seq: Sequence) -> None:
-        state = self.slots[seq.slot] if 0 <= seq.slot < len(self.slots) else None
-        if self.prefix is not None and state is not None and not seq.payload.is_text_only:
-            self.media_prefix.keep_turn(seq, state.length)  # a conversation's next turn resends this one
-        super().release(seq)
-
     def stats(self) -> dict:
         p = self.prefix
         return {"prefix_hit_tokens": p.hit_tokens if p else 0, "prefix_prompt_tokens": p.prompt_tokens if p else 0}
@@ -350,10 +344,10 @@ class ThinkerRunner(DecoderRunner):
         for i, (seq, e, token, delta) in enumerate(zip(seqs, embeds, tokens.tolist(), deltas)):
             media = not seq.payload.is_text_only
             hidden = self.media_prefix.kept_rows(seq.payload, e, found[id(seq)]) if media else e
+            if media:  # the text blocks after the media, kept as a media prompt's are (before keep_turn can run)
+                self.media_prefix.store(seq, found[id(seq)], None)
             results.append(self._prefilled_text(seq, e.shape[0], token, e, hidden, rows, i, rope_delta=delta,
                                                 cached=starts[i]))
-            if media:  # the text blocks after the media, kept as a media prompt's are
-                self.media_prefix.store(seq, found[id(seq)], None)
         return results
 
     def _embed(self, seq: Sequence) -> torch.Tensor:
@@ -391,10 +385,10 @@ class ThinkerRunner(DecoderRunner):
                 head = self.model.get_input_embeddings()(to_device(seq.payload.input_ids[:start], self.device))
                 hidden = torch.cat([self.media_prefix.kept_rows(seq.payload, head, found), hidden])
                 embeds = torch.cat([head, embeds])
+            if found is not None:  # before the first token is accepted: it may end the turn (keep_turn)
+                self.media_prefix.store(seq, found, hidden)
             results.append(self._prefilled_text(seq, n, token, embeds.clone(), hidden, rows, i, rope_delta=delta,
                                                 cached=start))
-            if found is not None:
-                self.media_prefix.store(seq, found, hidden)
         return results
 
     def _prefilled_text(self, seq: Sequence, n: int, token: int, embeds, hidden, rows, i: int,
@@ -433,13 +427,17 @@ class ThinkerRunner(DecoderRunner):
         seq.num_generated += 1
         self.slots[seq.slot].last_token = token
         stops = () if seq.params.ignore_eos else self.eos_ids
-        if token in stops or token in seq.params.stop_token_ids:
-            return StepResult(seq, output, "stop")
-        seq.generated.append(token)
-        output.token_ids.append(token)
-        if seq.payload.export_talker:
-            output.text_rows = row if output.text_rows is None else torch.cat([output.text_rows, row])
-        return StepResult(seq, output, "length" if seq.num_generated >= seq.params.max_tokens else None)
+        finish = "stop" if token in stops or token in seq.params.stop_token_ids else None
+        if finish is None:
+            seq.generated.append(token)
+            output.token_ids.append(token)
+            if seq.payload.export_talker:
+                output.text_rows = row if output.text_rows is None else torch.cat([output.text_rows, row])
+            finish = "length" if seq.num_generated >= seq.params.max_tokens else None
+        if finish and self.prefix is not None and not seq.payload.is_text_only:
+            # its slot's blocks go when it ends: a conversation's next turn resends this one
+            self.media_prefix.keep_turn(seq, self.slots[seq.slot].length)
+        return StepResult(seq, output, finish)
 
     def _talker_conditioning(self, ids: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor
                              ) -> tuple[TalkerConditioning, torch.Tensor]:  # fmt: skip
