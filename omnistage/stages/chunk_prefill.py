@@ -92,17 +92,25 @@ class ChunkPrefill:
         self.bank.capture_all(keys, lambda key: lambda: self._run(*key))
 
     def _run(self, rows: int, tokens: int, kv_len: int) -> None:
-        kv_len = blocks_for(kv_len) * BLOCK  # a gather reads whole blocks
         embeds = self.embeds[:rows, :tokens]
         slots, starts, last, offsets = (self.index[i, :rows] for i in range(4))
         positions = starts[:, None] + torch.arange(tokens, device=embeds.device)[None, :]  # [rows, tokens]
         rope = (positions + offsets[:, None])[None].expand(3, rows, tokens)
         position_embeddings = self.text_model.rotary_emb(embeds, rope)
-        # [rows, 1, tokens, kv_len]: each token sees the slot's positions up to its own
-        mask = (torch.arange(kv_len, device=embeds.device)[None, None, :] <= positions[:, :, None])[:, None]
-        writer = PagedWriter(self.cache, slots, positions, kv_len)
+        mask, writer = attend_after_prefix(self.cache, slots, starts, tokens, kv_len)
         hidden = run_layers(self.text_model.layers, embeds, attention_mask=mask, position_embeddings=position_embeddings,
                             past_key_values=writer)  # fmt: skip
         last_hidden = hidden[torch.arange(rows, device=hidden.device), last]  # [rows, D]
         self.hidden_out[:rows].copy_(self.text_model.norm(last_hidden))
 
+
+
+def attend_after_prefix(cache: PagedKVCache, slots: torch.Tensor, starts: torch.Tensor, tokens: int,
+                        kv_len: int) -> tuple[torch.Tensor, PagedWriter]:  # fmt: skip
+    """The attention mask and K/V writer of rows whose `tokens` new tokens sit at slot positions starts[r]..:
+    each layer writes them into the slots' blocks and each token attends to its slot's positions up to its
+    own, read through the block table ([rows, 1, tokens, kv_len] mask, kv_len rounded up to whole blocks)."""
+    kv_len = blocks_for(kv_len) * BLOCK  # a gather reads whole blocks
+    positions = starts[:, None] + torch.arange(tokens, device=starts.device)[None, :]  # [rows, tokens]
+    mask = (torch.arange(kv_len, device=starts.device)[None, None, :] <= positions[:, :, None])[:, None]
+    return mask, PagedWriter(cache, slots, positions, kv_len)

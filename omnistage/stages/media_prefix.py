@@ -1,16 +1,18 @@
 # Prefix reuse for thinker prompts with media (images, audio, video). The cache's block names carry a digest
 # of each media item's decoded content (its patches or features, grid and timing), folded in at the block where
 # the item starts, so placeholder ids that only say how long an item is can never make two different items
-# share K/V. A kept prefix is used when it ends
-#   - after the prompt's last media row: the rest is text (the thinker runs it batched, ChunkPrefill); when the
-#     prompt feeds a talker, the media rows' accept-layer hidden states kept with the blocks stand in for the
-#     ones the skipped forward would have given, or
-#   - before its first media row: the rest, all media included, is prefilled after it (here).
-# Otherwise it is cut back to the blocks before the first media row. Blocks are kept from their first prompt
-# on, so a second request with the same media (or the next turn of a conversation that resends it) encodes
-# nothing.
-# The prefill here is for the prompts the batched paths do not take (video, prompts longer than their
-# buffers): one forward of transformers' thinker (its multimodal merge, deepstack and MRoPE positions).
+# share K/V. A kept prefix is cut back to the block where the first media item it does not hold whole starts,
+# so no item is split between the cache and the forward; when the prompt feeds a talker, an item it holds
+# counts only with its rows' accept-layer hidden states kept beside its blocks (they stand in for the ones
+# the skipped forward would have given). What is left to run:
+#   - text only (the kept prefix holds every item): the thinker's ChunkPrefill, batched;
+#   - media items and text: the thinker's MediaPrefill after the prefix, batched (a conversation whose new
+#     turn brings a new clip runs that turn alone);
+#   - prompts the batched paths do not take (video, prompts longer than their buffers) run here, with a prefix
+#     cut back to the blocks before their first media row unless it holds every item.
+# Blocks are kept from their first prompt on, so a second request with the same media (or the next turn of a
+# conversation that resends it) encodes nothing.
+# The prefill here is one forward of transformers' thinker (its multimodal merge, deepstack, MRoPE positions).
 from __future__ import annotations
 
 import hashlib
@@ -19,7 +21,7 @@ import torch
 from transformers import DynamicCache
 
 from ..core.engine import StepResult
-from ..core.prefix_index import BLOCK, PrefixMatch
+from ..core.prefix_index import BLOCK, PrefixIndex, PrefixMatch
 from ..core.scheduler import Sequence
 from .host_copy import to_device
 
@@ -31,14 +33,23 @@ class MediaPrefixPrefill:
         self.ids = {name: getattr(t, f"{name}_token_id") for name in ("audio", "image", "video", "vision_start",
                                                                           "audio_start")}  # fmt: skip
         self.mm_ids = torch.tensor([self.ids["audio"], self.ids["image"], self.ids["video"]])
+        # slot -> accept-layer rows by block of its prompt's media (store), for keep_turn
+        self.turn_rows: dict[int, dict[int, torch.Tensor] | None] = {}
 
-    def match(self, p) -> PrefixMatch | None:
-        """The kept prefix of prompt p that this prefill can take (see the header); None without a cache."""
+    def match(self, p, batched: bool) -> PrefixMatch | None:
+        """The kept prefix of prompt p that its prefill can take (see the header): batched, the batched paths'
+        (cut between items), else this one's; None without a cache."""
         if self.runner.prefix is None:
             return None
         ids = p.input_ids.cpu()
         salts = p.salts if p.salts is not None else self.salts(p, ids)
-        return self._usable(self.runner.prefix.match(ids.tolist(), salts), self._media_rows(ids), p.export_talker)
+        return self._usable(self.runner.prefix.match(ids.tolist(), salts), ids, p.export_talker, batched)
+
+    def still_kept(self, p, found: PrefixMatch) -> PrefixMatch:
+        """`found` cut to the blocks still kept (a prompt stored earlier in the step may have evicted some since
+        the match), then back between items again: what prefix.load will take."""
+        run = PrefixMatch(found.names, found.entries[: self.runner.prefix.index.kept_run(found)])
+        return self._usable(run, p.input_ids.cpu(), p.export_talker, True)
 
     def covers_media(self, p, found: PrefixMatch | None) -> bool:
         """Whether the kept prefix `found` (match()) holds every media row of p: only text is left to run."""
@@ -47,11 +58,23 @@ class MediaPrefixPrefill:
 
     def store(self, seq: Sequence, found: PrefixMatch, hidden: torch.Tensor | None) -> None:
         """Keeps the prompt's blocks (in its slot after a prefill) from this first sighting on, with its media
-        rows' accept-layer hidden states when given (`hidden`: [L, D], every row of the prompt)."""
-        mm = self._media_rows(seq.payload.input_ids.cpu())
-        mm = mm[mm < len(found.names) * BLOCK]  # rows of the blocks that can be kept
+        rows' accept-layer hidden states when given (`hidden`: [L, D], every row of the prompt). The rows of
+        its last full block wait for keep_turn (that block is kept with the reply)."""
+        ids = seq.payload.input_ids.cpu()
+        mm = self._media_rows(ids)
+        mm = mm[mm < ids.numel() // BLOCK * BLOCK]  # rows of the blocks that can be kept
         rows = self._rows_by_block(mm, hidden) if hidden is not None else None
         self.runner.prefix.store(seq.slot, found, rows, first_sighting=True)
+        self.turn_rows[seq.slot] = rows
+
+    def keep_turn(self, seq: Sequence, length: int) -> None:
+        """When a sequence ends: keeps the blocks of its prompt and reply (the first `length` of them, what
+        its slot holds), so the conversation's next turn, which resends both, prefills only what is new."""
+        p = seq.payload
+        ids = self.runner._prompt_ids(seq)[:length]  # its prompt and reply: it has generated at least a token
+        salts = p.salts if p.salts is not None else self.salts(p, ids)
+        found = PrefixMatch(PrefixIndex.names(ids.tolist(), salts), [])
+        self.runner.prefix.store(seq.slot, found, self.turn_rows.pop(seq.slot, None), first_sighting=True)
 
     @torch.inference_mode()
     def prefill(self, seq: Sequence, found: PrefixMatch | None) -> StepResult:
@@ -63,6 +86,7 @@ class MediaPrefixPrefill:
         mm = self._media_rows(ids)
         first = int(mm[0]) if mm.numel() else ids.numel()
         if found is not None:
+            found = self._usable(found, ids, p.export_talker, False)
             r.prefix.load(seq.slot, found)
         start = found.tokens if found is not None else 0
         media = start <= first  # the rest holds every media row: its media go in with it
@@ -145,17 +169,34 @@ class MediaPrefixPrefill:
         return out
 
     # ---- reuse --------------------------------------------------------------------------------------------
-    def _usable(self, found: PrefixMatch, mm: torch.Tensor, export: bool) -> PrefixMatch:
-        """The kept prefix cut to what this prefill can take (see the header)."""
-        if not mm.numel():
+    def _usable(self, found: PrefixMatch, ids: torch.Tensor, export: bool, batched: bool) -> PrefixMatch:
+        """The kept prefix cut to what a prefill can take (see the header): batched, back to the block where
+        the first item it does not hold (with its talker rows when export) starts, and further while that
+        block boundary splits an earlier item; else, unless it holds every item, to before the first item."""
+        items = self._items(ids)
+        kept = self.runner.prefix.media_rows
+        held = lambda a, b: b < found.tokens and (  # noqa: E731
+            not export or all(found.entries[k] in kept for k in range(a // BLOCK, b // BLOCK + 1)))
+        whole = 0
+        while whole < len(items) and held(*items[whole]):
+            whole += 1
+        if whole == len(items):
             return found
-        covers_all = found.tokens > int(mm[-1])
-        if covers_all and export:
-            blocks = (mm // BLOCK).unique().tolist()
-            covers_all = all(found.entries[b] in self.runner.prefix.media_rows for b in blocks)
-        if not covers_all:
-            found = PrefixMatch(found.names, found.entries[: int(mm[0]) // BLOCK])
-        return found
+        cut = items[0][0] // BLOCK if not batched else items[whole][0] // BLOCK
+        for a, b in reversed(items[:whole]):  # an item across the cut goes after it whole
+            if a < cut * BLOCK <= b:
+                cut = a // BLOCK
+        return PrefixMatch(found.names, found.entries[: min(cut, len(found.entries))])
+
+    def _items(self, ids: torch.Tensor) -> list[tuple[int, int]]:
+        """The first and last row of each run of consecutive media rows (an item), in order."""
+        mm = self._media_rows(ids)
+        if not mm.numel():
+            return []
+        breaks = (mm[1:] != mm[:-1] + 1).nonzero().squeeze(1)
+        firsts = torch.cat([mm[:1], mm[breaks + 1]]).tolist()
+        lasts = torch.cat([mm[breaks], mm[-1:]]).tolist()
+        return list(zip(firsts, lasts))
 
     def kept_rows(self, p, head: torch.Tensor, found: PrefixMatch | None) -> torch.Tensor:
         """Accept-layer rows of p's first head.shape[0] rows for the talker: the kept media rows of the prefix

@@ -143,13 +143,13 @@ class ThinkerRunner(DecoderRunner):
         """Every prompt of a step, one of five ways, the first four graph-replayed on CUDA: prompts whose kept
         prefix leaves only text to run (text-only prompts after a shared prefix, prompts whose kept prefix
         covers all their media) prefill that text (ChunkPrefill); audio/image prompts that fit the static
-        buffers, joined by the step's other fresh prompts while rows remain, in one MediaPrefill forward;
-        other text-only prompts that fit the static buffers together (StaticPrefill); longer text-only prompts
-        in chunks after the kept prefix they were admitted with, this step's piece of each (LongPrefill).
-        Prompts with video and media prompts too long for the buffers run one by one through
-        MediaPrefixPrefill, eager. A piece that does not end its prompt answers with a StepResult without
-        output. Long prompts keep their blocks for a conversation's next turn once their last piece ran (on
-        probation: core/prefix_index.py)."""
+        buffers, each after its kept prefix (a system prompt, earlier turns), joined by the step's other fresh
+        prompts while rows remain, in one MediaPrefill forward; other text-only prompts that fit the static
+        buffers together (StaticPrefill); longer text-only prompts in chunks after the kept prefix they were
+        admitted with, this step's piece of each (LongPrefill). Prompts with video and media prompts too long
+        for the buffers run one by one through MediaPrefixPrefill, eager. A piece that does not end its prompt
+        answers with a StepResult without output. Long prompts keep their blocks for a conversation's next
+        turn once their last piece ran (on probation: core/prefix_index.py)."""
         for seq in seqs:  # a prompt's first piece starts its slot afresh (resumed ones from their generated tokens)
             if seq.first_piece:
                 self.cache.release(seq.slot)
@@ -162,7 +162,8 @@ class ThinkerRunner(DecoderRunner):
         # admission (prefix_blocks)
         found = {id(s): self.prefix.match(s.payload.input_ids.tolist()) for s in text
                  if s.payload.input_ids.numel() <= self.chunk_prefill.max_kv} if self.prefix else {}  # fmt: skip
-        kept = {id(s): self.media_prefix.match(s.payload) for s in seqs if not s.payload.is_text_only}
+        kept = {id(s): self.media_prefix.match(s.payload, self._media_batches(s)) for s in seqs
+                if not s.payload.is_text_only}  # fmt: skip
         covered = {id(s): kept[id(s)] for s in seqs if self.media_prefix.covers_media(s.payload, kept.get(id(s)))}
         hits = self._chunk_hits([s for s in seqs if id(s) in found or id(s) in covered], found | covered)
         fresh = [s for s in text if all(s is not h for h in hits)
@@ -343,30 +344,51 @@ class ThinkerRunner(DecoderRunner):
         for i, (seq, e, token, delta) in enumerate(zip(seqs, embeds, tokens.tolist(), deltas)):
             media = not seq.payload.is_text_only
             hidden = self.media_prefix.kept_rows(seq.payload, e, found[id(seq)]) if media else e
+            if media:  # the text blocks after the media, kept as a media prompt's are (before keep_turn can run)
+                self.media_prefix.store(seq, found[id(seq)], None)
             results.append(self._prefilled_text(seq, e.shape[0], token, e, hidden, rows, i, rope_delta=delta,
                                                 cached=starts[i]))
-            if media:  # the text blocks after the media, kept as a media prompt's are
-                self.media_prefix.store(seq, found[id(seq)], None)
         return results
 
     def _embed(self, seq: Sequence) -> torch.Tensor:
         return self.model.get_input_embeddings()(to_device(seq.payload.input_ids, self.device))  # [L, D]
 
     def _prefill_media(self, seqs: list[Sequence], kept: dict) -> list[StepResult]:
-        """Prompts with audio/image rows, with the step's other fresh prompts, in one MediaPrefill forward
-        (stages/media_prefill.py); the talker's conditioning takes its rows from that forward's buffers, and
-        the media prompts' blocks are kept (`kept`: their prefix matches) for later prompts with that media."""
-        last, deltas = self.media_prefill.run([s.payload for s in seqs], [s.slot for s in seqs])
-        tokens = self._sample(self.model.lm_head(last), seqs)
-        rows = self._text_rows(tokens, seqs)
+        """Prompts with audio/image rows, each after its kept prefix (`kept`: their prefix matches), with the
+        step's other fresh prompts, in one MediaPrefill forward (stages/media_prefill.py); the talker's
+        conditioning takes the kept prefix's media rows and that forward's rows for the rest, and the media
+        prompts' blocks are kept for later prompts with that media. A prompt whose prefix would stretch the
+        step past the buffers prefills in full; one that does not fit even so is left to the eager path."""
+        starts, lengths, ran = [], [], []
+        for seq in seqs:
+            n, found = self.prompt_tokens(seq), kept.get(id(seq))
+            if found is not None and found.entries:
+                found = kept[id(seq)] = self.media_prefix.still_kept(seq.payload, found)
+            for start in dict.fromkeys([found.tokens if found is not None else 0, 0]):
+                if self.media_prefill.fits(starts + [start], lengths + [n - start]):
+                    if found is not None:
+                        del found.entries[start // BLOCK :]
+                        self.prefix.load(seq.slot, found)
+                    starts, lengths, ran = starts + [start], lengths + [n - start], ran + [seq]
+                    break
+        if not ran:
+            return []
+        last, deltas = self.media_prefill.run([s.payload for s in ran], [s.slot for s in ran], starts)
+        tokens = self._sample(self.model.lm_head(last), ran)
+        rows = self._text_rows(tokens, ran)
         results = []
-        for i, (seq, token, delta) in enumerate(zip(seqs, tokens.tolist(), deltas)):
-            n = self.prompt_tokens(seq)
-            embeds = self.media_prefill.embeds_out(i, n).clone()  # a static buffer, rewritten by the next step
-            hidden = self.media_prefill.accept_out[i, :n]
-            results.append(self._prefilled_text(seq, n, token, embeds, hidden, rows, i, rope_delta=delta))
-            if kept.get(id(seq)) is not None:
-                self.media_prefix.store(seq, kept[id(seq)], hidden)
+        for i, (seq, start, token, delta) in enumerate(zip(ran, starts, tokens.tolist(), deltas)):
+            n, found = self.prompt_tokens(seq), kept.get(id(seq))
+            embeds = self.media_prefill.embeds_out(i, n - start)  # a static buffer, rewritten by the next step
+            hidden = self.media_prefill.accept_out[i, : n - start]
+            if start:  # the kept prefix's rows: layer-0 embeddings, its media rows' kept accept-layer states
+                head = self.model.get_input_embeddings()(to_device(seq.payload.input_ids[:start], self.device))
+                hidden = torch.cat([self.media_prefix.kept_rows(seq.payload, head, found), hidden])
+                embeds = torch.cat([head, embeds])
+            if found is not None:  # before the first token is accepted: it may end the turn (keep_turn)
+                self.media_prefix.store(seq, found, hidden)
+            results.append(self._prefilled_text(seq, n, token, embeds.clone(), hidden, rows, i, rope_delta=delta,
+                                                cached=start))
         return results
 
     def _prefilled_text(self, seq: Sequence, n: int, token: int, embeds, hidden, rows, i: int,
@@ -405,13 +427,17 @@ class ThinkerRunner(DecoderRunner):
         seq.num_generated += 1
         self.slots[seq.slot].last_token = token
         stops = () if seq.params.ignore_eos else self.eos_ids
-        if token in stops or token in seq.params.stop_token_ids:
-            return StepResult(seq, output, "stop")
-        seq.generated.append(token)
-        output.token_ids.append(token)
-        if seq.payload.export_talker:
-            output.text_rows = row if output.text_rows is None else torch.cat([output.text_rows, row])
-        return StepResult(seq, output, "length" if seq.num_generated >= seq.params.max_tokens else None)
+        finish = "stop" if token in stops or token in seq.params.stop_token_ids else None
+        if finish is None:
+            seq.generated.append(token)
+            output.token_ids.append(token)
+            if seq.payload.export_talker:
+                output.text_rows = row if output.text_rows is None else torch.cat([output.text_rows, row])
+            finish = "length" if seq.num_generated >= seq.params.max_tokens else None
+        if finish and self.prefix is not None and not seq.payload.is_text_only:
+            # its slot's blocks go when it ends: a conversation's next turn resends this one
+            self.media_prefix.keep_turn(seq, self.slots[seq.slot].length)
+        return StepResult(seq, output, finish)
 
     def _talker_conditioning(self, ids: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor
                              ) -> tuple[TalkerConditioning, torch.Tensor]:  # fmt: skip
