@@ -178,4 +178,3 @@ class PagedWriter:
         if self.kv_len is None:
             return key_states, value_states
         return self.cache.gather(layer_idx, self.slots, blocks_for(self.kv_len))
-

@@ -97,4 +97,3 @@ class StaticPrefill:
                             past_key_values=writer)  # fmt: skip
         last = hidden[torch.arange(rows, device=hidden.device), self.last[:rows]]  # [rows, D]
         self.hidden_out[:rows].copy_(self.text_model.norm(last))
-
