@@ -253,9 +253,7 @@ class Scheduler:
         return preempted
 
     def _preempt(self, seq: Sequence) -> None:
-        del self.running[seq.request_id]
-        heapq.heappush(self._free, seq.slot)
-        self.blocks.release(seq.slot)
+        self._release(seq)
         seq.status = SeqStatus.WAITING
         seq.prefilled = seq.chunk = 0  # prefilled again from its start
         seq.prefix = []
@@ -263,13 +261,17 @@ class Scheduler:
         self.preemptions += 1
         self.waiting.appendleft(seq)
 
+    def _release(self, seq: Sequence) -> None:
+        """A running sequence leaves the running set: its slot and (with a pool) its blocks go back."""
+        del self.running[seq.request_id]
+        heapq.heappush(self._free, seq.slot)
+        if self.blocks is not None:
+            self.blocks.release(seq.slot)
+
     def finish(self, seq: Sequence) -> None:
         """Frees the sequence's slot and blocks; used for normal completion, errors and aborts alike."""
         if seq.status is SeqStatus.RUNNING:
-            del self.running[seq.request_id]
-            heapq.heappush(self._free, seq.slot)
-            if self.blocks is not None:
-                self.blocks.release(seq.slot)
+            self._release(seq)
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
