@@ -1,7 +1,7 @@
 # OpenAI's built-in voice names in the OpenAI-shaped voice fields (chat `audio.voice`, `/v1/audio/speech`
 # `voice`, the realtime `audio.output.voice`). Clients written for OpenAI send one of them without being
-# asked: the openai SDK requires a voice for speech, and LiveKit's and Pipecat's OpenAI realtime plugins put
-# one in their first session.update. The checkpoint has none of those speakers, so each is spoken in the
+# asked: the openai SDK requires a voice for speech, and LiveKit's and Pipecat's OpenAI realtime plugins set
+# one in the session.update they open with. The checkpoint has none of those speakers, so each is spoken in the
 # server's default voice. vLLM-Omni's own fields (top-level `speaker` and `voice`) take only the checkpoint's
 # names, as vLLM-Omni does; any other name is an `invalid_voice` 400 in every field.
 from __future__ import annotations
