@@ -47,7 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--audio-expiry-s", type=int, default=3600,
                    help="a spoken reply's audio.id can be referred to by later requests for this long")
     p.add_argument("--audio-keep", type=int, default=1024, help="at most this many spoken replies are kept")
-    p.add_argument("--audio-keep-mb", type=float, default=512, help="at most this much audio is kept")
+    p.add_argument("--audio-keep-mb", type=float, default=64,
+                   help="at most this much transcript text of spoken replies is kept")
     p.add_argument("--remote-media-allow-network", action="append", default=[], metavar="CIDR",
                    help="a network remote media may come from besides public addresses (repeatable)")
     p.add_argument("--max-audio-seconds", type=float, default=600.0,

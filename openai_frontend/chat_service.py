@@ -51,17 +51,17 @@ async def complete(client: OmniClient, plan: ChatPlan, ids: render.ResponseIds, 
             calls.extend(piece.tool_calls)
             if piece.is_final:
                 break
-    expires_at = _keep(store, plan, ids, "".join(text), b"".join(pcm))
+    expires_at = _keep(store, plan, ids, "".join(text))
     audio = encode_audio(b"".join(pcm), plan.audio_format) if plan.audio_out else None
     return _style(plan, ids).completion("".join(text), audio, piece.finish_reason, _usage(plan, piece.usage),
                                         calls, expires_at)
 
 
-def _keep(store: AudioStore, plan: ChatPlan, ids: render.ResponseIds, transcript: str, pcm16: bytes) -> int:
+def _keep(store: AudioStore, plan: ChatPlan, ids: render.ResponseIds, transcript: str) -> int:
     """Keeps a spoken reply for later turns to refer to; its expiry (what `audio.expires_at` says)."""
     expires_at = store.expires_at()
     if plan.audio_out:
-        store.keep(ids.audio_id, transcript, pcm16, expires_at)
+        store.keep(ids.audio_id, transcript, expires_at)
     return expires_at
 
 
@@ -75,7 +75,6 @@ async def stream_events(
     """
     style = _style(plan, ids)
     text: list[str] = []
-    pcm: list[bytes] = []
     async with aclosing(reply_pieces(client, plan, ids.id, meter)) as pieces:
         piece = await anext(pieces)
         for event in style.opening():
@@ -83,7 +82,6 @@ async def stream_events(
         try:
             while True:
                 text.append(piece.text)
-                pcm.append(piece.pcm16)
                 for event in style.piece(piece.text, piece.pcm16, piece.tool_calls):
                     yield sse_event(_json(event))
                 if piece.is_final:
@@ -95,7 +93,7 @@ async def stream_events(
             yield sse_event(_json(body))
             yield DONE
             return
-    expires_at = _keep(store, plan, ids, "".join(text), b"".join(pcm))
+    expires_at = _keep(store, plan, ids, "".join(text))
     for event in style.closing(piece.finish_reason, expires_at):
         yield sse_event(_json(event))
     if plan.include_usage:

@@ -27,10 +27,10 @@ class FrontendSettings:
     fetch_remote_media: bool = False
     fetch_timeout_s: float = 10.0
     fetch_max_bytes: int = 20 * MiB
-    # spoken replies kept for multi-turn audio (audio_store.py): how long, how many, how many bytes
+    # spoken replies' transcripts kept for multi-turn audio (audio_store.py): how long, how many, how many bytes
     audio_keep_s: int = 3600
     audio_keep_count: int = 1024
-    audio_keep_bytes: int = 512 * MiB
+    audio_keep_bytes: int = 64 * MiB
     # networks (CIDR) a fetch may reach beyond public addresses, e.g. an internal media store
     fetch_allowed_networks: tuple[str, ...] = ()
     # compressed input audio is decoded here; longer is a 400 (serve passes the profile's max_audio_seconds)

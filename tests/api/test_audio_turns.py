@@ -56,16 +56,16 @@ class Clock:
 def test_store_is_bounded_by_age_count_and_bytes():
     clock = Clock()
     store = AudioStore(max_items=2, max_bytes=100, ttl_s=60, clock=clock)
-    store.keep("a", "one", b"\0" * 10, store.expires_at())
+    store.keep("a", "one", store.expires_at())
     clock.now += 30
-    store.keep("b", "two", b"\0" * 10, store.expires_at())
-    assert store.get("a").transcript == "one" and store.get("b").pcm16 == b"\0" * 10
+    store.keep("b", "two", store.expires_at())
+    assert store.get("a").transcript == "one" and store.get("b").transcript == "two"
     clock.now += 31  # a is past its window, b is not
     assert store.get("a") is None and store.get("b").transcript == "two"
-    store.keep("c", "", b"\0" * 10, store.expires_at())
-    store.keep("d", "", b"\0" * 10, store.expires_at())  # three would exceed the count: the oldest goes
+    store.keep("c", "c" * 10, store.expires_at())
+    store.keep("d", "d" * 10, store.expires_at())  # three would exceed the count: the oldest goes
     assert [store.get(k) is not None for k in "bcd"] == [False, True, True]
-    store.keep("e", "", b"\0" * 90, store.expires_at())  # 110 bytes would exceed the budget: c goes
+    store.keep("e", "é" * 45, store.expires_at())  # 90 bytes of utf-8: 110 would exceed the budget, c goes
     assert [store.get(k) is not None for k in "cde"] == [False, True, True]
-    store.keep("f", "", b"\0" * 101, store.expires_at())  # larger than the whole budget: not kept
+    store.keep("f", "f" * 101, store.expires_at())  # larger than the whole budget: not kept
     assert store.get("f") is None and store.get("e") is not None
