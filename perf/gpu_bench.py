@@ -1,5 +1,5 @@
 # One GPU device call: the transformers baseline, then our server on the same (dummy full-size) weights,
-# the W1 sweep and a short W2 subset, all under one time budget. Every phase has a deadline derived from
+# the W1 sweep, media-in levels, realtime sessions and a short W2 subset, all under one time budget. Every phase has a deadline derived from
 # what is left, so the run ends in time whatever happens, and bench.json is rewritten after each phase
 # (a kill still leaves the phases done so far). Run through perf/gpu_bench.sh.
 from __future__ import annotations
@@ -21,13 +21,16 @@ from pathlib import Path
 
 from omnistage.core.request_trace import TRACE_DIR_ENV
 from omnistage.launch.proc_stats import dump_stub_stacks, process_state, server_cpu_seconds, stub_pids
-from perf import loadgen, trace_join, workloads
+from perf import loadgen, realtime_load, trace_join, workloads
 from perf.bench_server import BenchServer, by_model, stage_setting
 from perf.compare import comparison, plot_bench, reference, summary_text
 from perf.gpu_sampler import GpuSampler
 
 REPO = Path(__file__).resolve().parents[1]
 FULL_CONFIG = REPO / "perf" / "qwen3_omni_30b_a3b_instruct.config.json"
+# a realtime level: turns per session and the longest wait for one turn's reply
+REALTIME_TURNS = 3
+REALTIME_TURN_TIMEOUT_S = 30.0
 
 
 class Budget:
@@ -318,6 +321,40 @@ class Bench:
         self.save()
         print(summary_text(self.report), flush=True)
 
+    def realtime(self, sessions: list[int], share: float) -> None:
+        """realtime_load's levels (REALTIME_TURNS turns a session) on the same server, after two turns of one
+        session, within `share` of the time left; a level that runs out of time is recorded as cut."""
+        t0 = time.monotonic()
+        deadline = t0 + max(0.0, self.budget.left() * share)
+        utterance = realtime_load.load_utterance(None)
+        url = realtime_load.ws_url(self.server.api_url, None)
+        result = self.report["realtime"] = {"utterance_s": len(utterance) / 2 / realtime_load.RATE,
+                                                   "turns_per_session": REALTIME_TURNS, "levels": []}  # fmt: skip
+
+        def level(n: int, turns: int) -> dict:
+            run = realtime_load.run_level(url, n, turns, utterance, REALTIME_TURN_TIMEOUT_S)
+            return asyncio.run(asyncio.wait_for(run, timeout=max(1.0, deadline - time.monotonic())))
+
+        try:
+            result["warmup"] = level(1, 2)
+            for n in sessions:
+                if deadline - time.monotonic() < 20 or not self.server.alive():
+                    result["levels"].append({"sessions": n, "skipped": "server down" if not self.server.alive()
+                                             else f"{deadline - time.monotonic():.0f}s left"})  # fmt: skip
+                    continue
+                say(f"realtime: {n} sessions x {REALTIME_TURNS} turns")
+                metrics_before = self.stage_metrics()
+                entry = level(n, REALTIME_TURNS)
+                entry["stage_metrics_before"], entry["stage_metrics_after"] = metrics_before, self.stage_metrics()
+                result["levels"].append(entry)
+                lat = entry["latency_ms"]
+                say(f"realtime {n}: p50 {lat['p50'] or 0:.0f} ms, p99 {lat['p99'] or 0:.0f} ms, failed turns "
+                    f"{entry['failed_turns']}, turns with underruns {entry['turns_with_underruns']}")
+                self.save()
+            self.phase("realtime", "ok", t0)
+        except Exception as exc:  # noqa: BLE001 - a cut level (TimeoutError) among them
+            self.phase("realtime", "failed", t0, note=f"{type(exc).__name__}: {exc}"[:1000])
+
     def run(self) -> None:
         a = self.args
         self.save()
@@ -329,13 +366,14 @@ class Bench:
         w1_sizes = loadgen.level_sizes(a.w1_concurrency, a.w1_factor, a.w1_min_prompts)
         w2_share = 0.0 if a.skip_w2 else a.w2_share
         media_share = a.media_share if a.media else 0.0
+        realtime_share = a.realtime_share if a.realtime else 0.0
         self.sweep(
             "w1",
             w1,
             a.w1_concurrency,
             w1_sizes,
             [2.0 + c / 16 for c in a.w1_concurrency],
-            1.0 - w2_share - media_share,
+            1.0 - w2_share - media_share - realtime_share,
             warmup=a.warmup,
         )
         for i, (name, levels) in enumerate(a.media):  # W3, W4, W5: media in, each with its own warm-up
@@ -346,8 +384,12 @@ class Bench:
             except ImportError as missing:  # W5's clips are made with PyAV, which a bare GPU image lacks
                 self.phase(name, "skipped", t0, note=str(missing))
                 continue
-            share = (1.0 - w2_share) / (len(a.media) - i)  # of what is left: the rest split evenly, W2's kept
+            # its even part of the media's share, against the media's, realtime's and W2's shares still to run
+            part = media_share / len(a.media)
+            share = part / (part * (len(a.media) - i) + realtime_share + w2_share)
             self.sweep(name, workload, levels, sizes, [2.0 + c / 16 for c in levels], share, warmup=a.warmup)
+        if a.realtime:
+            self.realtime(a.realtime, realtime_share / (realtime_share + w2_share))
         if not a.skip_w2:
             w2 = workloads.w2(8, prompt_tokens=a.w2_prompt_tokens).with_lengths(a.w2_reply_tokens, a.w2_reply_tokens)
             self.sweep(
@@ -408,6 +450,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--media", type=_media_levels, nargs="*", default=[], metavar="W:C[,C]",
                     help="media-in levels after W1 (W1's lengths and prompt factor), e.g. w3:1,64 w4:64 w5:16")  # fmt: skip
     ap.add_argument("--media-share", type=float, default=0.4, help="of the time left after the server start")
+    ap.add_argument("--realtime", type=int, nargs="*", default=[], metavar="SESSIONS",
+                    help="realtime_load levels after the media levels, e.g. 32 64")  # fmt: skip
+    ap.add_argument("--realtime-share", type=float, default=0.3, help="of the time left after the server start")
     ap.add_argument("--w2-concurrency", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--w2-prompts-per-level", type=int, default=1, help="x concurrency")
     ap.add_argument("--w2-share", type=float, default=0.3, help="of the time left after the server start")
