@@ -134,7 +134,3 @@ class OutputAudio:
     def bytes_to_ms(self, nbytes: int) -> float:
         per_sample = 2 if self.format == "audio/pcm" else 1
         return 1000.0 * nbytes / per_sample / self.rate
-
-    def ms_to_bytes(self, ms: float) -> int:
-        per_sample = 2 if self.format == "audio/pcm" else 1
-        return int(ms * self.rate / 1000.0) * per_sample
