@@ -49,20 +49,23 @@ class SamplingParams:
                 raise BadRequestError(message, param=message.split()[0], code="invalid_value")
         return self
 
-    def fit_to_context(self, prompt_tokens: int, context: int) -> "SamplingParams":
+    def fit_to_context(self, prompt_tokens: int, context: int, stage: str = "") -> "SamplingParams":
         """vLLM's rule: a max_tokens the request gave is taken when prompt + max_tokens fits the context (else
-        a 400 naming both numbers); a default one is cut to the room the prompt leaves."""
+        a 400 naming both numbers); a default one is cut to the room the prompt leaves. `stage` names a stage
+        other than the thinker in the message and the param (`talker_max_tokens`)."""
         room = context - prompt_tokens
+        whose, param = (f"the {stage}'s", f"{stage}_max_tokens") if stage else ("this server's", "max_tokens")
         if room < 1:
-            raise BadRequestError(f"the prompt has {prompt_tokens} tokens, more than this server's context of "
-                                  f"{context} tokens leaves room for", param="messages", code="context_length_exceeded")
+            raise BadRequestError(f"{whose if stage else 'the'} prompt has {prompt_tokens} tokens, more than "
+                                  f"{whose} context of {context} tokens leaves room for", param="messages",
+                                  code="context_length_exceeded")  # fmt: skip
         if not self.max_tokens_given:
             return replace(self, max_tokens=min(self.max_tokens, room))
         if self.max_tokens > room:
             raise BadRequestError(
-                f"max_tokens is too large: {self.max_tokens}. This server's context is {context} tokens and the "
+                f"{param} is too large: {self.max_tokens}. {whose.capitalize()} context is {context} tokens and the "
                 f"prompt has {prompt_tokens} ({prompt_tokens} + {self.max_tokens} > {context})",
-                param="max_tokens", code="context_length_exceeded")
+                param=param, code="context_length_exceeded")
         return self
 
 

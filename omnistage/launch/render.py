@@ -124,6 +124,7 @@ def profile_spec(profile: Profile, model_path: str | None = None, resolve_model:
             # request media limits (omnistage.models.media.MediaLimits); unset: its defaults
             **{k: str(v) for k, v in omni.media.items()},
             "max_prompt_tokens": str(profile.stages["thinker"].max_seq_len),  # text checked untokenized
+            "talker_max_seq_len": str(profile.stages["talker"].max_seq_len),  # talker context checked at admission
             **{f"{s}_models": ",".join(profile.stages[s].replica_names()) for s in (*ENGINE_STAGES, "code2wav")},
         },
     )

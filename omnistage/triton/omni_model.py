@@ -21,6 +21,7 @@ from ..models.checkpoint import load_config
 from ..models import media
 from ..models.processor import load_processor, prepare_inputs
 from ..pipeline.options import OmniOptions
+from ..pipeline.prompt_tokens import PromptTokens, check_talker_context
 from ..pipeline.request import OmniOutput, OmniRequest, thinker_inputs
 from .bls import BlsStageClient
 from .iterator_reaper import IteratorReaper
@@ -56,6 +57,11 @@ class OmniModel:
         self.processor = load_processor(source)
         media.configure(media.MediaLimits.from_parameters(params))
         self.speakers = {k.lower() for k in self.config.talker_config.speaker_id}
+        self.prompt_tokens = PromptTokens.from_config(self.config)
+        # the talker's context as its runner has it (max_seq_len, capped by the checkpoint): a spoken request
+        # whose talker prompt and frames cannot fit is refused before its thinker starts
+        self.talker_context = min(int(params.get("talker_max_seq_len", 1024)),
+                                  self.config.talker_config.text_config.max_position_embeddings)  # fmt: skip
         chunk_frames = int(params.get("chunk_frames", 25))
         light = params.get("light_first_chunk_frames")
         self.chunk_policy = ChunkPolicy(ChunkSchedule(int(params.get("first_chunk_frames", 4)), chunk_frames),
@@ -144,6 +150,9 @@ class OmniModel:
         with self.admission.turn():
             try:
                 inputs = thinker_inputs(prepare_inputs(self.processor, messages, options.use_audio_in_video))
+                if options.want_audio:
+                    rows = self.prompt_tokens.talker_prompt_rows(inputs["input_ids"])
+                    check_talker_context(rows, options.talker_parameters, self.talker_context)
             except OmniError as e:
                 emit(None, None, e)
                 return

@@ -1,0 +1,41 @@
+# What the orchestrator reads off a prompt's token ids before any stage runs: the length of the talker's
+# prompt, so that a spoken request whose talker cannot fit its context is a 400 before the thinker starts
+# rather than an error half-way through the reply.
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..core.sampling import SamplingParams, sampling_from_parameters
+
+TALKER_ASSISTANT_ROWS = 9  # the talker prompt's assistant part: header, tts pads, tts_bos, first reply row
+
+
+@dataclass(frozen=True)
+class PromptTokens:
+    """The special token ids of one checkpoint that say what a prompt position holds."""
+
+    im_start: int
+    user: int
+
+    @classmethod
+    def from_config(cls, config) -> "PromptTokens":
+        return cls(config.im_start_token_id, config.user_token_id)
+
+    def talker_prompt_rows(self, ids: torch.Tensor) -> int:
+        """Rows of the talker's prompt for the thinker prompt `ids` ([L]): every position of a user turn
+        (a position's turn is named by the token after the `<|im_start|>` before it, as generate() finds
+        it) plus the assistant part."""
+        pos = torch.arange(ids.numel())
+        starts = torch.where(ids == self.im_start, pos, torch.full_like(pos, -1))
+        role = ids[(torch.cummax(starts, 0).values.clamp_min(0) + 1).clamp_max(ids.numel() - 1)]
+        return int((role == self.user).sum()) + TALKER_ASSISTANT_ROWS
+
+
+def check_talker_context(rows: int, talker_parameters: dict, context: int) -> None:
+    """Raises the talker's own context 400 for a talker prompt of `rows` rows: the frames a request asks
+    for (talker_max_tokens) must fit beside its prompt; without them, the talker cuts its default to
+    the room left, as the thinker does."""
+    params = sampling_from_parameters(talker_parameters, SamplingParams())
+    params.fit_to_context(rows, context - 1, stage="talker")  # -1: the frame after the last one's
