@@ -1,4 +1,4 @@
-# Chat-completion objects as plain dicts (chat.completion, chat.completion.chunk, usage) and the OpenAI
+# Chat-completion objects as plain dicts (chat.completion, chat.completion.chunk) and the OpenAI
 # response style; chat_render_vllm.py has the vLLM-Omni one. Pure functions of what the stream produced;
 # chat_service.py decides when each is sent.
 from __future__ import annotations
@@ -22,24 +22,6 @@ class ResponseIds:
 
 def b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
-
-
-def usage(reported: dict[str, Any] | None, *, tokens_seen: int, audio_out: bool) -> dict[str, Any]:
-    # completion_tokens counts text tokens (what the thinker generated); codec frames are reported
-    # separately as completion_tokens_details.audio_tokens.
-    reported = reported or {}
-    prompt = int(reported.get("prompt_tokens", 0))
-    completion = int(reported.get("completion_tokens", tokens_seen))
-    out: dict[str, Any] = {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        # of the prompt, the tokens whose K/V came from the thinker's prefix cache (whole 16-token blocks)
-        "prompt_tokens_details": {"cached_tokens": int(reported.get("cached_tokens", 0))},
-    }
-    if audio_out:
-        out["completion_tokens_details"] = {"audio_tokens": int(reported.get("audio_frames", 0))}
-    return out
 
 
 def chunk(ids: ResponseIds, delta: dict[str, Any], finish_reason: str | None = None, **extra: Any) -> dict[str, Any]:

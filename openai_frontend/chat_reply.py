@@ -21,7 +21,7 @@ class Piece:
     text: str = ""
     pcm16: bytes = b""
     finish_reason: str | None = None  # set on the last piece only
-    usage: dict[str, Any] | None = None  # last piece: {"prompt_tokens", "cached_tokens", "completion_tokens", "audio_frames"}
+    usage: dict[str, Any] | None = None  # last piece: the backend's report (openai_frontend/usage.py)
     tokens: int = 0  # text tokens in this piece's backend response
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # complete calls (tool_calls.tool_call)
 

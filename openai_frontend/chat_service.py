@@ -19,6 +19,7 @@ from openai_frontend.errors import describe
 from openai_frontend.metrics import RequestMeter
 from openai_frontend.omni_client import OmniClient
 from openai_frontend.sse import DONE, sse_event
+from openai_frontend.usage import chat_usage
 
 log = logging.getLogger("openai_frontend")
 
@@ -36,7 +37,7 @@ def _style(plan: ChatPlan, ids: render.ResponseIds):
 
 
 def _usage(plan: ChatPlan, usage: dict[str, Any] | None) -> dict[str, Any]:
-    return render.usage(usage, tokens_seen=0, audio_out=plan.audio_out)
+    return chat_usage(usage, tokens_seen=0, audio_out=plan.audio_out)
 
 
 async def complete(client: OmniClient, plan: ChatPlan, ids: render.ResponseIds, meter: RequestMeter,

@@ -15,14 +15,15 @@ class OmniChunk:
     """One streamed response of `omni_ensemble`, decoded.
 
     The last chunk of a stream, and only that one, has `finish_reason` set ("stop" | "length" |
-    "abort"); it may carry text and audio as well, and `usage` when the backend reports it.
+    "abort"); it may carry text and audio as well. `usage` is the backend's latest report, when it gives
+    one: the prompt's part once the thinker started, the whole on the last chunk (openai_frontend/usage.py).
     """
 
     text: str = ""  # utf-8 text delta
     token_ids: list[int] = field(default_factory=list)  # the delta's token ids
     audio: np.ndarray | None = None  # [samples] float32, 24 kHz mono in [-1, 1]
     finish_reason: str | None = None
-    usage: dict[str, Any] | None = None  # {"prompt_tokens", "cached_tokens", "completion_tokens", "audio_frames"}
+    usage: dict[str, Any] | None = None
 
     @property
     def is_final(self) -> bool:

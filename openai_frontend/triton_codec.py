@@ -83,8 +83,9 @@ class ResponseDecoder:
     """Turns the InferResults of one stream into OmniChunks.
 
     Keeps per-stream state: an incremental UTF-8 decoder (a text delta may, in principle, end inside a
-    multi-byte character) and the finish_reason / usage seen before the final flag (a model may send
-    them in its last data response and the final flag in an empty one).
+    multi-byte character), the finish_reason seen before the final flag (a model may send it in its last
+    data response and the final flag in an empty one) and the latest usage report, which every chunk
+    carries from the response that brought it on (the prompt's part comes with the first output).
     """
 
     def __init__(self) -> None:
@@ -108,11 +109,11 @@ class ResponseDecoder:
             text=text,
             token_ids=[] if ids is None else [int(t) for t in ids.reshape(-1)],
             audio=None if audio is None or audio.size == 0 else audio.reshape(-1).astype(np.float32, copy=False),
+            usage=self.usage,
         )
         if final:
             chunk.text += self._utf8.decode(b"", final=True)
             chunk.finish_reason = self.finish_reason or "stop"
-            chunk.usage = self.usage
         return chunk, final
 
 

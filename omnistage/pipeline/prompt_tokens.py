@@ -1,6 +1,7 @@
-# What the orchestrator reads off a prompt's token ids before any stage runs: the length of the talker's
-# prompt, so that a spoken request whose talker cannot fit its context is a 400 before the thinker starts
-# rather than an error half-way through the reply.
+# What the orchestrator reads off a prompt's token ids before any stage runs: its tokens per modality
+# (usage, as OpenAI breaks it down) and the length of the talker's prompt, so that a spoken request whose
+# talker cannot fit its context is a 400 before the thinker starts rather than an error half-way through
+# the reply.
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,6 +10,7 @@ import torch
 
 from ..core.sampling import SamplingParams, sampling_from_parameters
 
+MODALITIES = ("audio", "image", "video")
 TALKER_ASSISTANT_ROWS = 9  # the talker prompt's assistant part: header, tts pads, tts_bos, first reply row
 
 
@@ -16,12 +18,21 @@ TALKER_ASSISTANT_ROWS = 9  # the talker prompt's assistant part: header, tts pad
 class PromptTokens:
     """The special token ids of one checkpoint that say what a prompt position holds."""
 
+    placeholders: dict[str, int]  # modality -> its placeholder token id (one per encoder output row)
     im_start: int
     user: int
 
     @classmethod
     def from_config(cls, config) -> "PromptTokens":
-        return cls(config.im_start_token_id, config.user_token_id)
+        t = config.thinker_config
+        ids = {"audio": t.audio_token_id, "image": t.image_token_id, "video": t.video_token_id}
+        return cls(ids, config.im_start_token_id, config.user_token_id)
+
+    def by_modality(self, ids: torch.Tensor) -> dict[str, int]:
+        """{"text", "audio", "image", "video"} -> how many of `ids` ([L]) are of it; text is everything that
+        is not a media placeholder (markers, chat template and the messages' words)."""
+        counts = {m: int((ids == self.placeholders[m]).sum()) for m in MODALITIES}
+        return {"text": int(ids.numel()) - sum(counts.values()), **counts}
 
     def talker_prompt_rows(self, ids: torch.Tensor) -> int:
         """Rows of the talker's prompt for the thinker prompt `ids` ([L]): every position of a user turn

@@ -24,6 +24,7 @@ from ..core.daemon_pool import DaemonPool
 from ..core.errors import EngineError, OmniError
 from .detokenizer import IncrementalDetokenizer
 from .options import OmniOptions
+from .prompt_tokens import PromptTokens
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +107,8 @@ Emit = Callable[[OmniOutput | None, "str | None", "OmniError | None"], None]
 class OmniRequest:
     def __init__(self, session: str, inputs: dict, options: OmniOptions, stages: StageClient, tokenizer,
                  schedule: ChunkSchedule, emit: Emit, on_hop: Callable[[str, float], None] | None = None,
-                 arrival: float | None = None, threads: DaemonPool = THREADS):  # fmt: skip
+                 arrival: float | None = None, threads: DaemonPool = THREADS,
+                 prompt_tokens: PromptTokens | None = None):  # fmt: skip
         self.session, self.inputs, self.options, self.stages = session, inputs, options, stages
         self.schedule, self.emit = schedule, emit
         self.detok = IncrementalDetokenizer(tokenizer)
@@ -115,6 +117,7 @@ class OmniRequest:
         self.finish_reason: str | None = None
         self.prompt_tokens = 0
         self.cached_tokens = 0  # of prompt_tokens, those whose K/V the thinker's prefix cache gave
+        self.prompt_tokens_of = prompt_tokens  # the checkpoint's placeholder ids: usage per modality
         self.completion_tokens = 0
         self.audio_frames = 0
         self._cond: dict | None = None  # the thinker's talker conditioning (first response)
@@ -155,8 +158,7 @@ class OmniRequest:
             self.emit(None, None, self.error)
             return
         usage = {
-            "prompt_tokens": self.prompt_tokens,
-            "cached_tokens": self.cached_tokens,
+            **self._prompt_usage(),
             "completion_tokens": self.completion_tokens,
             "audio_frames": self.audio_frames,
             "audio_seconds": round(self.audio_frames * FRAME_SECONDS, 3),
@@ -165,6 +167,16 @@ class OmniRequest:
         }
         reason = "abort" if self.cancelled.is_set() else (self.finish_reason or "stop")
         self.emit(OmniOutput(text=self.detok.flush(), usage=usage), reason, None)
+
+    def _prompt_usage(self) -> dict:
+        """The prompt's part of usage, known once the thinker started: its tokens and those the prefix cache
+        gave, each also by modality (the cached ones are the prompt's first `cached_tokens`)."""
+        usage = {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens}
+        if self.prompt_tokens_of is not None:
+            ids = self.inputs["input_ids"]
+            usage["prompt_by_modality"] = self.prompt_tokens_of.by_modality(ids)
+            usage["cached_by_modality"] = self.prompt_tokens_of.by_modality(ids[: self.cached_tokens])
+        return usage
 
     def cancel(self) -> None:
         if self.cancelled.is_set():
@@ -186,18 +198,20 @@ class OmniRequest:
         self._mark("thinker_first_output")
         ids = out["token_ids"].tolist() if "token_ids" in out else []
         self.completion_tokens += len(ids)
+        usage = None  # the prompt's usage goes out with the thinker's first output: a client that leaves has it
         if "prompt_tokens" in out:
             self.prompt_tokens = int(out["prompt_tokens"].reshape(-1)[0])
-        if "cached_tokens" in out:
-            self.cached_tokens = int(out["cached_tokens"].reshape(-1)[0])
+            if "cached_tokens" in out:
+                self.cached_tokens = int(out["cached_tokens"].reshape(-1)[0])
+            usage = self._prompt_usage()
         if "finish_reason" in out:
             self.finish_reason = out["finish_reason"]
             self._mark("thinker_done")
         if self.options.want_audio and not self.cancelled.is_set() and not self._speech_ended:
             self._feed_talker(out, ids)
         text = self.detok.push(ids) if ids else ""
-        if text or ids:
-            self.emit(OmniOutput(text=text, token_ids=ids), None, None)
+        if text or ids or usage:
+            self.emit(OmniOutput(text=text, token_ids=ids, usage=usage), None, None)
 
     def _feed_talker(self, out: dict, ids: list[int]) -> None:
         if "talker_user_rows" in out:

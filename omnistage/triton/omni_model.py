@@ -163,7 +163,8 @@ class OmniModel:
             # the requests in flight (queued ones too), this one counted, choose its chunk schedule
             schedule = self.chunk_policy.for_load(len(self.clocks), options.playback)
             request = OmniRequest(session, inputs, options, self.stages, self.processor.tokenizer, schedule, emit,
-                                  on_hop, arrival=self.clocks[session].start, threads=self.threads)  # fmt: skip
+                                  on_hop, arrival=self.clocks[session].start, threads=self.threads,
+                                  prompt_tokens=self.prompt_tokens)  # fmt: skip
             self.requests[session] = request  # from here on _cancel() reaches it
             if session in self.left_while_queued:  # the client left while it was queued
                 emit(None, "abort", None)
@@ -175,7 +176,7 @@ class OmniModel:
 
     def _emit(self, session: str, output, reason, error) -> None:
         clock = self.clocks.get(session)
-        if output is not None and output.usage is not None:
+        if output is not None and output.usage is not None and reason is not None:  # a finished request's
             output.usage["replicas"] = self.stages.placement(session)
             for milestone, ms in output.usage.get("timeline_ms", {}).items():
                 if milestone in MILESTONES:

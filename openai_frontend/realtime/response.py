@@ -2,11 +2,13 @@
 # the GA response events (created, output item, content part, audio / transcript or text deltas, done).
 # Cancelling the task that runs it (response.cancel, barge-in, the client leaving) closes the backend
 # stream, which cancels the Triton request and frees every stage; the events then end with status
-# "cancelled" and the item keeps what was produced.
+# "cancelled", the item keeps what was produced, and usage counts it (the prompt as the backend reported it
+# when the thinker started, the text and audio that reached the client).
 from __future__ import annotations
 
 import asyncio
 import base64
+import math
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
@@ -17,9 +19,10 @@ from openai_frontend.errors import describe
 from openai_frontend.metrics import RequestMeter
 from openai_frontend.omni_client import OmniClient
 from openai_frontend.realtime.audio import OutputAudio
-from openai_frontend.realtime.conversation import Item
+from openai_frontend.realtime.conversation import FRAME_MS, Item
 from openai_frontend.realtime.events import new_id
 from openai_frontend.realtime.session import SessionConfig, audio_format
+from openai_frontend.usage import realtime_usage
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 _STAGE_PREFIX = ("", "talker_")  # sampling_params_list index -> omni_ensemble parameter prefix
@@ -66,6 +69,9 @@ class Response:
         self.cancel_reason = "client_cancelled"  # what a cancellation of the task means; set by who cancels
         self.first_audio_at: float | None = None  # perf_counter of the first audio delta sent
         self.task: asyncio.Task | None = None  # the task that runs it, set by whoever starts it
+        self.reported: dict[str, Any] | None = None  # the backend's latest usage report
+        self.tokens = 0  # text tokens received
+        self.audio_ms = 0.0  # audio sent
 
     async def cancel(self, reason: str) -> None:
         """Cancel it (if it still runs) and wait until its events have ended."""
@@ -105,6 +111,8 @@ class Response:
             await self._stream(client)
         except asyncio.CancelledError:  # the task was cancelled on purpose: it ends here, with its events
             self.outcome.status, self.outcome.reason = "cancelled", self.cancel_reason
+            frames = math.ceil(round(self.audio_ms, 3) / FRAME_MS)  # a frame's audio reached the client, or its part
+            self.outcome.usage = realtime_usage(self.reported, self.tokens, frames)
         except Exception as exc:  # noqa: BLE001 - the backend's error goes to the client in response.done
             status, body = describe(exc)
             self.outcome.status = "failed"
@@ -116,7 +124,6 @@ class Response:
     async def _stream(self, client: OmniClient) -> None:
         out = OutputAudio(self.plan.config.output_format) if self.item.audio_out else None
         kind = "response.output_audio_transcript.delta" if out else "response.output_text.delta"
-        tokens = 0
         if self.meter is not None:
             self.meter.start()
         chunks = client.stream(self.plan.messages, self.plan.parameters(), request_id=self.plan.id)
@@ -124,18 +131,19 @@ class Response:
             if self.meter is not None:
                 self.meter.submitted()
             async for chunk in chunks:
-                tokens += len(chunk.token_ids)
+                self.tokens += len(chunk.token_ids)
+                self.reported = chunk.usage or self.reported
                 if self.meter is not None:
                     self.meter.tokens(len(chunk.token_ids))
                 if chunk.text:
-                    self.item.pieces.append((tokens, chunk.text))
+                    self.item.pieces.append((self.tokens, chunk.text))
                     await self.send({"type": kind, **self._ids(), "delta": chunk.text})
                 if out is not None and (chunk.audio is not None or chunk.is_final):
                     data = out.encode(chunk.audio if chunk.audio is not None else [], last=chunk.is_final)
                     if data:
                         await self._audio(data, out)
                 if chunk.is_final:
-                    self.outcome.usage = usage(chunk.usage, tokens)
+                    self.outcome.usage = realtime_usage(chunk.usage, self.tokens)
                     if self.meter is not None:
                         self.meter.finish(chunk.usage)
                     length = chunk.finish_reason == "length" and self.plan.config.max_output_tokens != "inf"
@@ -149,6 +157,7 @@ class Response:
         if self.meter is not None:
             self.meter.audio(int(out.bytes_to_ms(len(data)) * 24))
         self.item.audio_ms += out.bytes_to_ms(len(data))
+        self.audio_ms += out.bytes_to_ms(len(data))
         await self.send({"type": "response.output_audio.delta", **self._ids(), "delta": base64.b64encode(data).decode()})
 
     async def _finish(self) -> None:
@@ -170,18 +179,3 @@ class Response:
             await self.send({"type": "conversation.item.done", "item": self.item.public()})
         await self.send({"type": "response.done", "response": self.public()})
 
-
-def usage(reported: dict[str, Any] | None, tokens_seen: int) -> dict[str, Any]:
-    reported = reported or {}
-    prompt = int(reported.get("prompt_tokens", 0))
-    text = int(reported.get("completion_tokens", tokens_seen))
-    frames = int(reported.get("audio_frames", 0))
-    cached = int(reported.get("cached_tokens", 0))
-    # the backend reports one prompt count, media placeholders included: all of it shows as text tokens
-    return {
-        "total_tokens": prompt + text + frames, "input_tokens": prompt, "output_tokens": text + frames,
-        "input_token_details": {"cached_tokens": cached, "text_tokens": prompt, "audio_tokens": 0, "image_tokens": 0,
-                                "cached_tokens_details": {"text_tokens": cached, "audio_tokens": 0,
-                                                          "image_tokens": 0}},
-        "output_token_details": {"text_tokens": text, "audio_tokens": frames},
-    }  # fmt: skip

@@ -3,14 +3,18 @@
 # barge-in freeing every stage, manual commits, and the prefix cache on the second turn.
 import asyncio
 import base64
+import math
 import re
 import time
 import urllib.request
 
+import numpy as np
 import pytest
 
 from omnistage.launch.render import default_spec
 from omnistage.launch.triton_env import REPO_ROOT
+from omnistage.models.checkpoint import load_config
+from omnistage.models.processor import prepare_inputs
 
 from ..triton.conftest import Launcher, RepoSpec
 from .realtime_helpers import KEY, sdk, stream_audio, until, utterance
@@ -100,20 +104,28 @@ async def test_barge_in_frees_every_stage_within_a_second(frontend, triton):
     async with sdk(frontend.url).realtime.connect(model="qwen3-omni") as conn:
         await configure(conn, ENDLESS)
         await stream_audio(conn, utterance(1.0))
-        await until(conn, "response.output_audio.delta", timeout=TURN_S)
+        seen: list = []
+        await until(conn, "response.output_audio.delta", seen, timeout=TURN_S)
         deadline = time.monotonic() + 3.0  # the gauges are published every 0.25 s: wait for the answer's slots
         while not any(held(metrics(triton)).values()):
             assert time.monotonic() < deadline, "no stage holds the endless answer while it plays"
             await asyncio.sleep(0.05)
         await stream_audio(conn, utterance(0.6, silence_s=0.0, f0=190.0))  # the user talks over the answer
-        await until(conn, "input_audio_buffer.speech_started")
+        await until(conn, "input_audio_buffer.speech_started", seen)
         started = time.monotonic()
-        done = await until(conn, "response.done")
+        done = await until(conn, "response.done", seen)
         assert done.response.status == "cancelled" and done.response.status_details.reason == "turn_detected"
         # the gauges are published every 0.25 s: the first sample after the frees shows zero everywhere
         while any((now := held(metrics(triton))).values()):
             assert time.monotonic() - started < 1.0, f"still held 1 s after speech started: {now}"
             await asyncio.sleep(0.05)
+    # the cancelled response's usage: its prompt, and the text and audio that reached the client
+    usage = done.response.usage
+    heard = sum(len(base64.b64decode(e.delta)) for e in seen if e.type == "response.output_audio.delta") // 2
+    spoken = sum(1 for e in seen if e.type == "response.output_audio_transcript.delta")
+    assert usage.input_tokens > usage.input_token_details.audio_tokens > 0
+    assert usage.output_token_details.audio_tokens == math.ceil(heard / 1920) > 0  # 1920 samples a frame
+    assert usage.output_token_details.text_tokens >= spoken > 0
 
 
 async def test_manual_commit_text_reply(frontend):
@@ -161,3 +173,33 @@ async def test_usage_counts_the_prompt_tokens_taken_from_the_prefix_cache(fronte
     cached = [u.input_token_details.cached_tokens for u in usages]
     assert cached[:2] == [0, 0] and cached[2] > 48 and cached[2] % 16 == 0, cached
     assert cached[2] < usages[2].input_tokens and usages[2].input_token_details.cached_tokens_details.text_tokens == cached[2]
+
+
+def audio_prompt_tokens(processor, tiny_checkpoint, samples_16k: int) -> int:
+    """The audio placeholder tokens the processor gives a clip of that many 16 kHz samples."""
+    pcm = base64.b64encode(np.zeros(samples_16k, "<i2").tobytes()).decode()
+    msgs = [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": pcm, "format": "pcm"}}]}]
+    ids = prepare_inputs(processor, msgs)["input_ids"]
+    return int((ids == load_config(str(tiny_checkpoint)).thinker_config.audio_token_id).sum())
+
+
+async def test_usage_counts_audio_prompt_tokens_as_audio(frontend, processor, tiny_checkpoint):
+    """Manual turns of 2 s of audio each (32,000 samples at the model's 16 kHz): input_token_details counts
+    each clip's placeholders as audio tokens, the rest as text; the second turn takes the first turn's audio
+    from the prefix cache and says so in cached_tokens_details."""
+    clip = audio_prompt_tokens(processor, tiny_checkpoint, 32000)
+    async with sdk(frontend.url).realtime.connect(model="qwen3-omni") as conn:
+        await configure(conn, SHORT, audio={"input": {"turn_detection": None}}, output_modalities=["text"])
+        usages = []
+        for f0 in (140.0, 190.0):
+            await stream_audio(conn, utterance(1.0, f0=f0))  # 0.2 s + 1.0 s + 0.8 s at 24 kHz
+            await conn.input_audio_buffer.commit()
+            await conn.response.create()
+            usages.append((await until(conn, "response.done", timeout=TURN_S)).response.usage)
+    for turn, usage in enumerate(usages, 1):
+        details = usage.input_token_details
+        assert (details.audio_tokens, details.image_tokens) == (turn * clip, 0)
+        assert details.text_tokens == usage.input_tokens - turn * clip > 0
+        cached = details.cached_tokens_details
+        assert cached.text_tokens + cached.audio_tokens + cached.image_tokens == details.cached_tokens
+    assert 0 < usages[1].input_token_details.cached_tokens_details.audio_tokens <= clip

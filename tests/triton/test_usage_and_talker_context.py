@@ -1,11 +1,12 @@
 # What a client reads about its prompt, over the real pipeline (tiny checkpoint, real tritonserver,
 # `python -m openai_frontend`, the openai SDK): a spoken request whose talker prompt and frames cannot fit
 # the talker's context is a 400 before any byte, naming the talker prompt's length as transformers'
-# generate() builds it, and served at the boundary.
+# generate() builds it, and served at the boundary; usage breaks the prompt down by modality.
 import openai
 import pytest
 
 from omnistage.launch.render import default_spec
+from omnistage.models.checkpoint import load_config
 from omnistage.launch.triton_env import REPO_ROOT
 from omnistage.models.processor import prepare_inputs
 
@@ -79,3 +80,22 @@ def test_talker_frames_beyond_its_context_are_a_400_before_any_byte(frontend, hf
         stream.close()
     assert audio.choices[0].delta.audio.data
 
+
+def test_usage_breaks_the_prompt_down_by_modality(frontend, processor, tiny_checkpoint):
+    ids = prepare_inputs(processor, CONVERSATION)["input_ids"].reshape(-1)
+    t = load_config(str(tiny_checkpoint)).thinker_config
+    audio, image = (int((ids == token).sum()) for token in (t.audio_token_id, t.image_token_id))
+    assert audio > 0 and image > 0
+    ask = dict(model="qwen3-omni", messages=CONVERSATION, modalities=["text"], max_tokens=2, temperature=0)
+    whole = client(frontend).chat.completions.create(**ask).usage
+    streamed = [c for c in client(frontend).chat.completions.create(**ask, stream=True,
+                                                                     stream_options={"include_usage": True})
+                if c.usage is not None][-1].usage  # fmt: skip
+    # a stop string cancels the backend request: the prompt's usage came with the thinker's first output
+    stopped = client(frontend).chat.completions.create(**dict(ask, max_tokens=50), stop=[" ", "a", "e", "o"])
+    assert stopped.choices[0].finish_reason == "stop"
+    for usage in (whole, streamed, stopped.usage):
+        details = usage.prompt_tokens_details
+        assert usage.prompt_tokens == ids.numel()
+        assert (details.audio_tokens, details.image_tokens) == (audio, image)
+        assert details.text_tokens == ids.numel() - audio - image
