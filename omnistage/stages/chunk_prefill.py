@@ -5,16 +5,18 @@
 # slot's positions [0, kv) read through its block table: the kept prefix and the suffix so far. Rows are
 # right-padded to the bucket's tokens (the padded positions lie past the prompt, in its last block or the
 # null block, are masked for its real tokens and are overwritten by its decode steps before anything reads
-# them); padding rows repeat row 0. The suffixes are text: MRoPE positions equal on every section, each
-# row's shifted by its rope offset (a prompt whose kept prefix holds media: its rope delta).
+# them); padding rows repeat row 0. A row's MRoPE positions come from a buffer: text rows take their slot
+# positions on every section, shifted by their rope offset (a prompt whose kept prefix holds media: its
+# rope delta); rows of a prompt with media (its pieces, long_prefill.py) take their own, and the layers run
+# through LayerSpans, which adds their deepstack rows and keeps their accept-layer rows.
 from __future__ import annotations
 
 import torch
 
-from ..models.layer_stack import run_layers
 from .cuda_graphs import GraphBank, batch_buckets, bucket_for
 from .host_copy import to_device
 from ..core.block_pool import BLOCK, blocks_for
+from .layer_spans import LayerSpans
 from .paged_kv import PagedKVCache, PagedWriter
 from .static_prefill import load_padded
 
@@ -27,10 +29,10 @@ KV_BUCKETS = (256, 512)
 class ChunkPrefill:
     def __init__(self, name: str, text_model, cache: PagedKVCache, *, max_rows: int, cuda_graphs: bool,
                  token_buckets: tuple[int, ...] = TOKEN_BUCKETS, kv_buckets: tuple[int, ...] = KV_BUCKETS,
-                 max_attended: int | None = None):  # fmt: skip
+                 max_attended: int | None = None, deepstack: int = 0, accept_layer: int | None = None):  # fmt: skip
         """token_buckets / kv_buckets: the suffix lengths and attended lengths graphs are captured for (the
         largest of each bounds what fits); max_attended: the most rows x kv positions of a step (its
-        attention's K/V copies grow with it), None: no bound."""
+        attention's K/V copies grow with it), None: no bound; deepstack / accept_layer: see LayerSpans."""
         self.text_model, self.cache = text_model, cache
         device, dtype = cache.device, cache.dtype
         hidden = text_model.norm.weight.shape[0]
@@ -42,9 +44,12 @@ class ChunkPrefill:
         self.row_buckets = batch_buckets(max_rows) if self.bank.enabled else None
         self.kv_buckets = [b for b in kv_buckets if b < self.max_kv] + [self.max_kv]
         self.embeds = torch.zeros(max_rows, self.max_tokens, hidden, dtype=dtype, device=device)
-        # slots, starts, last token, rope offsets
-        self.index = torch.zeros(4, max_rows, dtype=torch.long, device=device)
+        # slots, starts, last token
+        self.index = torch.zeros(3, max_rows, dtype=torch.long, device=device)
+        self.positions = torch.zeros(3, max_rows, self.max_tokens, dtype=torch.long, device=device)
         self.hidden_out = torch.zeros(max_rows, hidden, dtype=dtype, device=device)
+        self.spans = LayerSpans(text_model, rows=max_rows, tokens=self.max_tokens, deepstack=deepstack,
+                                accept_layer=accept_layer)  # fmt: skip
 
     def shape_for(self, rows: int, tokens: int, furthest_start: int) -> tuple[int, int, int]:
         """(rows, tokens, kv_len) a step runs at: every padded position lies below kv_len."""
@@ -64,10 +69,13 @@ class ChunkPrefill:
         return self.max_attended is None or rows * kv_len <= self.max_attended
 
     def run(self, embeds: list[torch.Tensor], slots: list[int], starts: list[int],
-            rope_offsets: list[int] | None = None) -> torch.Tensor:  # fmt: skip
+            rope_offsets: list[int] | None = None, positions: list[torch.Tensor | None] | None = None,
+            deepstack: list | None = None) -> torch.Tensor:  # fmt: skip
         """embeds: per prompt its suffix [T_i, D] on the device; starts: where each suffix begins in its slot;
-        rope_offsets: what each row adds to its slot positions for the rotary embedding (default 0).
-        Returns the normed hidden state at each suffix's last token, [n, D] (a static buffer's view)."""
+        rope_offsets: what each text row adds to its slot positions for the rotary embedding (default 0);
+        positions: a row's own MRoPE positions [3, T_i] (host), None for a text row; deepstack: a row's
+        deepstack rows (InputRows.deepstack) or None. Returns the normed hidden state at each suffix's last
+        token, [n, D] (a static buffer's view); spans.accept_out[i] holds row i's accept-layer rows."""
         n, lengths = len(embeds), [e.shape[0] for e in embeds]
         for slot, start, length in zip(slots, starts, lengths):
             self.cache.grow(slot, start + length)
@@ -75,8 +83,16 @@ class ChunkPrefill:
         rows, tokens, kv_len = self.shape_for(n, max(lengths), max(starts))
         pad = load_padded(self.embeds, embeds, rows, tokens)
         offsets = rope_offsets or [0] * n
-        index = [slots + slots[:1] * pad, starts + starts[:1] * pad, [x - 1 for x in lengths + lengths[:1] * pad],
-                 offsets + offsets[:1] * pad]
+        host = (torch.tensor(starts + starts[:1] * pad) + torch.tensor(offsets + offsets[:1] * pad))[:, None]
+        host = (host + torch.arange(tokens)[None]).expand(3, -1, -1).clone()  # [3, rows, tokens]
+        for i, p in enumerate(positions or []):
+            if p is not None:
+                host[:, i, : p.shape[1]] = p
+        host[:, n:] = host[:, :1]
+        self.positions[:, :rows, :tokens].copy_(to_device(host, self.positions.device))
+        deepstack = deepstack or [None] * n
+        self.spans.load_deepstack(deepstack + deepstack[:1] * pad)
+        index = [slots + slots[:1] * pad, starts + starts[:1] * pad, [x - 1 for x in lengths + lengths[:1] * pad]]
         self.index[:, :rows].copy_(to_device(index, self.index.device))
         self.bank.run((rows, tokens, kv_len), lambda: self._run(rows, tokens, kv_len))
         return self.hidden_out[:n]
@@ -93,16 +109,13 @@ class ChunkPrefill:
 
     def _run(self, rows: int, tokens: int, kv_len: int) -> None:
         embeds = self.embeds[:rows, :tokens]
-        slots, starts, last, offsets = (self.index[i, :rows] for i in range(4))
-        positions = starts[:, None] + torch.arange(tokens, device=embeds.device)[None, :]  # [rows, tokens]
-        rope = (positions + offsets[:, None])[None].expand(3, rows, tokens)
-        position_embeddings = self.text_model.rotary_emb(embeds, rope)
+        slots, starts, last = (self.index[i, :rows] for i in range(3))
+        position_embeddings = self.text_model.rotary_emb(embeds, self.positions[:, :rows, :tokens])
         mask, writer = attend_after_prefix(self.cache, slots, starts, tokens, kv_len)
-        hidden = run_layers(self.text_model.layers, embeds, attention_mask=mask, position_embeddings=position_embeddings,
-                            past_key_values=writer)  # fmt: skip
+        hidden = self.spans.run(embeds, attention_mask=mask, position_embeddings=position_embeddings,
+                                past_key_values=writer)  # fmt: skip
         last_hidden = hidden[torch.arange(rows, device=hidden.device), last]  # [rows, D]
         self.hidden_out[:rows].copy_(self.text_model.norm(last_hidden))
-
 
 
 def attend_after_prefix(cache: PagedKVCache, slots: torch.Tensor, starts: torch.Tensor, tokens: int,

@@ -1,4 +1,4 @@
-# Prefill of text-only prompts longer than the static prefill takes whole (chunked prefill). The engine
+# Prefill of prompts longer than the static prefill takes whole (chunked prefill). The engine
 # hands such a prompt over in pieces across steps (core/scheduler.py), each piece whole chunks of
 # CHUNK_TOKENS but its prompt's last; here a piece is cut into rows of CHUNK_TOKENS that start where the
 # previous ones end, and every row of a step runs in one ChunkPrefill forward (stages/chunk_prefill.py),
@@ -8,12 +8,17 @@
 # every CHUNK_TOKENS from the prompt's start, or from the end of the kept prefix its slot took (the prefix
 # cache's blocks, never written), so one token bucket serves every row; a row padded to it ends inside the
 # block table (usable_prefix()), and its padded positions past the prompt's blocks write to the null block.
+# A prompt with media rows comes as InputRows (media_rows.py, encoded at its first piece and kept until its
+# last): its rows carry their MRoPE positions and deepstack rows into the same forward, and the accept
+# layer's rows at its media positions come back for the talker's conditioning.
 from __future__ import annotations
 
 import torch
 
 from .chunk_prefill import ChunkPrefill
 from .cuda_graphs import length_buckets
+from .host_copy import to_device
+from .media_rows import InputRows
 from .paged_kv import PagedKVCache
 
 # Tokens per row, and the longest prompt the static prefill takes whole (runner.py): a text prompt is either
@@ -29,11 +34,13 @@ MAX_ATTENDED = 16 * 4096
 
 
 class LongPrefill:
-    def __init__(self, name: str, text_model, cache: PagedKVCache, *, max_rows: int, cuda_graphs: bool):
+    def __init__(self, name: str, text_model, cache: PagedKVCache, *, max_rows: int, cuda_graphs: bool,
+                 deepstack: int = 0, accept_layer: int | None = None):  # fmt: skip
+        """deepstack / accept_layer: the thinker's media rows (LayerSpans); the talker's prompts need neither."""
         kv_buckets = tuple(length_buckets(cache.max_len, CHUNK_TOKENS))
         self.rows = ChunkPrefill(f"{name}_long", text_model, cache, max_rows=min(max_rows, MAX_ROWS),
                                  cuda_graphs=cuda_graphs, token_buckets=(CHUNK_TOKENS,), kv_buckets=kv_buckets,
-                                 max_attended=MAX_ATTENDED)  # fmt: skip
+                                 max_attended=MAX_ATTENDED, deepstack=deepstack, accept_layer=accept_layer)  # fmt: skip
 
     def usable_prefix(self, prefix: int, length: int) -> int:
         """How much of a kept prefix of `prefix` tokens a prompt of `length` tokens takes. Its rows start every
@@ -45,20 +52,28 @@ class LongPrefill:
         last_row = prefix + (length - prefix - 1) // CHUNK_TOKENS * CHUNK_TOKENS
         return prefix if last_row + CHUNK_TOKENS <= self.rows.max_kv else prefix // CHUNK_TOKENS * CHUNK_TOKENS
 
-    def run(self, pieces: list[tuple[torch.Tensor, int, int]]) -> torch.Tensor:
-        """pieces: per prompt (embeds [T, D] of its piece on the device, its slot, where the piece starts in
-        the slot). Returns the normed hidden state at each piece's last token, [n, D]."""
-        rows = []  # (piece, embeds [<= CHUNK_TOKENS, D], slot, start)
-        for i, (embeds, slot, start) in enumerate(pieces):
-            starts = range(0, embeds.shape[0], CHUNK_TOKENS)
-            rows += [(i, embeds[t : t + CHUNK_TOKENS], slot, start + t) for t in starts]
+    def run(self, pieces: list[tuple[InputRows, int, int]]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """pieces: per prompt (its piece's rows, embeddings on the device; its slot; where the piece starts in
+        the slot). Returns the normed hidden state at each piece's last token, [n, D], and each piece's
+        accept-layer rows at its media rows ([m, D], None without media rows or an accept layer)."""
+        rows = []  # (piece, rows [<= CHUNK_TOKENS], slot, start)
+        for i, (piece, slot, start) in enumerate(pieces):
+            starts = range(0, piece.embeds.shape[0], CHUNK_TOKENS)
+            rows += [(i, piece.cut(t, t + CHUNK_TOKENS), slot, start + t) for t in starts]
         last = torch.empty(len(pieces), self.rows.hidden_out.shape[1], dtype=self.rows.hidden_out.dtype,
                            device=self.rows.hidden_out.device)  # fmt: skip
+        accepted: list[list[torch.Tensor]] = [[] for _ in pieces]
+        keep = self.rows.spans.accept_layer is not None
         for group in self._groups(rows):  # in row order: a prompt's rows stay in order
-            hidden = self.rows.run([r[1] for r in group], [r[2] for r in group], [r[3] for r in group])
-            for j, (i, *_) in enumerate(group):
+            hidden = self.rows.run([r[1].embeds for r in group], [r[2] for r in group], [r[3] for r in group],
+                                   positions=[r[1].positions for r in group],
+                                   deepstack=[r[1].deepstack for r in group])  # fmt: skip
+            for j, (i, part, *_) in enumerate(group):
                 last[i] = hidden[j]  # a piece's later rows overwrite its earlier ones: its last row stays
-        return last
+                if keep and part.media is not None and part.media.numel():
+                    where = to_device(part.media, hidden.device)
+                    accepted[i].append(self.rows.spans.accept_out[j].index_select(0, where))
+        return last, [torch.cat(a) if a else None for a in accepted]
 
     def _groups(self, rows: list[tuple]) -> list[list[tuple]]:
         """Consecutive rows cut into forwards that fit the ChunkPrefill (rows, attended positions)."""

@@ -31,10 +31,12 @@ class DecoderRunner:
 
     def __init__(self, model, config, text_config, *, max_slots: int, max_seq_len: int, device, dtype, seed: int,
                  cuda_graphs: bool, max_prefills: int, head: Callable[[torch.Tensor], torch.Tensor],
-                 embed: Callable[[torch.Tensor], torch.Tensor] | None, kv_cache_bytes: int | None = None):  # fmt: skip
+                 embed: Callable[[torch.Tensor], torch.Tensor] | None, kv_cache_bytes: int | None = None,
+                 deepstack: int = 0, accept_layer: int | None = None):  # fmt: skip
         """head: [rows, D] -> [rows, vocab] logits; embed: token ids -> input rows, None where the stage
         feeds input embeddings itself (the talker); max_seq_len: positions per sequence (its context);
-        kv_cache_bytes: the pool's budget (stages/kv_budget.py)."""
+        kv_cache_bytes: the pool's budget (stages/kv_budget.py); deepstack / accept_layer: what long
+        prompts' media rows touch in the layers (layer_spans.py), the thinker's."""
         self.model, self.config, self.device, self.dtype = model, config, torch.device(device), dtype
         self.text_config = text_config
         self.max_seq_len = max_seq_len
@@ -53,15 +55,15 @@ class DecoderRunner:
         self.static_prefill = StaticPrefill(self.STAGE, model.model, self.cache, max_rows=min(max_prefills, max_slots),
                                             max_tokens=STATIC_PREFILL_TOKENS, cuda_graphs=cuda_graphs)  # fmt: skip
         self.long_prefill = LongPrefill(self.STAGE, model.model, self.cache, max_rows=min(max_prefills, max_slots),
-                                        cuda_graphs=cuda_graphs)  # fmt: skip
+                                        cuda_graphs=cuda_graphs, deepstack=deepstack, accept_layer=accept_layer)  # fmt: skip
 
     # ---- engine hooks -------------------------------------------------------------------------------------
     def is_ready(self, seq: Sequence) -> bool:
         return True
 
     def chunk_tokens(self, seq: Sequence) -> int:
-        """The most of seq's prompt one prefill piece holds: a text-only prompt too long for the static
-        prefill goes in chunks (long_prefill.py), any other prompt whole."""
+        """The most of seq's prompt one prefill piece holds: a prompt too long for the static prefill goes in
+        chunks (long_prefill.py), any other prompt whole."""
         return CHUNK_TOKENS if self._in_chunks(seq) else self.prompt_tokens(seq)
 
     def prompt_tokens(self, seq: Sequence) -> int:
@@ -119,12 +121,8 @@ class DecoderRunner:
         raise NotImplementedError
 
     # ---- shared internals ---------------------------------------------------------------------------------
-    def _text_only(self, seq: Sequence) -> bool:
-        """The prompt has no media rows: MRoPE positions 0..L-1 in every section."""
-        raise NotImplementedError
-
     def _in_chunks(self, seq: Sequence) -> bool:
-        return self._text_only(seq) and self.prompt_tokens(seq) > self.static_prefill.max_tokens
+        return self.prompt_tokens(seq) > self.static_prefill.max_tokens
 
     def _step_states(self) -> list:
         """The slot states a decode step covers: every slot up to the highest occupied one (None: free)."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
 from ..core.engine import StepResult
 from ..core.errors import BadRequestError
@@ -18,6 +17,7 @@ from ..core.scheduler import Sequence
 from .code_predictor import CodePredictor, StaticCodePredictor
 from .host_copy import sync_current_stream, to_device, to_host
 from .conditioning import TalkerConditioning
+from .media_rows import InputRows
 from .positioned_prefill import PositionedPrefill
 from .runner import WARM_UP_STEPS, DecoderRunner
 from .talker_prompt import PromptBuilder, PromptRows, TalkerPrompt
@@ -82,10 +82,6 @@ class TalkerRunner(DecoderRunner):
     def prompt_tokens(self, seq: Sequence) -> int:
         return int(seq.payload.cond.user_ids.numel()) + 9  # user turn + assistant header and codec prefix
 
-    def _text_only(self, seq: Sequence) -> bool:
-        p: TalkerPrompt = seq.payload
-        return p.image_grid_thw is None and p.audio_feature_lengths is None and p.video_grid_thw is None
-
     def validate(self, seq: Sequence) -> None:
         p: TalkerPrompt = seq.payload
         length = self.prompt_tokens(seq)
@@ -107,11 +103,14 @@ class TalkerRunner(DecoderRunner):
 
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> list[StepResult]:
-        """The step's prompts: text-only ones that fit the static buffers together (StaticPrefill), longer
-        text-only ones in chunks, this step's piece of each (LongPrefill), the rest in one transformers
-        forward. A piece that does not end its prompt answers with a StepResult without output."""
-        long = [s for s in seqs if self._in_chunks(s)]
-        whole = [s for s in seqs if all(s is not x for x in long)]
+        """The step's prompts: those that fit the static buffers together, text-only ones through the
+        StaticPrefill, any mix with media rows through the MediaPrefill (per-row MRoPE positions); longer
+        ones, and any beyond the buffers' rows, in chunks, this step's piece of each (LongPrefill). A piece
+        that does not end its prompt answers with a StepResult without output."""
+        short = [s for s in seqs if not self._in_chunks(s)]
+        whole = short[: self.static_prefill.max_rows]
+        kept = {id(s) for s in whole}
+        long = [s for s in seqs if id(s) not in kept]
         results = self._prefill_batch(whole) if whole else []
         results, pending = (results, []) if not long else self._prefill_long(long, results)
         # frame 0 needs nothing but the prefill's codebook-0 pick: completed now, a step earlier than a decode
@@ -190,17 +189,15 @@ class TalkerRunner(DecoderRunner):
         lengths = [p.embeds.shape[0] for p in prompts]
         if all(p.text_only for p in prompts) and self.static_prefill.fits(len(seqs), max(lengths)):
             hidden = self.static_prefill.run([p.embeds for p in prompts], [s.slot for s in seqs])
-        elif self.media_prefill.fits(len(seqs), max(lengths)):
+        else:
             hidden = self.media_prefill.run([p.embeds for p in prompts], [s.slot for s in seqs],
                                             [p.positions for p in prompts])  # fmt: skip
-        else:
-            hidden = self._prefill_eager(seqs, prompts, lengths)
         return self._prefilled(seqs, prompts, hidden)
 
     def _prefill_long(self, seqs: list[Sequence], results: list[StepResult]
                       ) -> tuple[list[StepResult], list[StepResult]]:  # fmt: skip
-        """Text-only prompts too long for the static prefill: this step's piece of each (Sequence.piece)
-        through the LongPrefill, their rows built at the first piece and kept until the last. Returns
+        """Prompts too long for the static prefill: this step's piece of each (Sequence.piece) through the
+        LongPrefill, their rows (and MRoPE positions) built at the first piece and kept until the last. Returns
         `results` with those of the pieces that end their prompt, and the others' (no output). The slot of
         a prompt part-way holds a stand-in state whose length is the piece's end, so that decode steps
         meanwhile write their unused row there, where the next piece writes first."""
@@ -211,7 +208,9 @@ class TalkerRunner(DecoderRunner):
         self.long_prompts.update(zip((s.slot for s in fresh), self.prompts.build(fresh) if fresh else []))
         prompts = [self.long_prompts[s.slot] for s in seqs]
         pieces = [s.piece(p.embeds.shape[0]) for s, p in zip(seqs, prompts)]
-        last = self.long_prefill.run([(p.embeds[a:b], s.slot, a) for s, p, (a, b) in zip(seqs, prompts, pieces)])
+        rows = [InputRows(p.embeds[a:b], None if p.text_only else p.positions[:, a:b])
+                for p, (a, b) in zip(prompts, pieces)]
+        last, _ = self.long_prefill.run([(r, s.slot, a) for r, s, (a, _) in zip(rows, seqs, pieces)])
         ending = [i for i, (p, (_, b)) in enumerate(zip(prompts, pieces)) if b == p.embeds.shape[0]]
         pending = []
         for s, p, (_, b) in zip(seqs, prompts, pieces):
@@ -235,25 +234,6 @@ class TalkerRunner(DecoderRunner):
             self.slots[seq.slot] = _SlotState(p.embeds.shape[0], p.rope_delta, p.tts_eos, p.tts_pad)
             results.append(self._accept(seq, token))
         return results
-
-    def _prefill_eager(self, seqs: list[Sequence], prompts: list[PromptRows], lengths: list[int]) -> torch.Tensor:
-        """One transformers forward for all prompts of a step too long for the static buffers, right-padded
-        (causal attention never looks right, so each row's first L_i positions are its own prompt's); a lone
-        prompt runs unpadded, as generate(). Loads the slots' K/V and returns each prompt's last hidden state
-        [n, D]."""
-        batch, width = len(seqs), max(lengths)
-        embeds = torch.zeros(batch, width, self.text_config.hidden_size, dtype=self.dtype, device=self.device)
-        positions = torch.zeros(3, batch, width, dtype=torch.long)
-        mask = torch.zeros(batch, width, dtype=torch.long)
-        for i, (p, n) in enumerate(zip(prompts, lengths)):
-            embeds[i, :n], positions[:, i, :n], mask[i, :n] = p.embeds, p.positions, 1
-        positions, mask = to_device(positions, self.device), to_device(mask, self.device)
-        past = DynamicCache(config=self.text_config)
-        out = self.model.model(inputs_embeds=embeds, position_ids=positions, attention_mask=mask if batch > 1 else None,
-                               past_key_values=past, use_cache=True)  # fmt: skip
-        for i, (seq, n) in enumerate(zip(seqs, lengths)):
-            self.cache.load_prefill(seq.slot, past, row=i, length=n)
-        return out.last_hidden_state[torch.arange(batch), torch.tensor(lengths) - 1]  # [B, D]
 
     def _complete_frames(self, seqs: list[Sequence]) -> torch.Tensor:
         """The code predictor completes each sequence's next frame from its codebook 0 (self.c0, on the

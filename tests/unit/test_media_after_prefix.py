@@ -20,18 +20,18 @@ KW = {"max_slots": 6, "max_seq_len": 512, "device": "cpu", "dtype": torch.float3
 
 @pytest.fixture
 def runners(hf_model, monkeypatch):
-    """A thinker with a prefix cache whose media prefills are recorded (each run's starts) and whose eager
-    media path fails the test, a plain one (no cache: full prefills) and a talker."""
+    """A thinker with a prefix cache whose media prefills are recorded (each run's starts) and whose chunked
+    path fails the test, a plain one (no cache: full prefills) and a talker."""
     cached = ThinkerRunner(hf_model.thinker, hf_model.config, prefix_cache_bytes=8 << 20, **KW)
     cached.media_runs = []
     run = cached.media_prefill.run
 
-    def record(prompts, slots, starts=None):
+    def record(prompts, slots, starts):
         cached.media_runs.append(starts)
         return run(prompts, slots, starts)
 
     monkeypatch.setattr(cached.media_prefill, "run", record)
-    monkeypatch.setattr(cached.media_prefix, "prefill", lambda *a: pytest.fail("eager media prefill"))
+    monkeypatch.setattr(cached, "_prefill_long", lambda *a: pytest.fail("a media prompt prefilled in chunks"))
     plain = ThinkerRunner(hf_model.thinker, hf_model.config, **KW)
     return cached, plain, TalkerRunner(hf_model.talker, hf_model.config, **KW)
 
@@ -106,8 +106,8 @@ def test_a_second_turn_with_a_new_clip_prefills_after_the_first_turn(runners, hf
 @torch.inference_mode()
 def test_a_step_batches_prompts_after_a_prefix_with_fresh_media_and_text(runners, hf_model, processor):
     # One step: a new clip after a seen system prompt, a fresh image prompt and a fresh text prompt in one
-    # MediaPrefill forward; a text prompt whose kept prefix leaves only text in the ChunkPrefill. The eager
-    # media path fails the test (fixture).
+    # MediaPrefill forward; a text prompt whose kept prefix leaves only text in the ChunkPrefill. A prompt
+    # prefilled in chunks fails the test (fixture).
     cached, plain, _ = runners
     user = lambda item, text: [SYSTEM, {"role": "user", "content": [item, {"type": "text", "text": text}]}]  # noqa: E731
     seen = [SYSTEM, {"role": "user", "content": QUESTION}]

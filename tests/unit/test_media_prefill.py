@@ -9,6 +9,7 @@ from omnistage.core.block_pool import BLOCK
 from omnistage.models.processor import prepare_inputs
 from omnistage.stages.cuda_graphs import batch_buckets
 from omnistage.stages.media_prefill import MediaPrefill
+from omnistage.stages.media_rows import MediaInputs
 from omnistage.stages.paged_kv import PagedKVCache
 from omnistage.stages.static_prefill import token_buckets
 from omnistage.stages.thinker import ThinkerPrompt
@@ -32,13 +33,16 @@ def _prefill(thinker, prompts, slots, device="cpu", dtype=torch.float32, buckets
                          dtype=dtype, device=device)  # fmt: skip
     cache.k_all.fill_(7.0)  # what was there before
     cache.v_all.fill_(7.0)
-    prefill = MediaPrefill("test", thinker, cache, max_rows=4, max_tokens=128, accept_layer=3, cuda_graphs=cuda_graphs)
+    deepstack = len(thinker.config.vision_config.deepstack_visual_indexes)
+    prefill = MediaPrefill("test", thinker.model, cache, max_rows=4, max_tokens=128, deepstack=deepstack,
+                           accept_layer=3, cuda_graphs=cuda_graphs)  # fmt: skip
     if buckets:
         prefill.row_buckets, prefill.token_buckets = buckets
     prefill.capture_all()
-    hidden, deltas = prefill.run(prompts, slots)
+    rows = MediaInputs(thinker).rows(prompts, [0] * len(prompts))
+    hidden = prefill.run(rows, slots, [0] * len(prompts))
     accept = [prefill.accept_out[i, : p.input_ids.numel()].clone() for i, p in enumerate(prompts)]
-    return hidden.clone(), deltas, accept, cache
+    return hidden.clone(), [r.rope_delta for r in rows], accept, cache
 
 
 @torch.inference_mode()
@@ -76,10 +80,7 @@ def test_placeholder_counts_that_differ_from_the_media_are_refused(hf_model, pro
 
     from omnistage.core.errors import BadRequestError
 
-    cfg = hf_model.config.thinker_config.text_config
-    cache = PagedKVCache(cfg.num_hidden_layers, 2, cfg.num_key_value_heads, cfg.head_dim, num_blocks=40, max_len=256,
-                         dtype=torch.float32, device="cpu")  # fmt: skip
-    prefill = MediaPrefill("test", hf_model.thinker, cache, max_rows=2, max_tokens=128, accept_layer=3, cuda_graphs=False)
+    prefill = MediaInputs(hf_model.thinker)
     for prompt in _prompts(processor):
         prefill.validate(prompt)  # as the processor makes them
         placeholder = hf_model.config.thinker_config.audio_token_id if prompt.input_features is not None else \

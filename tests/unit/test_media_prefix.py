@@ -149,11 +149,11 @@ def test_a_step_of_prompts_with_seen_media_prefills_their_text_together(hf_model
     params = SamplingParams(max_tokens=REPLY)
     # first sightings: media prompts keep their blocks at once, text-only ones on their second sighting
     _run_together(runner, [running(f"a{i}", params, _prompt(x), slot=i) for i, x in enumerate(inputs + inputs[3:])])
-    assert runner.media_prefill.rope_index(_prompt(inputs[1]))[1] != 0
+    assert runner.media.rope_index(_prompt(inputs[1]))[1] != 0
     calls = []
     chunk_run = runner.chunk_prefill.run
     runner.chunk_prefill.run = lambda embeds, *a: calls.append(len(embeds)) or chunk_run(embeds, *a)
-    runner.media_prefill.run = runner.media_prefix.prefill = None  # neither may run: the media are in the cache
+    runner.media_prefill.run = runner.long_prefill.run = runner.media.rows = None  # the media are in the cache
     hits_before = runner.prefix.hit_tokens
     seqs = [running(f"b{i}", params, _prompt(x), slot=5 - i) for i, x in enumerate(inputs)]
     for s in seqs:  # admission digests the media, so the step hashes nothing

@@ -92,7 +92,7 @@ def test_talker_prefills_prompts_of_different_kinds_and_lengths_together(hf_mode
     kw = dict(max_slots=4, max_seq_len=512, device="cpu", dtype=torch.float32)
     thinker = ThinkerRunner(hf_model.thinker, hf_model.config, **kw)
     talker = TalkerRunner(hf_model.talker, hf_model.config, **kw)
-    monkeypatch.setattr(talker, "_prefill_eager", lambda *a: pytest.fail("eager talker prefill"))
+    monkeypatch.setattr(talker, "_prefill_long", lambda *a: pytest.fail("a talker prompt prefilled in chunks"))
     seqs, want = [], {}
     for i, (kind, text) in enumerate([("text", "Say hello!"), ("image", "Say hello!"), ("audio", "Answer it."),
                                       ("text", "Please read this much longer sentence out loud, slowly.")]):  # fmt: skip
@@ -187,8 +187,8 @@ def test_a_warmed_up_runner_serves_as_a_fresh_one(hf_model, processor, monkeypat
     talker = TalkerRunner(hf_model.talker, hf_model.config, **kw)
     encoded, media_rows = [], []
     for name in ("audio", "vision"):
-        encoder = getattr(thinker.media_prefill, name)
-        monkeypatch.setattr(thinker.media_prefill, name, lambda *a, _e=encoder: encoded.append(_e) or _e(*a))
+        encoder = getattr(thinker.media, name)
+        monkeypatch.setattr(thinker.media, name, lambda *a, _e=encoder: encoded.append(_e) or _e(*a))
     spy = lambda f: lambda *a: media_rows.append(a[0].payload.cond.user_is_mm.sum()) or f(*a)  # noqa: E731
     monkeypatch.setattr(talker.prompts, "_media", spy(talker.prompts._media))
     thinker.warm_up()

@@ -43,7 +43,7 @@ def test_padded_static_path_matches_generate(hf_model, processor):
     pad_to_buckets(talker.decoder, [8], [512])
     # the prompt prefills as row 0 of 4 (rows 1-3 repeat it into the same slot), right-padded to 512 tokens
     talker.static_prefill.row_buckets, talker.static_prefill.token_buckets = [4], [512]
-    talker._prefill_eager = None  # a text prompt must not take the eager path
+    talker._prefill_long = None  # a text prompt must take the static prefill
     hidden = hf_model.config.talker_config.text_config.hidden_size
     talker.static_predictor = StaticCodePredictor(talker.predictor, 8, hidden, cuda_graphs=False)
     talker.static_predictor.buckets = [4, 8]
