@@ -109,3 +109,139 @@ def test_thinker_and_talker_match_generate_on_a_video(with_audio, clip, hf_model
                       inputs["video_grid_thw"], inputs["video_second_per_grid"])  # fmt: skip
     codes, _ = run_talker(talker, running("a", SamplingParams(max_tokens=FRAMES, repetition_penalty=1.05), tp, 0))
     assert torch.equal(codes, want_codes)
+
+
+def _thinker_prompt(inputs: dict, with_audio: bool) -> ThinkerPrompt:
+    return ThinkerPrompt(inputs["input_ids"][0], inputs.get("pixel_values"), inputs.get("image_grid_thw"),
+                         inputs.get("input_features"), inputs.get("feature_attention_mask"), export_talker=True,
+                         pixel_values_videos=inputs.get("pixel_values_videos"), video_grid_thw=inputs.get("video_grid_thw"),
+                         video_second_per_grid=inputs.get("video_second_per_grid"), use_audio_in_video=with_audio)  # fmt: skip
+
+
+def _talker_codes(talker, out, inputs: dict, slot: int) -> torch.Tensor:
+    lengths = inputs["feature_attention_mask"].sum(-1) if "feature_attention_mask" in inputs else None
+    tp = TalkerPrompt(out.talker, 2302, list(out.text_rows.unbind(0)), True, inputs.get("image_grid_thw"), lengths,
+                      inputs.get("video_grid_thw"), inputs.get("video_second_per_grid"))  # fmt: skip
+    codes, _ = run_talker(talker, running(f"a{slot}", SamplingParams(max_tokens=FRAMES, repetition_penalty=1.05), tp, slot))
+    return codes
+
+
+def _decode_all(runner, results) -> dict:
+    outs = {}
+    while True:
+        for r in results:
+            if r.output is not None:
+                rid = r.seq.request_id
+                outs[rid] = outs[rid].merge(r.output) if rid in outs else r.output
+        going = [r.seq for r in results if r.finish_reason is None]
+        if not going:
+            return outs
+        results = runner.decode(going)
+
+
+def test_videos_with_and_without_their_audio_prefill_in_one_step_with_audio_and_text(clip, hf_model, processor,
+                                                                                      monkeypatch):  # fmt: skip
+    """One thinker prefill step of a video with its audio track, the same video without it, an audio prompt
+    and a text prompt: one MediaPrefill forward over all four rows, one call per encoder (the frames of
+    both videos in one vision call, the track and the clip in one audio call), no prompt in chunks; each
+    prompt's text tokens and codec codes equal generate()'s for it alone."""
+    cases = [(prepare_inputs(processor, _messages(clip), use_audio_in_video=True), True),
+             (prepare_inputs(processor, _messages(clip, "Describe the frames.")), False),
+             (prepare_inputs(processor, oracle.messages("audio")), False),
+             (prepare_inputs(processor, oracle.messages("text")), False)]  # fmt: skip
+    kw = dict(max_slots=5, max_seq_len=1024, device="cpu", dtype=torch.float32)
+    thinker = ThinkerRunner(hf_model.thinker, hf_model.config, **kw)
+    assert all(x["input_ids"].shape[1] <= thinker.media_prefill.max_tokens for x, _ in cases)
+    calls = {"rows": [], "audio": 0, "vision": 0}
+    run = thinker.media_prefill.run
+    monkeypatch.setattr(thinker.media_prefill, "run", lambda rows, *a: calls["rows"].append(len(rows)) or run(rows, *a))
+    for name in ("audio", "vision"):
+        encoder = getattr(thinker.media, name)
+        monkeypatch.setattr(thinker.media, name, lambda *a, _e=encoder, _n=name: calls.update({_n: calls[_n] + 1}) or _e(*a))
+    monkeypatch.setattr(thinker, "_prefill_long", lambda seqs: pytest.fail("a prompt prefilled in chunks"))
+    seqs = [running(f"t{i}", SamplingParams(max_tokens=REPLY), _thinker_prompt(x, a), slot=i + 1)
+            for i, (x, a) in enumerate(cases)]  # fmt: skip
+    for s in seqs:
+        thinker.validate(s)
+    outs = _decode_all(thinker, thinker.prefill(seqs))
+    assert calls == {"rows": [4], "audio": 1, "vision": 1}
+    talker = TalkerRunner(hf_model.talker, hf_model.config, **kw)
+    for i, (x, with_audio) in enumerate(cases):
+        want_text, want_codes, _ = oracle.generate(hf_model, dict(x, use_audio_in_video=with_audio), REPLY, FRAMES)
+        assert outs[f"t{i}"].token_ids == want_text, i
+        assert torch.equal(_talker_codes(talker, outs[f"t{i}"], x, 0), want_codes), i
+
+
+def test_the_same_video_twice_is_served_from_the_prefix_cache(clip, hf_model, processor, monkeypatch):
+    """A second request with the same video (and its track) encodes nothing: its kept prefix holds every
+    media row (the question after the video fills the block where it ends), only its text tail prefills
+    (ChunkPrefill), it reports the cached tokens, and its reply and codec codes equal generate()'s."""
+    question = "What happens here? Describe every moving part of the picture, frame by frame, in detail."
+    inputs = prepare_inputs(processor, _messages(clip, question), use_audio_in_video=True)
+    want_text, want_codes, _ = oracle.generate(hf_model, dict(inputs, use_audio_in_video=True), REPLY, FRAMES)
+    kw = dict(max_slots=3, max_seq_len=1024, device="cpu", dtype=torch.float32)
+    thinker = ThinkerRunner(hf_model.thinker, hf_model.config, prefix_cache_bytes=8 << 20, **kw)
+    first = running("first", SamplingParams(max_tokens=REPLY), _thinker_prompt(inputs, True), slot=1)
+    thinker.validate(first)
+    out, _ = run_thinker(thinker, first)
+    assert out.token_ids == want_text and out.cached_tokens == 0
+    thinker.release(first)
+    monkeypatch.setattr(thinker.media, "rows", lambda *a: pytest.fail("the same video encoded again"))
+    chunks = []
+    chunk_run = thinker.chunk_prefill.run
+    monkeypatch.setattr(thinker.chunk_prefill, "run", lambda embeds, *a: chunks.append(len(embeds)) or chunk_run(embeds, *a))
+    second = running("second", SamplingParams(max_tokens=REPLY), _thinker_prompt(inputs, True), slot=2)
+    thinker.validate(second)
+    out, _ = run_thinker(thinker, second)
+    assert chunks == [1]
+    last_video = inputs["input_ids"][0].tolist()[::-1].index(VIDEO_PAD)
+    assert out.cached_tokens > inputs["input_ids"].shape[1] - 1 - last_video  # past the video's last row
+    assert out.token_ids == want_text
+    talker = TalkerRunner(hf_model.talker, hf_model.config, **kw)
+    assert torch.equal(_talker_codes(talker, out, inputs, 0), want_codes)
+
+
+def test_a_video_longer_than_the_media_buffers_prefills_in_pieces_beside_a_text_stream(hf_model, processor):
+    """A video with its audio track longer than the media buffers goes in pieces of whole chunks (its frames,
+    its track's rows and their deepstack rows cut between steps), a short text stream decoding between them;
+    the video's reply and codec codes (its talker prompt in pieces too) and the stream's reply equal
+    generate()'s. Sent again, it starts after the blocks its first prefill kept, the media whole in them."""
+    from omnistage.stages.long_prefill import CHUNK_TOKENS
+
+    from .test_chunked_prefill import RUNNER, serve
+
+    long_clip = make_video(seconds=4.0, fps=10, width=96, height=64, audio=True, seed=3)
+    question = "What happens here? Describe every moving part of the picture, frame by frame, in detail."
+    inputs = prepare_inputs(processor, _messages(long_clip, question), use_audio_in_video=True)
+    n = inputs["input_ids"].shape[1]
+    assert CHUNK_TOKENS < n < 2 * CHUNK_TOKENS
+    short = prepare_inputs(processor, oracle.messages("text"))
+    thinker = ThinkerRunner(hf_model.thinker, hf_model.config, prefix_cache_bytes=8 << 20, **RUNNER)
+    got, steps = serve(thinker, CHUNK_TOKENS, [
+        ("short", SamplingParams(max_tokens=2 * REPLY, ignore_eos=True), ThinkerPrompt(short["input_ids"][0])),
+        ("video", SamplingParams(max_tokens=REPLY, ignore_eos=True), _thinker_prompt(inputs, True)),
+    ])  # fmt: skip
+    assert steps.pieces("video") == [(0, CHUNK_TOKENS), (CHUNK_TOKENS, n)]
+    assert steps.decodes_between_pieces("video", "short") == [1]
+    want_text, want_codes, _ = oracle.generate(hf_model, dict(inputs, use_audio_in_video=True), REPLY, FRAMES)
+    assert got["video"].token_ids == want_text and got["video"].cached_tokens == 0
+    assert got["short"].token_ids == oracle.generate(hf_model, short, 2 * REPLY, FRAMES)[0]
+
+    again, steps = serve(thinker, CHUNK_TOKENS, [
+        ("video", SamplingParams(max_tokens=REPLY, ignore_eos=True), _thinker_prompt(inputs, True)),
+    ])  # fmt: skip
+    cached = again["video"].cached_tokens
+    last_media = max(i for i, t in enumerate(inputs["input_ids"][0].tolist()) if t in (VIDEO_PAD, AUDIO_PAD))
+    assert cached > last_media and steps.pieces("video") == [(cached, n)]
+    assert again["video"].token_ids == want_text
+    torch.testing.assert_close(again["video"].talker.user_rows, got["video"].talker.user_rows, rtol=1e-4, atol=1e-5)
+
+    talker = TalkerRunner(hf_model.talker, hf_model.config, **RUNNER)
+    out = got["video"]
+    prompt = TalkerPrompt(out.talker, 2302, list(out.text_rows.unbind(0)), True, None,
+                          inputs["feature_attention_mask"].sum(-1), inputs["video_grid_thw"],
+                          inputs["video_second_per_grid"])  # fmt: skip
+    codes, steps = serve(talker, CHUNK_TOKENS, [("video", SamplingParams(max_tokens=FRAMES, repetition_penalty=1.05),
+                                                 prompt)])  # fmt: skip
+    assert len(steps.pieces("video")) == 2
+    assert torch.equal(codes["video"].codes, want_codes)
