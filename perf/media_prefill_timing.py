@@ -1,7 +1,6 @@
 # Thinker prefill of W3 (5 s speech clip + instruction) and W4 (448x448 image + question) prompts in-process
 # (no Triton), full-size config with dummy bf16 weights: each prompt alone through transformers' thinker
-# forward (the per-request path the runner keeps for prompts over the media prefill's limits) against one
-# batched media prefill step (stages/media_prefill.py), eager and with CUDA graphs, at several prompt counts;
+# forward against one batched media prefill step (stages/media_prefill.py), eager and with CUDA graphs, at several prompt counts;
 # the encoders alone, transformers per item against one batched call; and whether the batched step picks
 # the per-request path's first tokens. Writes JSON to argv[1].
 #
@@ -50,11 +49,26 @@ def sequences(prompts: list[ThinkerPrompt]) -> list[Sequence]:
 
 
 def first_tokens(runner: ThinkerRunner, prompts: list[ThinkerPrompt], batched: bool) -> list[int]:
+    """Each prompt's greedy first token: batched, from one runner prefill step; else from transformers'
+    thinker forward over each prompt alone."""
+    if not batched:
+        return [transformers_first_token(runner.model, p, runner.device) for p in prompts]
     seqs = sequences(prompts)
-    results = runner.prefill(seqs) if batched else [runner.media_prefix.prefill(s, None) for s in seqs]
+    results = runner.prefill(seqs)
     for s in seqs:
         runner.release(s)
     return [r.output.token_ids[0] for r in results]
+
+
+@torch.inference_mode()
+def transformers_first_token(thinker, p: ThinkerPrompt, device) -> int:
+    dtype = thinker.dtype
+    move = lambda t, cast=False: None if t is None else t.to(device, dtype) if cast else t.to(device)  # noqa: E731
+    ids = move(p.input_ids)[None]
+    logits = thinker(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=move(p.pixel_values, True),
+                     image_grid_thw=move(p.image_grid_thw), input_features=move(p.input_features, True),
+                     feature_attention_mask=move(p.feature_attention_mask)).logits  # fmt: skip
+    return int(logits[0, -1].argmax())
 
 
 def encoder_times(report: dict, name: str, thinker, inputs: list[dict], device) -> None:
