@@ -111,6 +111,21 @@ def test_thinker_and_talker_match_generate_on_a_video(with_audio, clip, hf_model
     assert torch.equal(codes, want_codes)
 
 
+def test_video_placeholder_counts_that_differ_from_its_grid_are_refused(clip, hf_model, processor):
+    """A video prompt whose video (or track) placeholder count is not its media's token count is the
+    client's error, found at admission (ThinkerRunner.validate), before any step runs it."""
+    from dataclasses import replace
+
+    inputs = prepare_inputs(processor, _messages(clip), use_audio_in_video=True)
+    thinker = ThinkerRunner(hf_model.thinker, hf_model.config, max_slots=2, max_seq_len=1024, device="cpu",
+                            dtype=torch.float32)  # fmt: skip
+    prompt = _thinker_prompt(inputs, True)
+    thinker.validate(running("ok", SamplingParams(max_tokens=REPLY), prompt, slot=0))  # as the processor makes it
+    for token, what in ((VIDEO_PAD, "video"), (AUDIO_PAD, "audio")):
+        extra = replace(prompt, input_ids=torch.cat([prompt.input_ids, torch.tensor([token])]))
+        with pytest.raises(BadRequestError, match=f"placeholder tokens for .* {what} tokens"):
+            thinker.validate(running("bad", SamplingParams(max_tokens=REPLY), extra, slot=0))
+
 def _thinker_prompt(inputs: dict, with_audio: bool) -> ThinkerPrompt:
     return ThinkerPrompt(inputs["input_ids"][0], inputs.get("pixel_values"), inputs.get("image_grid_thw"),
                          inputs.get("input_features"), inputs.get("feature_attention_mask"), export_talker=True,
