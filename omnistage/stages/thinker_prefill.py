@@ -67,16 +67,17 @@ class ThinkerPrefill:
         media = [s for s in media if id(s) not in served][:rows]
         joined = media + fresh[: rows - len(media)] if media else []
         ran, starts = self._fit_media(joined, kept)
-        served |= {id(s) for s in ran}
-        fresh = [s for s in fresh if id(s) not in {id(j) for j in joined}]
-        served |= {id(s) for s in fresh}
-        long = [s for s in seqs if id(s) not in served]
+        in_joined = {id(s) for s in joined}
+        fresh = [s for s in fresh if id(s) not in in_joined]
+        served |= {id(s) for s in ran + fresh}
+        long = [s for s in seqs if id(s) not in served]  # in pieces, or whole where no batched path took it
         # one call per encoder for the step's media: the batched prompts' and long media prompts' first pieces
         first = [s for s in long if not s.payload.is_text_only and s.slot not in self.long_media]
         first_starts = [s.piece(self.prompt_tokens(s))[0] for s in first]
         encoded = self.media.rows([s.payload for s in ran + first], starts + first_starts) if ran or first else []
-        for s, a, r in zip(first, first_starts, encoded[len(ran) :]):
-            match = taken.get(id(s)) or (self.media_prefix.match(s.payload) if self.prefix else None)
+        for s, a, r in zip(first, first_starts, encoded[len(ran) :]):  # the blocks to keep once it is in
+            match = taken[id(s)] if id(s) in taken else kept[id(s)] if id(s) in kept else (
+                self.media_prefix.match(s.payload) if self.prefix else None)  # fmt: skip
             self.long_media[s.slot] = LongMedia(r, a, match)
         results = self._prefill_after_prefix(hits, found | covered) if hits else []
         results += self._prefill_static(fresh) if fresh else []
