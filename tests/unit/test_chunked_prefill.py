@@ -178,6 +178,19 @@ def test_long_prefill_graphs_in_pieces_equal_one_eager_pass_on_cuda(tiny_checkpo
     """As served on CUDA (bf16, graphs, rows padded to the chunk): a long prompt prefilled in two pieces
     leaves the K/V of the prompt prefilled whole at exact sizes without graphs in its slot, within bf16
     rounding, and picks the same token."""
+    prompt = ThinkerPrompt(long_inputs["input_ids"][0])
+    result, whole, graphs, eager = pieces_as_graphs_and_whole_eager_on_cuda(tiny_checkpoint, prompt)
+    n = prompt.input_ids.numel()
+    assert result.output.token_ids == whole.output.token_ids
+    got, want = graphs.cache.read(1, n), eager.cache.read(1, n)
+    for g, w in zip(got[0] + got[1], want[0] + want[1]):
+        torch.testing.assert_close(g, w, rtol=0.05, atol=0.05)
+
+
+def pieces_as_graphs_and_whole_eager_on_cuda(tiny_checkpoint, prompt: ThinkerPrompt) -> tuple:
+    """A long prompt prefilled in slot 1 of two bf16 thinker runners on CUDA: one replaying graphs, in two
+    pieces as the scheduler hands them over (a chunk, then the rest), one eager at exact sizes, whole.
+    Returns the last piece's and the whole prefill's StepResult, and the two runners (graphed, eager)."""
     from omnistage.models.checkpoint import load_config, load_stage
 
     config = load_config(str(tiny_checkpoint))
@@ -186,16 +199,14 @@ def test_long_prefill_graphs_in_pieces_equal_one_eager_pass_on_cuda(tiny_checkpo
     kw = dict(max_slots=2, max_seq_len=2000, device="cuda", dtype=torch.bfloat16)
     graphs, eager = ThinkerRunner(model, config, cuda_graphs=True, **kw), ThinkerRunner(model, config, **kw)
     graphs.capture_graphs()
-    prompt = ThinkerPrompt(long_inputs["input_ids"][0])
     n = prompt.input_ids.numel()
-    pieced = Sequence("g", SamplingParams(max_tokens=REPLY), prompt, slot=1)
+    pieced, whole = (Sequence(name, SamplingParams(max_tokens=REPLY), prompt, slot=1) for name in "gw")
+    graphs.validate(pieced)
+    eager.validate(whole)
     pieced.prompt_len = n
-    for end in (CHUNK_TOKENS, n):  # as the scheduler hands them over: a chunk, then the rest
+    for end in (CHUNK_TOKENS, n):
         pieced.chunk, pieced.prefilled = end - pieced.prefilled, end
         [result] = graphs.prefill([pieced])
         assert (result.output is None) == (end < n)
-    [whole] = eager.prefill([Sequence("e", SamplingParams(max_tokens=REPLY), prompt, slot=1)])
-    assert result.output.token_ids == whole.output.token_ids
-    got, want = graphs.cache.read(1, n), eager.cache.read(1, n)
-    for g, w in zip(got[0] + got[1], want[0] + want[1]):
-        torch.testing.assert_close(g, w, rtol=0.05, atol=0.05)
+    [want] = eager.prefill([whole])
+    return result, want, graphs, eager

@@ -268,30 +268,13 @@ def test_long_video_pieces_as_graphs_equal_one_eager_pass_on_cuda(tiny_checkpoin
     """As served on CUDA (bf16, graphs, rows padded to the chunk): a video with its track longer than the media
     buffers, prefilled in two pieces, leaves in its slot the K/V and gives the first token and the talker's
     media rows of the prompt prefilled in one piece at exact sizes without graphs, within bf16 rounding."""
-    from omnistage.core.scheduler import Sequence
-    from omnistage.models.checkpoint import load_config, load_stage
-    from omnistage.stages.long_prefill import CHUNK_TOKENS
+    from .test_chunked_prefill import pieces_as_graphs_and_whole_eager_on_cuda
 
-    config = load_config(str(tiny_checkpoint))
-    model = load_stage(str(tiny_checkpoint), "thinker", dtype=torch.bfloat16, device="cuda",
-                       experts_implementation="gather_or_grouped")  # fmt: skip
-    kw = dict(max_slots=2, max_seq_len=2000, device="cuda", dtype=torch.bfloat16)
-    graphs, eager = ThinkerRunner(model, config, cuda_graphs=True, **kw), ThinkerRunner(model, config, **kw)
-    graphs.capture_graphs()
     long_clip = make_video(seconds=4.0, fps=10, width=96, height=64, audio=True, seed=3)
     inputs = prepare_inputs(processor, _messages(long_clip), use_audio_in_video=True)
     prompt = _thinker_prompt(inputs, True)
     n = prompt.input_ids.numel()
-    pieced = Sequence("g", SamplingParams(max_tokens=REPLY), prompt, slot=1)
-    pieced.prompt_len = n
-    graphs.validate(pieced)
-    for end in (CHUNK_TOKENS, n):  # as the scheduler hands them over: a chunk, then the rest
-        pieced.chunk, pieced.prefilled = end - pieced.prefilled, end
-        [result] = graphs.prefill([pieced])
-        assert (result.output is None) == (end < n)
-    whole = Sequence("e", SamplingParams(max_tokens=REPLY), _thinker_prompt(inputs, True), slot=1)
-    eager.validate(whole)
-    [want] = eager.prefill([whole])
+    result, want, graphs, eager = pieces_as_graphs_and_whole_eager_on_cuda(tiny_checkpoint, prompt)
     assert result.output.token_ids == want.output.token_ids
     torch.testing.assert_close(result.output.talker.user_rows, want.output.talker.user_rows, rtol=0.05, atol=0.05)
     got, ref = graphs.cache.read(1, n), eager.cache.read(1, n)
