@@ -88,6 +88,8 @@ class TalkerRunner(DecoderRunner):
         seq.params = seq.params.fit_to_context(length, self.context - 1)  # -1: the frame after the last one's
         if not p.text:
             raise BadRequestError("talker start needs at least one text row")
+        if p.has_media:
+            p.rope = self.prompts.rope_index(p)
 
     def is_ready(self, seq: Sequence) -> bool:
         state = self.slots[seq.slot]

@@ -23,6 +23,13 @@ class TalkerPrompt:
     audio_feature_lengths: torch.Tensor | None = None
     video_grid_thw: torch.Tensor | None = None
     video_second_per_grid: torch.Tensor | None = None
+    # MRoPE positions [3, L] and rope delta of a media prompt, derived at admission (PromptBuilder.rope_index,
+    # on the caller's thread) so that the engine's steps do not walk get_rope_index's host loops while others wait
+    rope: tuple[torch.Tensor, int] | None = None
+
+    @property
+    def has_media(self) -> bool:
+        return not (self.image_grid_thw is None and self.audio_feature_lengths is None and self.video_grid_thw is None)
 
     def append(self, rows: torch.Tensor | None, end: bool) -> None:
         if rows is not None and rows.numel():
@@ -73,20 +80,24 @@ class PromptBuilder:
         first_text = t.text_projection(to_device(p.text[0], self.device).to(self.dtype)[None])
         embeds = torch.cat([user_part, self._assistant_rows(special[None], first_text[None], [seq])[0]])  # [L, D]
         tts_eos, tts_pad = special[4], special[5]
-        ids = torch.cat([cond.user_ids.cpu(), torch.full((9,), self.tts_pad_id)])[None]
-        # generate() hands the talker the grids but not use_audio_in_video: its positions count video and audio
-        # rows apart even where the thinker's interleave them. On the host, as the ids and grids are: its
-        # loops read values one by one
-        positions, deltas = t.get_rope_index(
+        positions, delta = p.rope if p.rope is not None else self.rope_index(p)
+        return PromptRows(embeds, positions, delta, tts_eos, tts_pad, False)
+
+    def rope_index(self, p: TalkerPrompt) -> tuple[torch.Tensor, int]:
+        """MRoPE positions [3, L] and rope delta of a media prompt's rows (user turn and the 9 assistant rows).
+        generate() hands the talker the grids but not use_audio_in_video: its positions count video and audio
+        rows apart even where the thinker's interleave them. On the host, as the ids and grids are: its loops
+        read values one by one."""
+        ids = torch.cat([p.cond.user_ids.cpu(), torch.full((9,), self.tts_pad_id)])[None]
+        positions, deltas = self.model.get_rope_index(
             ids, _host(p.image_grid_thw), _host(p.video_grid_thw), torch.ones_like(ids), False,
             _host(p.audio_feature_lengths), _host(p.video_second_per_grid),
         )  # fmt: skip
-        return PromptRows(embeds, positions[:, 0], int(deltas.reshape(-1)[0]), tts_eos, tts_pad, False)
+        return positions[:, 0], int(deltas.reshape(-1)[0])
 
     def build(self, seqs: list[Sequence]) -> list[PromptRows]:
         """Every sequence's prompt rows: text-only prompts together (_text_only), media ones one by one."""
-        plain = [s for s in seqs if s.payload.image_grid_thw is None and s.payload.audio_feature_lengths is None
-                 and s.payload.video_grid_thw is None]  # fmt: skip
+        plain = [s for s in seqs if not s.payload.has_media]
         batched = dict(zip(map(id, plain), self._text_only(plain))) if plain else {}
         return [batched[id(s)] if id(s) in batched else self._media(s) for s in seqs]
 
