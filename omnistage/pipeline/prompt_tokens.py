@@ -44,9 +44,14 @@ class PromptTokens:
         return int((role == self.user).sum()) + TALKER_ASSISTANT_ROWS
 
 
-def check_talker_context(rows: int, talker_parameters: dict, context: int) -> None:
-    """Raises the talker's own context 400 for a talker prompt of `rows` rows: the frames a request asks
-    for (talker_max_tokens) must fit beside its prompt; without them, the talker cuts its default to
-    the room left, as the thinker does."""
-    params = sampling_from_parameters(talker_parameters, SamplingParams())
-    params.fit_to_context(rows, context - 1, stage="talker")  # -1: the frame after the last one's
+def check_contexts(ids: torch.Tensor, options, thinker_context: int, talker_context: int, tokens: PromptTokens) -> None:
+    """Raises the context 400 a stage would raise for this prompt (ids [L]), the thinker's first, then for a
+    spoken request the talker's: the tokens a request asks for must fit beside its prompt; without them, a
+    stage cuts its default to the room left. The stages check again (their own contract); here it comes
+    before the thinker starts, so a spoken reply never fails half-way for want of talker context."""
+    thinker = sampling_from_parameters(options.thinker_parameters, SamplingParams())
+    thinker.fit_to_context(int(ids.numel()), thinker_context)
+    if options.want_audio:
+        talker = sampling_from_parameters(options.talker_parameters, SamplingParams())
+        # -1: the frame after the last one's
+        talker.fit_to_context(tokens.talker_prompt_rows(ids), talker_context - 1, stage="talker")

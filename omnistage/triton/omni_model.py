@@ -21,7 +21,7 @@ from ..models.checkpoint import load_config
 from ..models import media
 from ..models.processor import load_processor, prepare_inputs
 from ..pipeline.options import OmniOptions
-from ..pipeline.prompt_tokens import PromptTokens, check_talker_context
+from ..pipeline.prompt_tokens import PromptTokens, check_contexts
 from ..pipeline.request import OmniOutput, OmniRequest, thinker_inputs
 from .bls import BlsStageClient
 from .iterator_reaper import IteratorReaper
@@ -58,10 +58,11 @@ class OmniModel:
         media.configure(media.MediaLimits.from_parameters(params))
         self.speakers = {k.lower() for k in self.config.talker_config.speaker_id}
         self.prompt_tokens = PromptTokens.from_config(self.config)
-        # the talker's context as its runner has it (max_seq_len, capped by the checkpoint): a spoken request
-        # whose talker prompt and frames cannot fit is refused before its thinker starts
-        self.talker_context = min(int(params.get("talker_max_seq_len", 1024)),
-                                  self.config.talker_config.text_config.max_position_embeddings)  # fmt: skip
+        # the stages' contexts as their runners have them (max_seq_len, capped by the checkpoint): a request
+        # that cannot fit either is refused before its thinker starts (pipeline/prompt_tokens.py)
+        thinker, talker = self.config.thinker_config.text_config, self.config.talker_config.text_config
+        self.contexts = (min(int(params.get("max_prompt_tokens", 1024)), thinker.max_position_embeddings),
+                         min(int(params.get("talker_max_seq_len", 1024)), talker.max_position_embeddings))
         chunk_frames = int(params.get("chunk_frames", 25))
         light = params.get("light_first_chunk_frames")
         self.chunk_policy = ChunkPolicy(ChunkSchedule(int(params.get("first_chunk_frames", 4)), chunk_frames),
@@ -150,9 +151,7 @@ class OmniModel:
         with self.admission.turn():
             try:
                 inputs = thinker_inputs(prepare_inputs(self.processor, messages, options.use_audio_in_video))
-                if options.want_audio:
-                    rows = self.prompt_tokens.talker_prompt_rows(inputs["input_ids"])
-                    check_talker_context(rows, options.talker_parameters, self.talker_context)
+                check_contexts(inputs["input_ids"], options, *self.contexts, self.prompt_tokens)
             except OmniError as e:
                 emit(None, None, e)
                 return
