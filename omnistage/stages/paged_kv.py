@@ -137,6 +137,7 @@ class DecodeStepCache:
                  mask: torch.Tensor | None):  # fmt: skip
         self.cache, self.rows, self.kv_len, self.mask = cache, rows, kv_len, mask
         self.positions = positions  # [rows] long, on the cache device
+        self.lengths = positions + 1  # what each row attends to: one kernel per step, not one per layer
         self.row_index = torch.arange(rows, device=positions.device)
         self.phys = cache.physical(self.row_index, positions[:, None])  # [rows, 1]
 
@@ -161,7 +162,7 @@ class DecodeStepCache:
         if not paged_attention.runs_on(query):
             return None
         return paged_attention.decode(query, self.cache.k[layer_idx], self.cache.v[layer_idx], self.cache.table,
-                                      self.positions + 1, scaling)  # fmt: skip
+                                      self.lengths, scaling)  # fmt: skip
 
 
 class PagedWriter:
