@@ -28,6 +28,8 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
 
 from omnistage.core.errors import BadRequestError
 
+from .host_copy import to_device
+
 # Frames of conv context kept beyond the derived reach: guards a mis-modelled layer, not needed when exact.
 CONTEXT_MARGIN_FRAMES = 1
 
@@ -241,7 +243,7 @@ class Code2WavRunner:
         # Returns wav [B, (C' + n) * spf - tail] and the next states' kv [B, L, 2, H, W', D], hidden [B, C'', D].
         past_kv = torch.stack([s.kv.to(self.device, self.dtype) for s in states])  # [B, L, 2, H, W, D]
         past_hidden = torch.stack([s.hidden.to(self.device, self.dtype) for s in states])  # [B, C', D]
-        position = torch.tensor([s.position for s in states], device=self.device)[:, None]  # [B, 1]
+        position = to_device([s.position for s in states], self.device)[:, None]  # [B, 1], without a wait
         return self._forward_tensors(codes, past_kv, past_hidden, position)
 
     def forward_first(self, codes: torch.Tensor):

@@ -11,6 +11,7 @@ import torch
 
 from .code2wav import ChunkIn, ChunkOut, Code2WavRunner, StreamState
 from .cuda_graphs import GraphBank, batch_buckets, bucket_for
+from .host_copy import to_device
 
 
 class FirstChunkDecoder:
@@ -41,7 +42,7 @@ class FirstChunkDecoder:
         memory: the next replay overwrites the graph's outputs."""
         n = len(chunks)
         bucket = bucket_for(n, self.buckets)
-        self.codes[:n].copy_(torch.stack([codes for codes, _ in chunks]).to(self.codes.device, torch.long))
+        self.codes[:n].copy_(to_device(torch.stack([codes for codes, _ in chunks]), self.codes.device))
         # rows n..bucket keep earlier codes: valid ids, and their outputs are never read
         self.graphs.run(bucket, functools.partial(self._forward, bucket))
         self.runner.forwards += 1

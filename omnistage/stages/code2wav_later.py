@@ -18,6 +18,7 @@ import torch
 
 from .code2wav import ChunkIn, ChunkOut, Code2WavRunner, StreamState, _last
 from .cuda_graphs import GraphBank, bucket_for
+from .host_copy import to_device
 
 
 def frames_buckets(chunk_frames: int) -> list[int]:
@@ -88,8 +89,9 @@ class LaterChunkDecoder:
             source = list(range(c)) + [self.context + j for j in range(frames)]
             source += [source[-1]] * (self.context - c)
             sources.append(source)
-        self.row_sources[:batch, : self.context + frames].copy_(torch.tensor(sources))
-        self.position[:batch, 0].copy_(torch.tensor([state.position for _, state in chunks]))
+        # host values through pinned memory: a pageable copy would wait for the device (host_copy.py)
+        self.row_sources[:batch, : self.context + frames].copy_(to_device(sources, r.device))
+        self.position[:batch, 0].copy_(to_device([state.position for _, state in chunks], r.device))
         self.graphs.run((batch, frames), functools.partial(self._forward, batch, frames))
         wav, kv, rows = self.outputs[batch, frames]
         results = []
