@@ -45,6 +45,7 @@ class GraphBank:
         self.enabled = bool(enabled) and device.type == "cuda"
         self.graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
         self.pool = None
+        self.captured_up_front = False  # capture_all ran: a key missing from it is a bucket-set bug
 
     def run(self, key: Hashable, fn: Callable[[], None]) -> None:
         if not self.enabled:
@@ -52,6 +53,8 @@ class GraphBank:
             return
         graph = self.graphs.get(key)
         if graph is None:
+            if self.captured_up_front:  # a capture while serving stalls the stage and races its other threads
+                log.warning("[%s] capturing a CUDA graph for %s while serving: capture_all left it out", self.name, key)
             graph = self.graphs[key] = self._capture(fn)
         graph.replay()
 
@@ -65,6 +68,7 @@ class GraphBank:
             if key not in self.graphs:
                 self.graphs[key] = self._capture(fn_for(key))
         torch.cuda.synchronize()
+        self.captured_up_front = True
         log.info("[%s] captured %d CUDA graphs in %.1f s", self.name, len(keys), time.perf_counter() - started)
 
     def _capture(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
