@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..models.layer_stack import run_layers
+from .host_copy import to_device
 
 
 class LayerSpans:
@@ -46,7 +47,7 @@ class LayerSpans:
         self._dirty = bool(where)
         if where:
             flat = self.deepstack.view(self.deepstack_count, -1, self.deepstack.shape[-1])
-            index = torch.cat(where).to(self.deepstack.device)
+            index = to_device(torch.cat(where), self.deepstack.device)  # pinned: no wait for the device
             flat.index_copy_(1, index, torch.cat(features, 1).to(self.deepstack.dtype))
 
     def run(self, hidden: torch.Tensor, **attention_kwargs) -> torch.Tensor:
