@@ -127,12 +127,13 @@ class TalkerRunner(DecoderRunner):
         return results + pending
 
     def _warm_up_batches(self) -> list[list[TalkerPrompt]]:
-        """The conditioning of a text turn alone, then of an audio and an image turn together (stages/
+        """The conditioning of a text turn alone, then of an audio, an image and a video turn together (stages/
         warm_up.py), each with a reply of as many rows as the warm-up has steps; those longer than the slots
         are left out."""
         c = self.config
         width = c.thinker_config.text_config.hidden_size  # the thinker's rows, before projection
-        mm = torch.tensor([c.thinker_config.audio_token_id, c.thinker_config.image_token_id])
+        t = c.thinker_config
+        mm = torch.tensor([t.audio_token_id, t.image_token_id, t.video_token_id])
         speaker = next(iter(c.talker_config.speaker_id.values()))
         prompts = []
         for turn in warm_up_turns(c):
@@ -140,7 +141,9 @@ class TalkerRunner(DecoderRunner):
             cond = TalkerConditioning(torch.zeros(ids.numel(), width), torch.isin(ids, mm), ids, torch.zeros(6, width))
             lengths = turn.feature_attention_mask.sum(-1) if turn.feature_attention_mask is not None else None
             prompts.append(TalkerPrompt(cond, speaker, [torch.zeros(width)] * (WARM_UP_STEPS + 1), text_end=True,
-                                        image_grid_thw=turn.image_grid_thw, audio_feature_lengths=lengths))  # fmt: skip
+                                        image_grid_thw=turn.image_grid_thw, audio_feature_lengths=lengths,
+                                        video_grid_thw=turn.video_grid_thw,
+                                        video_second_per_grid=turn.video_second_per_grid))  # fmt: skip
         fits = [p for p in prompts if p.cond.user_ids.numel() + 10 + WARM_UP_STEPS < self.context]
         return [fits[:1], fits[1:]]
 

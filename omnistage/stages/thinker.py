@@ -136,11 +136,12 @@ class ThinkerRunner(ThinkerPrefill, DecoderRunner):
         return torch.cat([p.input_ids[:original].cpu(), torch.tensor(seq.generated, dtype=p.input_ids.dtype)])
 
     def _warm_up_batches(self) -> list[list[ThinkerPrompt]]:
-        """A text turn alone (StaticPrefill), then an audio and an image turn together (MediaPrefill and both
-        encoders), each feeding a talker (its conditioning is built too); those longer than the slots or
-        the media buffers are left out."""
+        """A text turn alone (StaticPrefill), then an audio, an image and a video turn together (MediaPrefill
+        and both encoders), each feeding a talker (its conditioning is built too); those longer than the slots
+        or the media buffers are left out."""
         turns = [ThinkerPrompt(torch.tensor(t.ids), t.pixel_values, t.image_grid_thw, t.input_features,
-                               t.feature_attention_mask, export_talker=True)
+                               t.feature_attention_mask, export_talker=True, pixel_values_videos=t.pixel_values_videos,
+                               video_grid_thw=t.video_grid_thw, video_second_per_grid=t.video_second_per_grid)
                  for t in warm_up_turns(self.config)]  # fmt: skip
         fits = lambda p: p.input_ids.numel() + WARM_UP_STEPS < min(self.context, self.media_prefill.max_tokens)  # noqa: E731
         return [[turns[0]], [p for p in turns[1:] if fits(p)]]

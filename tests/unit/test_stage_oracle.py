@@ -176,8 +176,9 @@ def test_talker_eos_ends_the_stream_without_a_frame_for_it(hf_model, processor):
 
 
 def test_a_warmed_up_runner_serves_as_a_fresh_one(hf_model, processor, monkeypatch):
-    """warm_up (run while a stage loads, so that ready means warm) serves a text turn and, together, an audio
-    and an image turn (both encoders, the batched media prefill, the talker's prompts from media turns), and
+    """warm_up (run while a stage loads, so that ready means warm) serves a text turn and, together, an audio,
+    an image and a video turn (both encoders, the vision one on a picture and on frames in one call, the
+    batched media prefill, the talker's prompts from media turns), and
     leaves no trace: every slot is free, the thinker's prefix cache saw nothing, and the next request, in
     the slot the warm-up used, still equals generate()."""
     inputs = prepare_inputs(processor, oracle.messages("text"))
@@ -188,12 +189,14 @@ def test_a_warmed_up_runner_serves_as_a_fresh_one(hf_model, processor, monkeypat
     encoded, media_rows = [], []
     for name in ("audio", "vision"):
         encoder = getattr(thinker.media, name)
-        monkeypatch.setattr(thinker.media, name, lambda *a, _e=encoder: encoded.append(_e) or _e(*a))
+        monkeypatch.setattr(thinker.media, name, lambda *a, _e=encoder: encoded.append(a) or _e(*a))
     spy = lambda f: lambda *a: media_rows.append(a[0].payload.cond.user_is_mm.sum()) or f(*a)  # noqa: E731
     monkeypatch.setattr(talker.prompts, "_media", spy(talker.prompts._media))
     thinker.warm_up()
     talker.warm_up()
-    assert len(encoded) == 2 and len(media_rows) == 2 and all(n > 0 for n in media_rows)
+    assert len(encoded) == 2 and len(media_rows) == 3 and all(n > 0 for n in media_rows)
+    grids = encoded[1][1]  # the vision call's grids: the picture's and the video's (several frames)
+    assert len(grids) == 2 and sorted(int(g[0]) for g in grids) == [1, 2]
     assert thinker.slots == talker.slots == [None] * 4
     assert thinker.stats()["prefix_prompt_tokens"] == 0
     prompt = ThinkerPrompt(inputs["input_ids"][0], export_talker=True)
