@@ -101,27 +101,13 @@ class PagedKVCache:
         return out[0], out[1]
 
     def read(self, slot: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The slot's first `length` positions, per layer [1, kv_heads, length, head_dim] (K, then V)."""
+        """The slot's first `length` positions, per layer [1, kv_heads, length, head_dim] (K, then V): what
+        the tests compare against a reference's cache."""
         self.sync()
         slots = torch.tensor([slot], device=self.device)
         n = blocks_for(length)
         pairs = [self.gather(layer, slots, n) for layer in range(len(self.k))]
         return [k[:, :, :length] for k, _ in pairs], [v[:, :, :length] for _, v in pairs]
-
-    def load_prefill(self, slot: int, past_key_values, row: int = 0, length: int | None = None, start: int = 0) -> int:
-        """Writes row `row` of a transformers DynamicCache (from an eager prefill; right-padded when batched,
-        so its first `length` positions) into the slot's blocks from position `start` on (before it: a kept
-        prefix the slot shares, never written); returns the length."""
-        layers = past_key_values.layers
-        length = layers[0].keys.shape[2] if length is None else length
-        self.grow(slot, length)
-        self.sync()
-        positions = torch.arange(start, length, device=self.device)[None]
-        phys = self.physical(torch.tensor([slot], device=self.device), positions)
-        for i, layer in enumerate(layers):
-            k, v = layer.keys[row : row + 1, :, start:length], layer.values[row : row + 1, :, start:length]
-            self.write(i, phys, k, v)
-        return length
 
     def step_view(self, rows: int, positions: torch.Tensor, kv_len: int, mask: torch.Tensor | None) -> DecodeStepCache:
         return DecodeStepCache(self, rows, positions, kv_len, mask)
