@@ -59,30 +59,6 @@ class PromptBuilder:
         self.tts_pad_id = config.tts_pad_token_id
         self.positions = torch.arange(max_seq_len)  # host: a text-only prompt's are a prefix
 
-    def _media(self, seq: Sequence) -> PromptRows:
-        """The talker prompt rows generate() builds for a prompt with images, audio or video: user turn (media rows
-        through hidden_projection, the rest through text_projection), assistant header + tts specials over the
-        codec prefix (nothink, think bos/eos, speaker, pad, bos), the first reply row; MRoPE positions from
-        get_rope_index. Text-only prompts take _text_only."""
-        p: TalkerPrompt = seq.payload
-        t = self.model
-        cond = p.cond
-        user = to_device(cond.user_rows, self.device).to(self.dtype)
-        # which rows take which projection is known on the host: the device only gathers and scatters (a
-        # boolean mask on the device would wait for it, once per prompt)
-        is_mm = cond.user_is_mm.cpu()
-        user_part = torch.empty(user.shape[0], self.hidden_size, dtype=self.dtype, device=self.device)
-        for rows, projection in ((is_mm, t.hidden_projection), (~is_mm, t.text_projection)):
-            if rows.any():
-                where = to_device(rows.nonzero().squeeze(1), self.device)
-                user_part.index_copy_(0, where, projection(user.index_select(0, where)))
-        special = t.text_projection(to_device(cond.special_rows, self.device).to(self.dtype))  # [6, D]
-        first_text = t.text_projection(to_device(p.text[0], self.device).to(self.dtype)[None])
-        embeds = torch.cat([user_part, self._assistant_rows(special[None], first_text[None], [seq])[0]])  # [L, D]
-        tts_eos, tts_pad = special[4], special[5]
-        positions, delta = p.rope if p.rope is not None else self.rope_index(p)
-        return PromptRows(embeds, positions, delta, tts_eos, tts_pad, False)
-
     def rope_index(self, p: TalkerPrompt) -> tuple[torch.Tensor, int]:
         """MRoPE positions [3, L] and rope delta of a media prompt's rows (user turn and the 9 assistant rows).
         generate() hands the talker the grids but not use_audio_in_video: its positions count video and audio
@@ -96,35 +72,43 @@ class PromptBuilder:
         return positions[:, 0], int(deltas.reshape(-1)[0])
 
     def build(self, seqs: list[Sequence]) -> list[PromptRows]:
-        """Every sequence's prompt rows: text-only prompts together (_text_only), media ones one by one."""
-        plain = [s for s in seqs if not s.payload.has_media]
-        batched = dict(zip(map(id, plain), self._text_only(plain))) if plain else {}
-        return [batched[id(s)] if id(s) in batched else self._media(s) for s in seqs]
-
-    def _text_only(self, seqs: list[Sequence]) -> list[PromptRows]:
-        """The talker prompt rows generate() builds for text-only prompts (user turn through text_projection,
-        assistant header + tts specials over the codec prefix: nothink, think bos/eos, speaker, pad, bos; the
-        first reply row; MRoPE positions 0..L-1), all prompts in one pass: every row to project goes to the
-        device in one copy and through text_projection once, the codec ids through the embedding once, and the
-        9 assistant rows of all prompts are summed in one op. Prompt by prompt that was ~15 small ops each: a
-        16-prompt step spent ~15 ms of host time on them on the H200, beside ~22 ms of kernels (perf/README.md)."""
+        """The talker prompt rows generate() builds (user turn: media rows through hidden_projection, the rest
+        through text_projection; the assistant header + tts specials over the codec prefix: nothink, think
+        bos/eos, speaker, pad, bos; the first reply row), for all prompts in one pass: every row goes to the
+        device in one copy, the rows of each projection through it once (which row takes which is known on
+        the host, so the device only gathers and scatters), and the 9 assistant rows of all prompts are
+        summed in one op. Prompt by prompt that was ~15 small ops each: a 16-prompt step spent ~15 ms of
+        host time on them on the H200, beside ~22 ms of kernels (perf/README.md). MRoPE positions: 0..L-1 in
+        every section for a text-only prompt, get_rope_index's for one with media (derived at admission)."""
         t, n = self.model, len(seqs)
         conds = [s.payload.cond for s in seqs]
         lengths = [c.user_rows.shape[0] for c in conds]
         firsts = [s.payload.text[0][None] for s in seqs]
         pieces = [c.user_rows for c in conds] + [c.special_rows for c in conds] + firsts
         if all(p.device.type == "cpu" for p in pieces):
-            rows = to_device(torch.cat(pieces), self.device)  # one copy
+            rows = to_device(torch.cat(pieces), self.device).to(self.dtype)  # one copy
         else:
-            rows = torch.cat([to_device(p, self.device) for p in pieces])
-        users, special, first_text = t.text_projection(rows.to(self.dtype)).split([sum(lengths), 6 * n, n])
+            rows = torch.cat([to_device(p, self.device) for p in pieces]).to(self.dtype)
+        is_mm = torch.cat([c.user_is_mm.cpu() for c in conds] + [torch.zeros(7 * n, dtype=torch.bool)])
+        projected = torch.empty(rows.shape[0], self.hidden_size, dtype=self.dtype, device=self.device)
+        for which, projection in ((is_mm, t.hidden_projection), (~is_mm, t.text_projection)):
+            if which.all():
+                projected = projection(rows)
+            elif which.any():
+                where = to_device(which.nonzero().squeeze(1), self.device)
+                projected.index_copy_(0, where, projection(rows.index_select(0, where)))
+        users, special, first_text = projected.split([sum(lengths), 6 * n, n])
         special, first_text = special.view(n, 6, -1), first_text.view(n, 1, -1)
         assistant = self._assistant_rows(special, first_text, seqs)
         prompts = []
-        for i, (user, length) in enumerate(zip(users.split(lengths), lengths)):
-            positions = self.positions[: length + 9].expand(3, -1)  # no media: 0..L-1 in every section, delta 0
+        for i, (seq, user, length) in enumerate(zip(seqs, users.split(lengths), lengths)):
+            p = seq.payload
+            if p.has_media:
+                positions, delta = p.rope if p.rope is not None else self.rope_index(p)
+            else:
+                positions, delta = self.positions[: length + 9].expand(3, -1), 0
             embeds = torch.cat([user, assistant[i]])
-            prompts.append(PromptRows(embeds, positions, 0, special[i, 4], special[i, 5], True))
+            prompts.append(PromptRows(embeds, positions, delta, special[i, 4], special[i, 5], not p.has_media))
         return prompts
 
     def _assistant_rows(self, special: torch.Tensor, first_text: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

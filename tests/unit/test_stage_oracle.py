@@ -190,11 +190,12 @@ def test_a_warmed_up_runner_serves_as_a_fresh_one(hf_model, processor, monkeypat
     for name in ("audio", "vision"):
         encoder = getattr(thinker.media, name)
         monkeypatch.setattr(thinker.media, name, lambda *a, _e=encoder: encoded.append(a) or _e(*a))
-    spy = lambda f: lambda *a: media_rows.append(a[0].payload.cond.user_is_mm.sum()) or f(*a)  # noqa: E731
-    monkeypatch.setattr(talker.prompts, "_media", spy(talker.prompts._media))
+    build = talker.prompts.build  # the talker's prompts: how many media rows each brings
+    spy = lambda seqs: media_rows.extend(int(s.payload.cond.user_is_mm.sum()) for s in seqs) or build(seqs)  # noqa: E731
+    monkeypatch.setattr(talker.prompts, "build", spy)
     thinker.warm_up()
     talker.warm_up()
-    assert len(encoded) == 2 and len(media_rows) == 3 and all(n > 0 for n in media_rows)
+    assert len(encoded) == 2 and len(media_rows) == 4 and media_rows[0] == 0 and all(n > 0 for n in media_rows[1:])
     grids = encoded[1][1]  # the vision call's grids: the picture's and the video's (several frames)
     assert len(grids) == 2 and sorted(int(g[0]) for g in grids) == [1, 2]
     assert thinker.slots == talker.slots == [None] * 4
