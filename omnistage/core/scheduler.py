@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from .block_pool import BLOCK, BlockPool, blocks_for
 from .errors import BadRequestError, OverloadedError
+from .prefill_step import PrefillStep
 from .sampling import SamplingParams
 
 
@@ -163,7 +164,7 @@ class Scheduler:
         self._spare = self._spare_blocks() if self.blocks is not None and self.waiting else 0
         self._preempting = bool(preempted)
         self.wait_reason = None
-        step = _Step(self.max_prefill_tokens if prompt_tokens is not None else None, self.max_prefills_per_step,
+        step = PrefillStep(self.max_prefill_tokens if prompt_tokens is not None else None, self.max_prefills_per_step,
                      chunk_tokens or (lambda s: s.prompt_len))  # fmt: skip
         partial = [s for s in self.running.values() if s.prefilling]  # admission order: oldest first
         if partial:
@@ -284,47 +285,3 @@ class Scheduler:
     def active_rows(self) -> int:
         """Rows [0, n) of the cache that hold every running sequence."""
         return 1 + max((s.slot for s in self.running.values()), default=-1)
-
-
-class _Step:
-    """The prefills of one step under construction: the prompt tokens and rows left to hand out."""
-
-    def __init__(self, budget: int | None, rows: int, chunk_tokens: Callable[[Sequence], int]):
-        self.budget = budget if budget is not None else 1 << 62
-        self.rows, self.chunk_tokens = rows, chunk_tokens
-        self.prefills: list[Sequence] = []
-
-    @property
-    def full(self) -> bool:
-        return len(self.prefills) >= self.rows
-
-    def one_piece(self, seq: Sequence) -> bool:
-        return self.chunk_tokens(seq) >= seq.prompt_len
-
-    def fits(self, tokens: int) -> bool:
-        return not self.prefills or tokens <= self.budget
-
-    def take(self, seq: Sequence, first: bool = False, admit: Callable[[Sequence], Sequence] | None = None) -> bool:
-        """Gives seq its next piece: its whole prompt where it prefills in one piece, else whole chunks of
-        what the budget leaves (one chunk when `first`, whatever the budget), and its prompt's last tokens;
-        a sequence given a piece earlier in the step has it extended. Returns whether it got one (admitted
-        through `admit` first, for a waiting sequence)."""
-        left = seq.prompt_len - seq.prefilled
-        if self.one_piece(seq):
-            piece = left
-        else:
-            chunk = self.chunk_tokens(seq)
-            piece = min(left, chunk if first else max(self.budget, 0) // chunk * chunk)
-            if piece == 0 and left <= self.budget:
-                piece = left  # its prompt's last tokens, less than a chunk
-        extend = any(seq is s for s in self.prefills)
-        if (piece < 1 and not self.one_piece(seq)) or (self.full and not extend):
-            return False  # (a prompt of unknown length, 0, is one piece: the runner prefills all of it)
-        if admit is not None:
-            admit(seq)
-        seq.chunk = seq.chunk + piece if extend else piece
-        seq.prefilled += piece
-        self.budget -= piece
-        if not extend:
-            self.prefills.append(seq)
-        return True
