@@ -122,4 +122,3 @@ class BodyLimit:
 
     def _too_large(self) -> HTTPException:
         return HTTPException(413, f"request body larger than {self.max_bytes} bytes")
-

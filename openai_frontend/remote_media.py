@@ -106,4 +106,3 @@ def _bad(where: str, message: str) -> FrontendError:
 def client(timeout_s: float) -> httpx.AsyncClient:
     # redirects by hand (fetch), environment proxies ignored: a proxy would connect where it likes
     return httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), follow_redirects=False, trust_env=False)
-

@@ -176,4 +176,3 @@ def _digest(*tensors) -> bytes:
             h.update(str((t.dtype, tuple(t.shape))).encode())
             h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.digest()
-

@@ -313,4 +313,3 @@ class TalkerRunner(DecoderRunner):
             if not s.params.greedy:
                 rows[i] = self.sampler.draw(logits[i], 1.0, 50, 0.8, self.sampler.generator(s.request_id, s.params))
         return rows
-

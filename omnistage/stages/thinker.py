@@ -272,4 +272,3 @@ class ThinkerRunner(ThinkerPrefill, DecoderRunner):
             special_rows=torch.cat([embeds[a : a + 3], tts]).float(),
         )
         return cond, embeds[a + 3 :].float()
-

@@ -250,4 +250,3 @@ class OmniModel:
             request.cancel()
         self.responder.stop()
         stop_fault_reports()
-

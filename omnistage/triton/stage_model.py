@@ -164,4 +164,3 @@ class StageModel:
         self.engine.stop()
         self.responder.stop()
         stop_fault_reports()
-

@@ -272,4 +272,3 @@ class RealtimeConnection:
         for response in (self.response, *self.out_of_band.values()):
             if response is not None:
                 await response.cancel("client_cancelled")
-

@@ -178,4 +178,3 @@ class Response:
         if self.plan.into_conversation:
             await self.send({"type": "conversation.item.done", "item": self.item.public()})
         await self.send({"type": "response.done", "response": self.public()})
-

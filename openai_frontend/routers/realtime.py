@@ -78,5 +78,3 @@ async def realtime(websocket: WebSocket) -> None:
     finally:
         app.state.realtime_sessions -= 1
         await session.shutdown(1000, "session ended")
-
-
