@@ -267,8 +267,8 @@ class ThinkerPrefill:
         media prompt, its blocks kept with those rows."""
         p, n = seq.payload, self.prompt_tokens(seq)
         state = self.long_media.pop(seq.slot, None)
-        if state is None:
-            e = self._embed(p.input_ids)
+        if state is None:  # the whole prompt's embeddings only for a talker's conditioning
+            e = self._embed(p.input_ids) if p.export_talker and not p.resumed_from else None
             return self._prefilled_text(seq, n, token, e, e, text_rows, j)
         head = self._embed(p.input_ids[: state.start])  # [start, D] the kept prefix's layer-0 rows
         rows = state.rows
