@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import torch
 
 from ..core.sampling import SamplingParams, sampling_from_parameters
+from ..stages.conditioning import ASSISTANT_ROWS, user_positions
 
 MODALITIES = ("audio", "image", "video")
-TALKER_ASSISTANT_ROWS = 9  # the talker prompt's assistant part: header, tts pads, tts_bos, first reply row
 
 
 @dataclass(frozen=True)
@@ -35,13 +35,9 @@ class PromptTokens:
         return {"text": int(ids.numel()) - sum(counts.values()), **counts}
 
     def talker_prompt_rows(self, ids: torch.Tensor) -> int:
-        """Rows of the talker's prompt for the thinker prompt `ids` ([L]): every position of a user turn
-        (a position's turn is named by the token after the `<|im_start|>` before it, as generate() finds
-        it) plus the assistant part."""
-        pos = torch.arange(ids.numel())
-        starts = torch.where(ids == self.im_start, pos, torch.full_like(pos, -1))
-        role = ids[(torch.cummax(starts, 0).values.clamp_min(0) + 1).clamp_max(ids.numel() - 1)]
-        return int((role == self.user).sum()) + TALKER_ASSISTANT_ROWS
+        """Rows of the talker's prompt for the thinker prompt `ids` ([L], host): its user turns' positions
+        and the assistant rows."""
+        return int(user_positions(ids, self.im_start, self.user).numel()) + ASSISTANT_ROWS
 
 
 def check_contexts(ids: torch.Tensor, options, thinker_context: int, talker_context: int, tokens: PromptTokens) -> None:

@@ -16,7 +16,7 @@ from ..core.errors import BadRequestError
 from ..core.scheduler import Sequence
 from .code_predictor import CodePredictor, StaticCodePredictor
 from .host_copy import sync_current_stream, to_device, to_host
-from .conditioning import TalkerConditioning
+from .conditioning import ASSISTANT_ROWS, TalkerConditioning
 from .media_rows import InputRows
 from .positioned_prefill import PositionedPrefill
 from .runner import WARM_UP_STEPS, DecoderRunner
@@ -80,7 +80,7 @@ class TalkerRunner(DecoderRunner):
 
     # ---- engine hooks -------------------------------------------------------------------------------------
     def prompt_tokens(self, seq: Sequence) -> int:
-        return int(seq.payload.cond.user_ids.numel()) + 9  # user turn + assistant header and codec prefix
+        return int(seq.payload.cond.user_ids.numel()) + ASSISTANT_ROWS
 
     def validate(self, seq: Sequence) -> None:
         p: TalkerPrompt = seq.payload

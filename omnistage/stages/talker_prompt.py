@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core.scheduler import Sequence
-from .conditioning import TalkerConditioning
+from .conditioning import ASSISTANT_ROWS, TalkerConditioning
 from .host_copy import to_device
 
 
@@ -64,7 +64,7 @@ class PromptBuilder:
         generate() hands the talker the grids but not use_audio_in_video: its positions count video and audio
         rows apart even where the thinker's interleave them. On the host, as the ids and grids are: its loops
         read values one by one."""
-        ids = torch.cat([p.cond.user_ids.cpu(), torch.full((9,), self.tts_pad_id)])[None]
+        ids = torch.cat([p.cond.user_ids.cpu(), torch.full((ASSISTANT_ROWS,), self.tts_pad_id)])[None]
         positions, deltas = self.model.get_rope_index(
             ids, _host(p.image_grid_thw), _host(p.video_grid_thw), torch.ones_like(ids), False,
             _host(p.audio_feature_lengths), _host(p.video_second_per_grid),
@@ -106,7 +106,7 @@ class PromptBuilder:
             if p.has_media:
                 positions, delta = p.rope if p.rope is not None else self.rope_index(p)
             else:
-                positions, delta = self.positions[: length + 9].expand(3, -1), 0
+                positions, delta = self.positions[: length + ASSISTANT_ROWS].expand(3, -1), 0
             embeds = torch.cat([user, assistant[i]])
             prompts.append(PromptRows(embeds, positions, delta, special[i, 4], special[i, 5], not p.has_media))
         return prompts

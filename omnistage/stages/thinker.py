@@ -12,7 +12,7 @@ from ..core.engine import StepResult
 from ..core.errors import BadRequestError
 from ..core.scheduler import Sequence
 from .chunk_prefill import ChunkPrefill
-from .conditioning import TalkerConditioning
+from .conditioning import TalkerConditioning, user_positions
 from .host_copy import to_device, to_host
 from .media_prefill import MediaPrefill
 from .media_prefix_cache import MediaPrefixCache
@@ -251,10 +251,7 @@ class ThinkerRunner(ThinkerPrefill, DecoderRunner):
         the other stage processes share, once per prompt."""
         c = self.config  # embeds: layer-0 input embeddings [L, D]; hidden: the accept layer's hidden states
         ids = ids.cpu()
-        pos = torch.arange(ids.numel())
-        starts = torch.where(ids == c.im_start_token_id, pos, torch.full_like(pos, -1))
-        role = ids[(torch.cummax(starts, 0).values.clamp_min(0) + 1).clamp_max(ids.numel() - 1)]
-        user = (role == c.user_token_id).nonzero().squeeze(1)
+        user = user_positions(ids, c.im_start_token_id, c.user_token_id)
         is_mm = torch.isin(ids, self.mm_ids)
         header = ((ids[:-1] == c.im_start_token_id) & (ids[1:] == c.assistant_token_id)).nonzero()
         if header.numel() == 0:
