@@ -41,6 +41,10 @@ def bench_spec(
         spec[name].parameters.update({k: str(v) for k, v in (engine or {}).items()})
     for name, params in (stages or {}).items():
         spec[name].parameters.update({k: str(v) for k, v in params.items()})
+    # the ensemble checks prompts against the contexts the stages now have, as a rendered profile does
+    ensemble = spec["omni_ensemble"].parameters
+    ensemble["max_prompt_tokens"] = spec["thinker"].parameters["max_seq_len"]
+    ensemble["talker_max_seq_len"] = spec["talker"].parameters["max_seq_len"]
     return spec
 
 
