@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from omnistage.launch.process import ManagedProcess, port_in_use
-from omnistage.launch.render import default_spec, render_repository
+from omnistage.launch.render import default_spec, render_repository, set_ensemble_contexts
 from omnistage.launch.triton_env import REPO_ROOT
 from omnistage.launch.tritonserver import TritonServer
 
@@ -41,10 +41,7 @@ def bench_spec(
         spec[name].parameters.update({k: str(v) for k, v in (engine or {}).items()})
     for name, params in (stages or {}).items():
         spec[name].parameters.update({k: str(v) for k, v in params.items()})
-    # the ensemble checks prompts against the contexts the stages now have, as a rendered profile does
-    ensemble = spec["omni_ensemble"].parameters
-    ensemble["max_prompt_tokens"] = spec["thinker"].parameters["max_seq_len"]
-    ensemble["talker_max_seq_len"] = spec["talker"].parameters["max_seq_len"]
+    set_ensemble_contexts(spec)  # the ensemble checks prompts against the contexts the stages now have
     return spec
 
 

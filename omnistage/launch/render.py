@@ -123,12 +123,20 @@ def profile_spec(profile: Profile, model_path: str | None = None, resolve_model:
             "max_queue": str(omni.max_queue or 256),
             # request media limits (omnistage.models.media.MediaLimits); unset: its defaults
             **{k: str(v) for k, v in omni.media.items()},
-            "max_prompt_tokens": str(profile.stages["thinker"].max_seq_len),  # text checked untokenized
-            "talker_max_seq_len": str(profile.stages["talker"].max_seq_len),  # talker context checked at admission
             **{f"{s}_models": ",".join(profile.stages[s].replica_names()) for s in (*ENGINE_STAGES, "code2wav")},
         },
     )
+    set_ensemble_contexts(spec)
     return spec
+
+
+def set_ensemble_contexts(spec: dict[str, ModelSpec]) -> None:
+    """Gives omni_ensemble the thinker's and talker's contexts, which it checks requests against before any
+    stage starts: text untokenized against the thinker's, the talker's prompt at admission against the
+    talker's. Called again by whoever changes a stage's max_seq_len in a rendered spec."""
+    ensemble = spec["omni_ensemble"].parameters
+    ensemble["max_prompt_tokens"] = spec["thinker"].parameters["max_seq_len"]
+    ensemble["talker_max_seq_len"] = spec["talker"].parameters["max_seq_len"]
 
 
 def _parameters(plan, keys: tuple[str, ...]) -> dict[str, str]:
