@@ -30,7 +30,10 @@ class ThreadedUvicorn:
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        # The session's shared clients (conftest) keep their connections across tests. With uvicorn's 5 s
+        # keep-alive, an idle gap near 5 s races the server's close against the next request (a reset).
+        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_keep_alive=3600)
+        self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self) -> ThreadedUvicorn:
