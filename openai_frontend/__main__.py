@@ -72,6 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="tokens a realtime conversation may reach (prompt + reply) before it is closed")
     p.add_argument("--max-connections", type=int, default=2048,
                    help="open connections and requests beyond this are answered 503 at once")
+    p.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                   help="seconds an idle connection is kept open for the client's next request; behind a load "
+                        "balancer that reuses connections, set it above the balancer's idle timeout")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT, seconds in-flight requests get to finish before they are cancelled")
     return p.parse_args(argv)
@@ -126,7 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     # to the timeout, then cancel them (which cancels their Triton requests)
     # a deadline for request heads (BoundedH11Protocol) and bodies (BodyLimit), a cap on connections
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, http=BoundedH11Protocol,
-                limit_concurrency=args.max_connections, timeout_graceful_shutdown=args.shutdown_timeout)  # fmt: skip
+                limit_concurrency=args.max_connections, timeout_keep_alive=args.keep_alive_timeout,
+                timeout_graceful_shutdown=args.shutdown_timeout)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ import asyncio
 import base64
 import io
 import json
+import socket
+import time
 import wave
 
 import httpx
@@ -119,6 +121,19 @@ async def test_triton_down():
             assert (await http.get("/health")).status_code == 503
             r = await http.post("/v1/chat/completions", json={"messages": USER})
             assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable_error"
+
+
+def test_an_idle_connection_is_closed_after_the_keep_alive_timeout():
+    with FrontendProcess("--triton-url", f"127.0.0.1:{closed_port()}", "--no-stage-probes",
+                         "--keep-alive-timeout", "1") as proc:  # fmt: skip
+        with socket.create_connection(("127.0.0.1", proc.port), timeout=4) as s:
+            s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+            head = s.recv(65536)
+            answered = time.monotonic()
+            assert head.startswith(b"HTTP/1.1 200"), head[:100]
+            while s.recv(65536):  # the rest of the body, then the server's close (uvicorn's default: 5 s)
+                pass
+            assert 0.8 < time.monotonic() - answered < 3
 
 
 # ---- vLLM-Omni's own request shapes, as its clients write them ---------------------------------------------
