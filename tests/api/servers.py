@@ -58,7 +58,9 @@ class FrontendProcess:
         self.extra_env = env or {}  # on top of this process's environment
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.args = ["--host", "127.0.0.1", "--port", str(self.port), *args]
+        # Tests reuse one client across pauses; an hour's keep-alive keeps a pause from racing the server's
+        # close (see ThreadedUvicorn). A test that passes its own --keep-alive-timeout wins (argparse keeps the last).
+        self.args = ["--host", "127.0.0.1", "--port", str(self.port), "--keep-alive-timeout", "3600", *args]
         self.output = ""
 
     def __enter__(self) -> FrontendProcess:
