@@ -420,19 +420,25 @@ def _media_levels(text: str) -> tuple[str, list[int]]:
     return name, [int(c) for c in levels.split(",")]
 
 
-def default_model(device: str) -> str:
-    """The full-size config's dummy weights on a GPU; on the CPU (a dry run) the full size would not fit in
-    memory, so the tiny checkpoint."""
-    return f"dummy:{FULL_CONFIG}" if device == "cuda" else "checkpoints/tiny"
+def add_model_args(ap: argparse.ArgumentParser, device_help: str) -> None:
+    ap.add_argument("--model", default=None, help="default: the full-size dummy weights on cuda, the tiny "
+                    "checkpoint on cpu")  # fmt: skip
+    ap.add_argument("--device", default="cuda", help=device_help)
+
+
+def parse_model_args(ap: argparse.ArgumentParser, argv) -> argparse.Namespace:
+    """Parses, then fills --model: the full-size config's dummy weights on a GPU; on the CPU (a dry run) the
+    full size would not fit in memory, so the tiny checkpoint."""
+    args = ap.parse_args(argv)
+    args.model = args.model or (f"dummy:{FULL_CONFIG}" if args.device == "cuda" else "checkpoints/tiny")
+    return args
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     env = os.environ.get
     ap = argparse.ArgumentParser(prog="python -m perf.gpu_bench")
     ap.add_argument("--out", required=True, help="dir for bench.json, bench.png, server_log_tail.txt")
-    ap.add_argument("--model", default=None, help="default: the full-size dummy weights on cuda, the tiny "
-                    "checkpoint on cpu")
-    ap.add_argument("--device", default="cuda", help="cpu: a dry run of the whole script")
+    add_model_args(ap, "cpu: a dry run of the whole script")
     ap.add_argument("--port-base", type=int, default=18200, help="http, grpc, metrics = base..base+2; API base+91")
     ap.add_argument("--budget-s", type=float, default=float(env("PERF_BUDGET_S", 510)), help="whole run")
     ap.add_argument("--reserve-s", type=float, default=25.0, help="kept for server stop, plot and files")
@@ -472,8 +478,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--skip-baseline", action="store_true")
     ap.add_argument("--skip-server", action="store_true")
     ap.add_argument("--skip-w2", action="store_true", default=env("PERF_SKIP_W2") == "1")
-    args = ap.parse_args(argv)
-    args.model = args.model or default_model(args.device)
+    args = parse_model_args(ap, argv)
     args.stage_settings = by_model(args.stage_settings)
     return args
 

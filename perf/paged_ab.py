@@ -17,7 +17,7 @@ from pathlib import Path
 
 from perf import loadgen, workloads
 from perf.bench_server import BenchServer
-from perf.gpu_bench import default_model, hardware, omni_metrics, say
+from perf.gpu_bench import add_model_args, hardware, omni_metrics, parse_model_args, say
 from perf.metrics import LevelResult
 
 LONG_TOKENS = 30000
@@ -108,9 +108,7 @@ class PagedAB:
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m perf.paged_ab")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--model", default=None, help="default: the full-size dummy weights on cuda, the tiny "
-                    "checkpoint on cpu")
-    ap.add_argument("--device", default="cuda", help="cpu: a dry run")
+    add_model_args(ap, "cpu: a dry run")
     ap.add_argument("--port-base", type=int, default=18200)
     ap.add_argument("--budget-s", type=float, default=float(os.environ.get("PERF_BUDGET_S", 330)))
     ap.add_argument("--server-cap-s", type=float, default=200.0)
@@ -119,9 +117,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--w1-reply-tokens", type=int, default=18)
     ap.add_argument("--w1-frames", type=int, default=46)
     ap.add_argument("--w1-only", action="store_true", help="W1 at 64 alone (the static cache's side of the A/B)")
-    args = ap.parse_args(argv)
-    args.model = args.model or default_model(args.device)
-    return args
+    return parse_model_args(ap, argv)
 
 
 def main(argv=None) -> int:
