@@ -181,12 +181,12 @@ class RealtimeConnection:
         await self.send({"type": "conversation.item.done", "previous_item_id": previous, "item": item.public()})
 
     async def on_conversation_item_retrieve(self, event: dict[str, Any]) -> None:
-        item = self.conversation.get(get(event, "item_id", str))
+        item = self.conversation.get(get(event, "item_id", str), code="item_retrieve_invalid_item_id")
         await self.send({"type": "conversation.item.retrieved", "item": item.public(self.config.input_format)})
 
     async def on_conversation_item_delete(self, event: dict[str, Any]) -> None:
         item_id = get(event, "item_id", str)
-        self.conversation.index(item_id)
+        self.conversation.index(item_id, code="item_delete_invalid_item_id")
         if self.response is not None and self.response.item.id == item_id:
             await self.cancel_response("client_cancelled")
         self.conversation.delete(item_id)
@@ -196,7 +196,7 @@ class RealtimeConnection:
         item_id, end_ms = get(event, "item_id", str), get(event, "audio_end_ms", int)
         if get(event, "content_index", int, required=False) not in (None, 0):
             raise EventError("an assistant item has one content part: content_index must be 0", param="content_index")
-        item = self.conversation.get(item_id)
+        item = self.conversation.get(item_id, code="item_truncate_invalid_item_id")
         if item.role != "assistant" or not item.audio_out:
             raise EventError("only assistant audio items can be truncated", param="item_id")
         if self.response is not None and self.response.item is item:

@@ -158,14 +158,16 @@ class Conversation:
         self.items.insert(self.index(previous_item_id, "previous_item_id") + 1, item)
         return previous_item_id
 
-    def index(self, item_id: str, param: str = "item_id") -> int:
+    def index(self, item_id: str, param: str = "item_id", code: str = "item_not_found") -> int:
+        """`code` names the miss as OpenAI does for the event at hand (item_retrieve_invalid_item_id, ...):
+        clients match on it to tell a benign race (an item already gone) from a fatal error."""
         for i, item in enumerate(self.items):
             if item.id == item_id:
                 return i
-        raise EventError(f"no item with id {item_id!r}", code="item_not_found", param=param)
+        raise EventError(f"no item with id {item_id!r}", code=code, param=param)
 
-    def get(self, item_id: str, param: str = "item_id") -> Item:
-        return self.items[self.index(item_id, param)]
+    def get(self, item_id: str, param: str = "item_id", code: str = "item_not_found") -> Item:
+        return self.items[self.index(item_id, param, code)]
 
     def delete(self, item_id: str) -> None:
         del self.items[self.index(item_id)]

@@ -80,7 +80,7 @@ async def test_agent_framework_session_with_manual_turns(frontend):
         assert (await until(conn, "conversation.item.deleted")).item_id == committed.item_id
         await conn.conversation.item.retrieve(item_id=committed.item_id, event_id="evt_gone")
         error = (await until(conn, "error")).error
-        assert (error.code, error.param, error.event_id) == ("item_not_found", "item_id", "evt_gone")
+        assert (error.code, error.param, error.event_id) == ("item_retrieve_invalid_item_id", "item_id", "evt_gone")
 
 
 async def endless_session(conn, text: str):
@@ -120,7 +120,7 @@ async def test_out_of_band_response_beside_the_conversations_own(frontend):
         assert not any("audio" in e.type for e in mine) and not any(e.type.startswith("conversation.") for e in seen)
         assert any(getattr(e, "response_id", None) == spoken for e in seen)  # the spoken answer ran on meanwhile
         await conn.conversation.item.retrieve(item_id=response.output[0].id)  # kept out of the conversation
-        assert (await until(conn, "error")).error.code == "item_not_found"
+        assert (await until(conn, "error")).error.code == "item_retrieve_invalid_item_id"
         await conn.response.cancel()  # no id: the conversation's response
         done = await until(conn, "response.done", timeout=TURN_S)
     assert (done.response.id, done.response.status) == (spoken, "cancelled")

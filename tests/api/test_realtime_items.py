@@ -64,3 +64,20 @@ async def test_response_input_references_conversation_items(server, fake):
     assert fake.calls[-1]["messages"] == [{"role": "system", "content": "Judge it."},
                                           {"role": "user", "content": [{"type": "text", "text": "third"}]}]  # fmt: skip
     assert (error.code, error.param, error.event_id) == ("item_not_found", "response.input[0].id", "evt_ref")
+
+
+
+async def test_missing_items_get_openais_codes(server, fake):
+    """A miss is named per event as OpenAI names it: clients tell a benign race (an item already gone) from a
+    fatal error by these codes."""
+    async with sdk(server.url).realtime.connect(model="qwen3-omni") as conn:
+        await until(conn, "session.created")
+        await conn.conversation.item.retrieve(item_id="item_gone", event_id="evt_r")
+        retrieve = (await until(conn, "error")).error
+        await conn.conversation.item.delete(item_id="item_gone", event_id="evt_d")
+        delete = (await until(conn, "error")).error
+        await conn.conversation.item.truncate(item_id="item_gone", content_index=0, audio_end_ms=0, event_id="evt_t")
+        truncate = (await until(conn, "error")).error
+    assert [(e.code, e.event_id) for e in (retrieve, delete, truncate)] == [
+        ("item_retrieve_invalid_item_id", "evt_r"), ("item_delete_invalid_item_id", "evt_d"),
+        ("item_truncate_invalid_item_id", "evt_t")]  # fmt: skip

@@ -201,7 +201,7 @@ async def test_bad_events_get_errors_and_the_session_lives_on(server):
         e = await answer(json.dumps({"type": "input_audio_buffer.append", "event_id": "evt_3", "audio": "%%%"}))
         assert e["error"]["code"] == "invalid_base64" and e["error"]["event_id"] == "evt_3"
         e = await answer(json.dumps({"type": "conversation.item.truncate", "item_id": "nope", "audio_end_ms": 5}))
-        assert e["error"]["code"] == "item_not_found"
+        assert e["error"]["code"] == "item_truncate_invalid_item_id"
         e = await answer(json.dumps({"type": "session.update", "session": {"audio": {"input": {
             "turn_detection": {"type": "server_vad", "threshold": 7}}}}}))  # fmt: skip
         assert e["error"]["param"] == "session.audio.input.turn_detection.threshold"
