@@ -175,7 +175,8 @@ class RealtimeConnection:
     # ---- conversation items ----------------------------------------------------------------------------
     async def on_conversation_item_create(self, event: dict[str, Any]) -> None:
         item = item_from_client(event.get("item"), self.config.input_format)
-        previous = get(event, "previous_item_id", str, required=False)
+        # "" appends, as at OpenAI: clients send it for "no previous item"
+        previous = get(event, "previous_item_id", str, required=False) or None
         previous = self.conversation.add(item, previous)
         await self.send({"type": "conversation.item.added", "previous_item_id": previous, "item": item.public()})
         await self.send({"type": "conversation.item.done", "previous_item_id": previous, "item": item.public()})

@@ -81,3 +81,15 @@ async def test_missing_items_get_openais_codes(server, fake):
     assert [(e.code, e.event_id) for e in (retrieve, delete, truncate)] == [
         ("item_retrieve_invalid_item_id", "evt_r"), ("item_delete_invalid_item_id", "evt_d"),
         ("item_truncate_invalid_item_id", "evt_t")]  # fmt: skip
+
+
+async def test_an_empty_previous_item_id_appends(server, fake):
+    """previous_item_id "" means the end of the conversation, as at OpenAI (clients send it for "none")."""
+    async with sdk(server.url).realtime.connect(model="qwen3-omni") as conn:
+        await until(conn, "session.created")
+        done = []
+        for text in ("first", "second"):
+            await conn.conversation.item.create(previous_item_id="", item={
+                "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]})  # fmt: skip
+            done.append(await until(conn, "conversation.item.done"))
+    assert done[0].previous_item_id is None and done[1].previous_item_id == done[0].item.id
