@@ -111,15 +111,21 @@ class Response:
             await self._stream(client)
         except asyncio.CancelledError:  # the task was cancelled on purpose: it ends here, with its events
             self.outcome.status, self.outcome.reason = "cancelled", self.cancel_reason
-            frames = math.ceil(round(self.audio_ms, 3) / FRAME_MS)  # a frame's audio reached the client, or its part
-            self.outcome.usage = realtime_usage(self.reported, self.tokens, frames)
+            self.outcome.usage = self._usage_so_far()
         except Exception as exc:  # noqa: BLE001 - the backend's error goes to the client in response.done
             status, body = describe(exc)
             self.outcome.status = "failed"
             self.outcome.error = {"type": body["error"]["type"], "code": str(body["error"]["code"] or status),
                                   "message": body["error"]["message"]}  # fmt: skip
+            # a usage object in every response.done: clients read it before the status (Pipecat does)
+            self.outcome.usage = self._usage_so_far()
         await self._finish()
         return self.outcome
+
+    def _usage_so_far(self) -> dict[str, Any]:
+        """A response that did not finish: its prompt as reported, the text and audio that reached the client."""
+        frames = math.ceil(round(self.audio_ms, 3) / FRAME_MS)  # a frame's audio reached the client, or its part
+        return realtime_usage(self.reported, self.tokens, frames)
 
     async def _stream(self, client: OmniClient) -> None:
         out = OutputAudio(self.plan.config.output_format) if self.item.audio_out else None

@@ -1,8 +1,10 @@
 # Responses side by side over /v1/realtime with a scripted backend, driven by the openai SDK's realtime
 # client: out-of-band responses run beside the conversation's own, up to the session's bound, and
-# response.cancel ends the one it names (or, without an id, the conversation's) and no other.
+# response.cancel ends the one it names (or, without an id, the conversation's) and no other; a backend error
+# fails a response, not the session.
 import pytest
 
+from omnistage.core.errors import EngineError
 from openai_frontend.realtime.connection import MAX_OUT_OF_BAND
 
 from .fake_omni import Script, Step
@@ -44,3 +46,27 @@ async def test_out_of_band_responses_run_beside_the_conversations_own(server, fa
     assert [r.id for r in ended] == [beside[1].id, beside[0].id, own.id] + [r.id for r in beside[2:]]
     assert all(r.status == "cancelled" and r.status_details.reason == "client_cancelled" for r in ended)
     assert len(fake.calls) == 1 + MAX_OUT_OF_BAND
+
+
+async def test_a_backend_error_fails_the_response_with_its_usage(server, fake):
+    """The backend's error ends the response `failed`, with the error in status_details and a usage object
+    (clients read usage from every response.done); the session then answers the next response.create."""
+    fake.reset()
+    fake.script = Script(steps=[Step("ab"), Step("c")], error=EngineError("the talker fell over"))
+    async with sdk(server.url).realtime.connect(model="qwen3-omni") as conn:
+        await until(conn, "session.created")
+        await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                  "content": [{"type": "input_text", "text": "Hi"}]})  # fmt: skip
+        await until(conn, "conversation.item.done")
+        await conn.response.create(response={"output_modalities": ["text"]})
+        failed = (await until(conn, "response.done")).response
+        fake.script = Script()
+        await conn.response.create(response={"output_modalities": ["text"]})
+        after = (await until(conn, "response.done")).response
+    assert failed.status == "failed" and "talker fell over" in failed.status_details.error.message
+    assert failed.output[0].status == "incomplete" and failed.output[0].content[0].text == "abc"
+    usage = failed.usage
+    assert (usage.output_tokens, usage.output_token_details.text_tokens, usage.output_token_details.audio_tokens) == \
+        (3, 3, 0)  # fmt: skip
+    assert usage.total_tokens == usage.input_tokens + usage.output_tokens
+    assert after.status == "completed"
