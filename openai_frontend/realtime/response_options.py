@@ -33,8 +33,10 @@ def plan_response(options: dict[str, Any], session: SessionConfig, conversation:
     plan = ResponsePlan(context.messages(config.instructions), config,
                         metadata=get(options, "metadata", dict, required=False, where="response."),
                         conversation_id=conversation.id if target == "auto" else None)  # fmt: skip
-    if not any(m["role"] in ("user", "assistant") for m in plan.messages):
-        raise EventError("nothing to respond to: the conversation has no user item", code="empty_conversation")
+    # instructions alone are a prompt: an agent that speaks first sends response.create (with instructions)
+    # before the user has said anything
+    if not plan.messages:
+        raise EventError("nothing to respond to: no instructions and no conversation items", code="empty_conversation")
     return plan
 
 

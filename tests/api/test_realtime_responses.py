@@ -70,3 +70,19 @@ async def test_a_backend_error_fails_the_response_with_its_usage(server, fake):
         (3, 3, 0)  # fmt: skip
     assert usage.total_tokens == usage.input_tokens + usage.output_tokens
     assert after.status == "completed"
+
+
+async def test_an_agent_speaks_first_from_instructions_alone(server, fake):
+    """An agent that greets first (LiveKit's generate_reply(instructions=...)) sends response.create before
+    the conversation holds anything: the instructions are the prompt. With neither there is nothing to answer."""
+    fake.reset()
+    async with sdk(server.url).realtime.connect(model="qwen3-omni") as conn:
+        await until(conn, "session.created")
+        await conn.response.create(event_id="evt_nothing")
+        nothing = (await until(conn, "error")).error
+        await conn.response.create(response={"instructions": "Greet the user.", "metadata": {"client_event_id": "g1"}})
+        created = (await until(conn, "response.created")).response
+        done = (await until(conn, "response.done")).response
+    assert (nothing.code, nothing.event_id) == ("empty_conversation", "evt_nothing")
+    assert created.metadata == {"client_event_id": "g1"} and done.status == "completed"
+    assert [call["messages"] for call in fake.calls] == [[{"role": "system", "content": "Greet the user."}]]
