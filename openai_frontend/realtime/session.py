@@ -20,6 +20,12 @@ from openai_frontend.settings import FrontendSettings
 MAX_OUTPUT_TOKENS = 4096  # OpenAI's cap for max_output_tokens; "inf" means the thinker's own limit
 SERVER_VAD_DEFAULTS = {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300, "silence_duration_ms": 500,
                        "create_response": True, "interrupt_response": True, "idle_timeout_ms": None}  # fmt: skip
+SEMANTIC_VAD_DEFAULTS = {"type": "semantic_vad", "eagerness": "auto", "create_response": True,
+                         "interrupt_response": True}  # fmt: skip
+# semantic_vad is served by the server VAD, as voice-agent frameworks ask for it by default (LiveKit's OpenAI
+# plugin does): there is no end-of-turn model to wait out an unfinished sentence (OpenAI's waits up to 8 / 4 /
+# 2 s at low / medium / high), so eagerness sets how long a silence ends the turn
+EAGERNESS_SILENCE_MS = {"low": 1000, "medium": 500, "auto": 500, "high": 300}
 # accepted and shown as off: clients (voice-agent frameworks) send them by default, and the model has no
 # separate transcriber or denoiser to honour them
 ACCEPTED_OFF = {"transcription", "noise_reduction"}
@@ -92,7 +98,8 @@ class SessionConfig:
             "type": "realtime", "object": "realtime.session", "id": session_id, "model": self.model,
             "output_modalities": list(self.output_modalities), "instructions": self.instructions,
             "audio": {
-                "input": {"format": audio_format(self.input_format), "turn_detection": copy.deepcopy(self.turn_detection),
+                "input": {"format": audio_format(self.input_format),
+                          "turn_detection": shown_turn_detection(self.turn_detection),
                           "transcription": None, "noise_reduction": None},
                 "output": {"format": audio_format(self.output_format), "voice": self.voice, "speed": 1.0},
             },
@@ -190,12 +197,16 @@ def voice(value: Any, settings: FrontendSettings, param: str) -> tuple[str, str]
 
 
 def turn_detection(value: Any, param: str) -> dict[str, Any] | None:
+    """The server VAD's settings (SERVER_VAD_DEFAULTS' keys), with semantic_vad's own when it was asked for."""
     if value is None:
         return None  # manual: the client commits the buffer and asks for responses itself
     if not isinstance(value, dict):
         raise EventError(f"{param} must be an object or null", param=param)
-    if value.get("type", "server_vad") != "server_vad":
-        raise EventError(f"{param}.type: only 'server_vad' is supported", code="unsupported", param=f"{param}.type")
+    kind = value.get("type", "server_vad")
+    if kind == "semantic_vad":
+        return _semantic_vad(value, param)
+    if kind != "server_vad":
+        raise EventError(f"{param}.type must be 'server_vad' or 'semantic_vad'", param=f"{param}.type")
     out = dict(SERVER_VAD_DEFAULTS)
     for key, item in value.items():
         if key not in out:
@@ -214,3 +225,26 @@ def turn_detection(value: Any, param: str) -> dict[str, Any] | None:
     if out["idle_timeout_ms"] is not None:
         raise EventError(f"{param}.idle_timeout_ms is not supported", code="unsupported", param=f"{param}.idle_timeout_ms")
     return out
+
+
+def _semantic_vad(value: dict[str, Any], param: str) -> dict[str, Any]:
+    out = dict(SEMANTIC_VAD_DEFAULTS)
+    for key, item in value.items():
+        if key not in out:
+            raise EventError(f"unknown parameter '{param}.{key}'", code="unknown_parameter", param=f"{param}.{key}")
+        if item is None:
+            continue
+        if key == "eagerness" and item not in EAGERNESS_SILENCE_MS:
+            raise EventError(f"{param}.eagerness must be one of {', '.join(EAGERNESS_SILENCE_MS)}",
+                             param=f"{param}.eagerness")  # fmt: skip
+        if key in ("create_response", "interrupt_response") and not isinstance(item, bool):
+            raise EventError(f"{param}.{key} must be a boolean", code="invalid_type", param=f"{param}.{key}")
+        out[key] = item
+    return {**SERVER_VAD_DEFAULTS, "silence_duration_ms": EAGERNESS_SILENCE_MS[out["eagerness"]], **out}
+
+
+def shown_turn_detection(td: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The turn detection as the client set it: semantic_vad shows its own fields, not the server VAD's."""
+    if td is None:
+        return None
+    return {k: td[k] for k in (SEMANTIC_VAD_DEFAULTS if td["type"] == "semantic_vad" else SERVER_VAD_DEFAULTS)}

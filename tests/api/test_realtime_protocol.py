@@ -103,6 +103,29 @@ async def test_server_vad_turn_commits_audio_and_answers(server, fake):
     assert len(audio) // 2 == pytest.approx((stopped.audio_end_ms - started.audio_start_ms) * 16, abs=16 * 40)
 
 
+
+async def test_semantic_vad_is_served_by_the_server_vad(server, fake):
+    """LiveKit's OpenAI plugin asks for semantic_vad by default: the update is taken whole and shown as asked,
+    and the server VAD takes the turns, its silence set by eagerness (high: 300 ms)."""
+    async with sdk(server.url).realtime.connect(model="qwen3-omni") as conn:
+        await until(conn, "session.created")
+        await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": {
+            "type": "semantic_vad", "eagerness": "fast"}}}}, event_id="evt_eager")  # fmt: skip
+        eager = (await until(conn, "error")).error
+        await conn.session.update(session={"type": "realtime", "instructions": "Be brief.", "audio": {"input": {
+            "turn_detection": {"type": "semantic_vad", "eagerness": "high", "create_response": True,
+                               "interrupt_response": True}}}})  # fmt: skip
+        updated = (await until(conn, "session.updated")).session
+        await stream_audio(conn, utterance(1.0))  # speech from 200 ms to 1200 ms
+        stopped = await until(conn, "input_audio_buffer.speech_stopped")
+        done = await until(conn, "response.done")
+    assert (eager.param, eager.event_id) == ("session.audio.input.turn_detection.eagerness", "evt_eager")
+    assert updated.instructions == "Be brief."
+    assert updated.audio.input.turn_detection.model_dump(exclude_none=True) == {
+        "type": "semantic_vad", "eagerness": "high", "create_response": True, "interrupt_response": True}
+    assert 1200 + 300 - 100 <= stopped.audio_end_ms < 1200 + 500  # shorter than server_vad's default silence
+    assert done.response.status == "completed"
+
 async def test_barge_in_cancels_the_response_and_truncate_cuts_the_transcript(server, fake):
     fake.script = Script(steps=[Step("a", audio=tone(1920)), Step("b", audio=tone(1920)), Step("c", audio=tone(1920)),
                                 Step("d")], hang=True)  # fmt: skip
