@@ -13,6 +13,7 @@ from omnistage.core.voices import DEFAULT_VOICE
 from openai_frontend.app import create_app
 from openai_frontend.middleware import BoundedH11Protocol
 from openai_frontend.realtime.connection import RealtimeLimits
+from openai_frontend.realtime.events import MAX_EVENT_BYTES
 from openai_frontend.settings import DEFAULT_VOICES, SERVED_MODEL_NAMES, MiB, RESPONSE_STYLES, FrontendSettings
 from openai_frontend.stage_watchdog import StageWatchdog
 from openai_frontend.triton_client import TritonOmniClient
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     # a deadline for request heads (BoundedH11Protocol) and bodies (BodyLimit), a cap on connections
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, http=BoundedH11Protocol,
                 limit_concurrency=args.max_connections, timeout_keep_alive=args.keep_alive_timeout,
-                timeout_graceful_shutdown=args.shutdown_timeout)  # fmt: skip
+                timeout_graceful_shutdown=args.shutdown_timeout, ws_max_size=MAX_EVENT_BYTES)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -14,7 +14,10 @@ CLIENT_EVENTS = (
     "conversation.item.truncate",
     "response.create", "response.cancel",
 )  # fmt: skip
-MAX_EVENT_BYTES = 16 << 20  # one client event (an append of ~5 min of 24 kHz pcm16 in base64 fits)
+# One client event, bounded by the WebSocket transport (uvicorn's ws_max_size): a bigger frame is closed with
+# 1009 before it is buffered whole. An append of ~5 min of 24 kHz pcm16 in base64 fits; the input buffer's own
+# limit (--realtime-max-buffered-audio) is lower.
+MAX_EVENT_BYTES = 16 << 20
 
 
 def new_id(prefix: str) -> str:
@@ -39,8 +42,6 @@ def error_event(err: EventError, client_event_id: str | None) -> dict[str, Any]:
 
 def parse(raw: str | bytes) -> dict[str, Any]:
     """One client event: a JSON object with a known `type`; raises EventError otherwise."""
-    if len(raw) > MAX_EVENT_BYTES:
-        raise EventError(f"event larger than {MAX_EVENT_BYTES} bytes", code="event_too_large")
     try:
         event = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:

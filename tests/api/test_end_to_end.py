@@ -136,6 +136,28 @@ def test_an_idle_connection_is_closed_after_the_keep_alive_timeout():
             assert 0.8 < time.monotonic() - answered < 3
 
 
+async def test_a_realtime_event_over_the_limit_closes_the_session(frontend):
+    """The transport bounds one client event (1009) before buffering it; an event just under it is read and
+    answered like any other, and its session lives on."""
+    import websockets
+
+    from openai_frontend.realtime.events import MAX_EVENT_BYTES
+
+    url = f"ws://127.0.0.1:{frontend.port}/v1/realtime"
+    async with websockets.connect(url, max_size=None) as ws:
+        assert json.loads(await ws.recv())["type"] == "session.created"
+        head = '{"type": "no.such.event", "event_id": "big", "pad": "'
+        await ws.send(head + "x" * (MAX_EVENT_BYTES - len(head) - 2) + '"}')
+        error = json.loads(await asyncio.wait_for(ws.recv(), 10))
+        assert error["type"] == "error" and error["error"]["event_id"] == "big", error
+        await ws.send('{"type": "session.update", "session": {"type": "realtime"}}')
+        assert json.loads(await asyncio.wait_for(ws.recv(), 10))["type"] == "session.updated"
+        await ws.send("x" * (MAX_EVENT_BYTES + 1))
+        with pytest.raises(websockets.ConnectionClosed):
+            await asyncio.wait_for(ws.recv(), 10)
+    assert ws.close_code == 1009
+
+
 # ---- vLLM-Omni's own request shapes, as its clients write them ---------------------------------------------
 # The example client (examples/online_serving/qwen3_omni/openai_chat_completion_client_for_multimodal_generation.py
 # in vllm-project/vllm-omni: its default model name, system prompt and three-stage sampling_params_list) and
