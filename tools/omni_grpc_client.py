@@ -1,6 +1,8 @@
 #!/usr/bin/env python
 # Calls omni_ensemble directly over Triton's gRPC streaming API (no OpenAI frontend): prints the text
 # deltas as they arrive, writes the audio chunks to a WAV file, and prints finish_reason and usage.
+# Against `serve`, whose Triton answers inference only with its key, set OMNISTAGE_TRITON_KEY to the key the
+# server was started with (docs/reliability.md#security).
 #
 #   python tools/omni_grpc_client.py --url 127.0.0.1:8001 --prompt "Say hello!" --max-tokens 8 \
 #       --talker-max-tokens 50 --param talker_ignore_eos=true --out reply.wav
@@ -8,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import queue
 import sys
 import wave
@@ -15,9 +18,10 @@ from pathlib import Path
 
 import numpy as np
 import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-from omnistage.core.protocol import OMNI, SAMPLE_RATE
+from omnistage.core.protocol import OMNI, SAMPLE_RATE, TRITON_GRPC_KEY_HEADER, TRITON_KEY_ENV
 
 
 def _string(result, name: str) -> str | None:
@@ -56,7 +60,7 @@ def main() -> int:
     spec = OMNI.input("messages")
     inputs = [grpcclient.InferInput(spec.name, list(spec.dims), "BYTES")]
     inputs[0].set_data_from_numpy(np.array([json.dumps(messages).encode("utf-8")], dtype=np.object_))
-    # request parameters: str / int / float / bool; see the omni_ensemble table in README.md
+    # request parameters: str / int / float / bool; see the omni_ensemble table in docs/architecture.md
     parameters = {"modalities": args.modalities, "speaker": args.speaker}
     if args.max_tokens is not None:
         parameters["max_tokens"] = args.max_tokens
@@ -68,9 +72,14 @@ def main() -> int:
 
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(args.url)
-    client.start_stream(callback=lambda result, error: responses.put((result, error)))
-    # enable_empty_final_response: the end of the stream is a response flagged triton_final_response
-    client.async_stream_infer(OMNI.name, inputs, parameters=parameters, enable_empty_final_response=True)
+    key = os.environ.get(TRITON_KEY_ENV)
+    client.start_stream(callback=lambda result, error: responses.put((result, error)),
+                        headers={TRITON_GRPC_KEY_HEADER: key} if key else None)
+    try:
+        # enable_empty_final_response: the end of the stream is a response flagged triton_final_response
+        client.async_stream_infer(OMNI.name, inputs, parameters=parameters, enable_empty_final_response=True)
+    except InferenceServerException:
+        pass  # the stream broke before the request went out (a refused key): its error is in the queue
 
     audio, finish_reason, usage, error = [], None, None, None
     while True:
@@ -93,6 +102,9 @@ def main() -> int:
     print()
     if error is not None:
         print(f"error: {error}", file=sys.stderr)
+        if TRITON_GRPC_KEY_HEADER in error:
+            print(f"Triton wants its key: set {TRITON_KEY_ENV} to the key the server was started with "
+                  "(or start `serve` with --triton-open-inference)", file=sys.stderr)
         return 1
 
     print(f"finish_reason: {finish_reason}")

@@ -22,6 +22,7 @@ class RepoSpec:
     src: Path = FIXTURES  # dir of <model>/1/model.py
     env: dict[str, str] | None = None  # tritonserver's environment before launch additions
     ready_timeout_s: float = READY_TIMEOUT_S  # more model instances (replicas) load for longer
+    api_key: str | None = None  # Triton's inference and admin APIs locked behind it, as `serve` locks them
 
 
 @dataclass
@@ -87,7 +88,8 @@ class Launcher:
         for spec in specs:
             workdir = self.workdir / f"server{len(self.started)}"
             repo = render_repository(spec.src, workdir / "model_repository", spec.models)
-            server = TritonServer.on_free_ports(repo, workdir / "run", env=spec.env, exit_timeout_s=3)
+            server = TritonServer.on_free_ports(repo, workdir / "run", env=spec.env, exit_timeout_s=3,
+                                                api_key=spec.api_key)
             self.started.append(RunningTriton(server))  # before starting: its log is reported on failure
             running.append(self.started[-1])
             server.start()
