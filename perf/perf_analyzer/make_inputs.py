@@ -7,17 +7,22 @@
 #
 #   python -m perf.perf_analyzer.make_inputs offline --out perf/perf_analyzer
 #   python -m perf.perf_analyzer.make_inputs stages --url 127.0.0.1:8001 --out /tmp/pa
+#
+# A server that `serve` started answers inference only with its Triton key: OMNISTAGE_TRITON_KEY, when set,
+# goes with every request (docs/reliability.md#security).
 from __future__ import annotations
 
 import argparse
 import base64
 import json
+import os
 import queue
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from omnistage.core.protocol import TRITON_GRPC_KEY_HEADER, TRITON_KEY_ENV
 from perf import workloads
 
 HERE = Path(__file__).resolve().parent
@@ -60,20 +65,29 @@ def offline(out: Path, n_w1: int, n_w2: int) -> None:
 
 
 # ---- stage tensors from a running server --------------------------------------------------------------
+def triton_key() -> str | None:
+    return os.environ.get(TRITON_KEY_ENV) or None
+
+
 def _stream(url: str, model: str, inputs: dict, parameters: dict, timeout: float = 300.0) -> list[dict]:
     """One decoupled request; returns the responses as {output name: numpy array}."""
     import tritonclient.grpc as grpcclient
-    from tritonclient.utils import np_to_triton_dtype
+    from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
     client = grpcclient.InferenceServerClient(url)
     answers: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    key = triton_key()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)),
+                        headers={TRITON_GRPC_KEY_HEADER: key} if key else None)  # fmt: skip
     tensors = []
     for name, array in inputs.items():
         t = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
         t.set_data_from_numpy(array)
         tensors.append(t)
-    client.async_stream_infer(model, tensors, parameters=parameters, enable_empty_final_response=True)
+    try:
+        client.async_stream_infer(model, tensors, parameters=parameters, enable_empty_final_response=True)
+    except InferenceServerException:
+        pass  # the stream broke before the request went out (a refused key): its error is in the queue
     responses = []
     try:
         while True:

@@ -8,6 +8,7 @@
 # The venv's perf_analyzer (tritonclient 2.51) needs libb64.so.0d (Debian's libb64-0d) and libcudart.so.12
 # (the nvidia-cuda-runtime-cu12 wheel, which this module puts on LD_LIBRARY_PATH); on the GPU machine the
 # perf_analyzer on PATH is used as it is. Workload W1 (perf/workloads.py): 18 reply tokens, 46 frames.
+# Against a server that `serve` started, OMNISTAGE_TRITON_KEY must hold its Triton key (sent with -H).
 from __future__ import annotations
 
 import argparse
@@ -18,6 +19,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
+from omnistage.core.protocol import TRITON_GRPC_KEY_HEADER, TRITON_KEY_ENV
 from perf.pa_first_response import summarize_export
 from perf.perf_analyzer import make_inputs
 
@@ -70,14 +74,30 @@ def perf_analyzer() -> tuple[str, dict[str, str]]:
     return binary, env
 
 
+def check_server(url: str) -> None:
+    """One short omni_ensemble request before any perf_analyzer run. Refused (a server locked with a Triton key
+    it was not given), perf_analyzer 2.51 says only "Failed to maintain requested inference load" and never
+    exits."""
+    messages = np.array([json.dumps([{"role": "user", "content": "hi"}]).encode()], dtype=np.object_)
+    try:
+        make_inputs._stream(url, "omni_ensemble", {"messages": messages}, {"modalities": "text", "max_tokens": 1},
+                            timeout=120)  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - whatever keeps one request from being answered stops the sweep
+        hint = (f"; set {TRITON_KEY_ENV} to the key the server was started with (docs/reliability.md#security)"
+                if TRITON_GRPC_KEY_HEADER in str(e) else "")  # fmt: skip
+        raise SystemExit(f"{url} did not answer a request: {e}{hint}") from None
+
+
 def run_level(binary: str, env: dict, url: str, model: str, concurrency: int, requests: int, out: Path,
               inputs: Path, workload: dict) -> dict:  # fmt: skip
     export = out / f"pa_{model}_c{concurrency}.json"
-    cmd = [binary, "-i", "grpc", "--async", "--streaming", "-u", url,
+    key = make_inputs.triton_key()
+    auth = ["-H", f"{TRITON_GRPC_KEY_HEADER}:{key}"] if key else []
+    cmd = [binary, "-i", "grpc", "--async", "--streaming", "-u", url, *auth,
            *model_args(model, inputs, workload["reply_tokens"], workload["frames"]),
            "--concurrency-range", str(concurrency), "--request-count", str(requests),
            "--profile-export-file", str(export)]  # fmt: skip
-    print("$", " ".join(cmd), flush=True)
+    print("$", " ".join(cmd).replace(key or "\0", "<key>"), flush=True)
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     (out / f"pa_{model}_c{concurrency}.log").write_text(done.stdout + done.stderr)
     if done.returncode != 0 or not export.exists() or export.stat().st_size == 0:  # killed while exporting: empty
@@ -100,6 +120,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     binary, env = perf_analyzer()
+    check_server(args.url)
     inputs = args.out / "inputs"
     if {"talker", "code2wav"} & set(args.models):  # model tensors: taken from this server
         make_inputs.stages(args.url, inputs, args.reply_tokens)

@@ -2,9 +2,9 @@
 # tritonserver (tiny checkpoint) and the OpenAI frontend, each in its own directory, with OMNISTAGE_URL and
 # TRITON_GRPC pointing at them. Triton is locked with a key as `serve` locks it, and the examples get it in
 # OMNISTAGE_TRITON_KEY as a user would pass it. The stages' default lengths are short here, so the examples
-# need no length settings of their own (random weights never stop by themselves). The other Triton client
-# the docs give, tools/omni_grpc_client.py (docs/architecture.md), runs against the same server, with the
-# key and without it.
+# need no length settings of their own (random weights never stop by themselves). The other Triton clients
+# the docs give, tools/omni_grpc_client.py (docs/architecture.md) and perf_analyzer's sweep
+# (perf/perf_analyzer/README.md), run against the same server, with the key and without it.
 import json
 import os
 import re
@@ -94,3 +94,23 @@ def test_omni_grpc_client_sends_the_key_and_says_when_it_is_missing(triton_serve
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert TRITON_KEY_ENV in done.stderr and "restricted" in done.stderr, done.stderr[-3000:]
 
+
+def test_perf_analyzer_sweep_sends_the_key_and_stops_at_once_without_it(triton_server, tmp_path):
+    from perf.perf_analyzer import sweep
+
+    try:
+        sweep.perf_analyzer()
+    except SystemExit as e:  # libb64 missing: `make perf-analyzer` installs it
+        pytest.skip(str(e))
+    cmd = [sys.executable, "-m", "perf.perf_analyzer.sweep", "--url", triton_server.grpc_url, "--out", str(tmp_path),
+           "--models", "omni_ensemble", "--concurrency", "1", "--requests-per-level", "1"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != TRITON_KEY_ENV}
+    done = subprocess.run(cmd, cwd=REPO_ROOT, env={**env, TRITON_KEY_ENV: KEY}, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert KEY not in done.stdout  # the command line it prints hides the key
+    (row,) = json.loads((tmp_path / "summary.json").read_text())
+    assert row["answered"] == row["requests"] == 1, row
+    # refused, perf_analyzer 2.51 would wait forever: the sweep stops before it with what to do
+    done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and TRITON_KEY_ENV in done.stderr, (done.stdout + done.stderr)[-3000:]
