@@ -157,4 +157,4 @@ def _too_long(where: str, seconds: float, max_seconds: float, at_least: bool = F
 
 
 def _bad(where: str, message: str) -> FrontendError:
-    return FrontendError(400, f"{where}: {message}", param=where)
+    return FrontendError(400, f"{where}: {message}", param=where, code="invalid_value")

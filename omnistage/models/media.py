@@ -89,6 +89,8 @@ def open_image(raw: bytes, what: str) -> PendingMedia:
     try:
         image = Image.open(io.BytesIO(raw))  # reads the header only
         width, height = image.size
+    except UnidentifiedImageError:  # its message is the repr of our BytesIO, which tells the client nothing
+        raise BadRequestError(f"{what}: cannot decode image (not an image format this server reads)") from None
     except errors as e:
         raise BadRequestError(f"{what}: cannot decode image ({e})") from None
     if width * height > LIMITS.max_image_pixels:

@@ -1,6 +1,7 @@
 # Offline Qwen3OmniMoeProcessor (tokenizer + Whisper features + PIL image patches + video patches) and the
 # conversion of OpenAI-style chat messages into thinker inputs.
 import contextlib
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -180,6 +181,29 @@ def _convert_part(part, role: str, where: str, pending: list, audio_in_video: bo
     return {"type": "audio"}
 
 
+@contextlib.contextmanager
+def _at(where: str):
+    """A BadRequestError raised inside names the part `where` (e.g. messages[0].content[1]) as the field at
+    fault, with OpenAI's `invalid_value` unless it has a code of its own, as the frontend's own media checks
+    do; media.py and video.py write the part into the message only."""
+    try:
+        yield
+    except BadRequestError as e:
+        if e.param is None:
+            e.param = where
+            if "error_code" not in vars(e):
+                e.error_code = "invalid_value"
+        raise
+
+
+def _decoded_at(where: str, pending: media.PendingMedia) -> media.PendingMedia:
+    def decode():
+        with _at(where):
+            return pending.decode()
+
+    return dataclasses.replace(pending, decode=decode)
+
+
 def _convert_messages(messages, audio_in_video: bool = False) -> tuple[list, list, int]:
     """(conversation for the chat template, the media's PendingMedia in prompt order, characters of text)"""
     if not isinstance(messages, list) or not messages:
@@ -199,8 +223,12 @@ def _convert_messages(messages, audio_in_video: bool = False) -> tuple[list, lis
             continue
         if not isinstance(content, list) or not content:
             raise BadRequestError(f"{where}: content must be a string or a non-empty list of parts")
-        parts = [_convert_part(p, role, f"{where}.content[{j}]", pending, audio_in_video)
-                 for j, p in enumerate(content)]  # fmt: skip
+        parts = []
+        for j, part in enumerate(content):
+            at, first = f"{where}.content[{j}]", len(pending)
+            with _at(at):
+                parts.append(_convert_part(part, role, at, pending, audio_in_video))
+            pending[first:] = [_decoded_at(at, p) for p in pending[first:]]  # decoded later, still named
         chars += sum(len(p["text"]) for p in parts if p["type"] == "text")
         conversation.append({"role": role, "content": parts})
     return conversation, pending, chars
@@ -281,7 +309,8 @@ def prepare_inputs(processor, messages: list[dict], use_audio_in_video: bool = F
     conversation, pending, chars = _convert_messages(messages, use_audio_in_video)
     if -(-chars // processor.max_token_chars) > media.LIMITS.max_prompt_tokens:
         raise BadRequestError(f"the messages hold {chars} characters of text, more than the context of "
-                              f"{media.LIMITS.max_prompt_tokens} tokens can take")  # fmt: skip
+                              f"{media.LIMITS.max_prompt_tokens} tokens can take", param="messages",
+                              code="context_length_exceeded")  # fmt: skip
     with media.BUDGET.reserve(sum(p.cost for p in pending)):
         decoded = [(p.kind, p.decode()) for p in pending]
         images = [d for kind, d in decoded if kind == "image"]

@@ -96,6 +96,7 @@ def test_bad_media_is_a_400_naming_the_part(http, fake, part, message):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == "messages[0].content[1]" and message in error["message"]
+    assert error["code"], error  # every 4xx names a code (openai_frontend/README.md, Errors)
     assert fake.calls == []
 
 

@@ -175,6 +175,8 @@ def test_metrics_and_bad_input(frontend):
     r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [
         {"type": "input_audio", "input_audio": {"data": base64.b64encode(b"RIFF....").decode(), "format": "wav"}}]}]})
     assert r.status_code == 400 and "WAV" in r.json()["error"]["message"]  # rejected by omni_ensemble itself
+    # named as the frontend names the parts it checks itself (openai_frontend/README.md, Errors)
+    assert (r.json()["error"]["param"], r.json()["error"]["code"]) == ("messages[0].content[0]", "invalid_value")
     assert http.get("/health").status_code == 200
     short = {"messages": oracle.messages("text"), "max_tokens": 2, "sampling_params_list": [{}, {"max_tokens": 4}]}
     assert http.post("/v1/chat/completions", json=short).status_code == 200

