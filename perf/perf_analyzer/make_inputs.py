@@ -1,9 +1,9 @@
 # perf_analyzer --input-data files for omni_ensemble and for each stage model (see README.md here).
 #   offline : omni_w1.json, omni_w2.json (messages), thinker_w1.json (input_ids); model-independent,
 #             since every checkpoint here shares the Qwen3 tokenizer and chat template.
-#   stages  : talker_w1.json and code2wav_{first,steady}.json, which hold model tensors (hidden size,
-#             code2wav state), taken from a running server: the thinker is run once over gRPC with
-#             export_talker to get the talker's start tensors; code2wav once to get a chunk's state.
+#   stages  : talker_w1.json, which holds model tensors (hidden size) taken from a running server (the
+#             thinker is run once over gRPC with export_talker to get the talker's start tensors), and
+#             code2wav_{first,chunk}.json: a first chunk and a main chunk of codec frames.
 #
 #   python -m perf.perf_analyzer.make_inputs offline --out perf/perf_analyzer
 #   python -m perf.perf_analyzer.make_inputs stages --url 127.0.0.1:8001 --out /tmp/pa
@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from omnistage.core.protocol import TRITON_GRPC_KEY_HEADER, TRITON_KEY_ENV
+from omnistage.core.chunking import ChunkSchedule
 from perf import workloads
 
 HERE = Path(__file__).resolve().parent
@@ -127,13 +128,13 @@ def stages(url: str, out: Path, reply_tokens: int, seed: int = 0) -> None:
     users = first["talker_user_rows"].shape[0]
     print(f"  thinker gave {len(text_rows)} reply rows of width {text_rows.shape[1]}, {users} user rows")
 
+    # Code2Wav: a request without a session is a stream of one chunk (perf_analyzer cannot carry a session from
+    # one request to the next), so the main lane's chunk decodes without the state a stream's later chunks carry
     rng = np.random.default_rng(seed)
     codes = lambda n: rng.integers(0, 2048, size=(n, 16), dtype=np.int64)
-    write(out / "code2wav_first.json", {"data": [{"codes": tensor_json(codes(4))}]})
-    state = _stream(url, "code2wav", {"codes": codes(25)}, {})[-1]
-    steady = {"codes": tensor_json(codes(25))}
-    steady.update({k: tensor_json(state[k]) for k in ("past_kv", "past_hidden", "past_frames")})
-    write(out / "code2wav_steady.json", {"data": [steady]})
+    schedule = ChunkSchedule()
+    write(out / "code2wav_first.json", {"data": [{"codes": tensor_json(codes(schedule.first_chunk_frames))}]})
+    write(out / "code2wav_chunk.json", {"data": [{"codes": tensor_json(codes(schedule.chunk_frames))}]})
 
 
 # ---- replaying an input file without perf_analyzer (a format check of the file alone) ------------------

@@ -48,7 +48,7 @@ def model_args(model: str, inputs: Path, reply_tokens: int, frames: int) -> list
     elif model == "talker":
         params, data = {"speaker": "ethan", "text_end": True, **talker}, inputs / "talker_w1.json"
     elif model == "code2wav":
-        params, data = {}, inputs / "code2wav_steady.json"
+        params, data = {}, inputs / "code2wav_chunk.json"
     else:
         raise ValueError(f"unknown model {model!r}; one of {', '.join(MODELS)}")
     return ["-m", model, "--input-data", str(data), *[a for k, v in params.items() for a in _param(k, v)]]

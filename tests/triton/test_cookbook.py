@@ -103,14 +103,16 @@ def test_perf_analyzer_sweep_sends_the_key_and_stops_at_once_without_it(triton_s
     except SystemExit as e:  # libb64 missing: `make perf-analyzer` installs it
         pytest.skip(str(e))
     cmd = [sys.executable, "-m", "perf.perf_analyzer.sweep", "--url", triton_server.grpc_url, "--out", str(tmp_path),
-           "--models", "omni_ensemble", "--concurrency", "1", "--requests-per-level", "1"]  # fmt: skip
+           "--models", "omni_ensemble", "talker", "code2wav", "--concurrency", "1", "--requests-per-level", "1",
+           "--reply-tokens", "2", "--frames", "4"]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != TRITON_KEY_ENV}
     done = subprocess.run(cmd, cwd=REPO_ROOT, env={**env, TRITON_KEY_ENV: KEY}, capture_output=True, text=True,
                           timeout=300)  # fmt: skip
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert KEY not in done.stdout  # the command line it prints hides the key
-    (row,) = json.loads((tmp_path / "summary.json").read_text())
-    assert row["answered"] == row["requests"] == 1, row
+    rows = json.loads((tmp_path / "summary.json").read_text())
+    assert [r["model"] for r in rows] == ["omni_ensemble", "talker", "code2wav"], rows
+    assert all(r["answered"] == r["requests"] == 1 for r in rows), rows
     # refused, perf_analyzer 2.51 would wait forever: the sweep stops before it with what to do
     done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and TRITON_KEY_ENV in done.stderr, (done.stdout + done.stderr)[-3000:]
