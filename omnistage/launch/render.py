@@ -234,7 +234,8 @@ def spec_from_args(args: argparse.Namespace) -> tuple[Profile, dict[str, ModelSp
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="render the omnistage model repository from a deploy profile")
+    ap = argparse.ArgumentParser(prog="python -m omnistage.launch.render",
+                                 description="render the omnistage model repository from a deploy profile")
     ap.add_argument("--model", default=None, help="checkpoint dir or dummy:<config.json> (default: the profile's)")
     add_profile_args(ap)
     ap.add_argument("--out", type=Path, help="the repository to write (replaced as a whole)")

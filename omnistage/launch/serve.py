@@ -34,11 +34,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", default=None, help="checkpoint dir, or dummy:<config.json> (default: the profile's)")
     add_profile_args(ap)
     ap.add_argument("--host", default="127.0.0.1", help="address of the OpenAI API")
-    ap.add_argument("--api-port", type=int, default=8091)
+    ap.add_argument("--api-port", type=int, default=8091, help="the OpenAI API and the demo (default 8091)")
     ap.add_argument("--triton-host", default="127.0.0.1", help="address tritonserver binds (HTTP, gRPC, metrics)")
-    ap.add_argument("--http-port", type=int, default=8000)
-    ap.add_argument("--grpc-port", type=int, default=8001)
-    ap.add_argument("--metrics-port", type=int, default=8002)
+    ap.add_argument("--http-port", type=int, default=8000, help="Triton HTTP (default 8000)")
+    ap.add_argument("--grpc-port", type=int, default=8001, help="Triton gRPC (default 8001)")
+    ap.add_argument("--metrics-port", type=int, default=8002, help="Triton metrics (default 8002)")
     ap.add_argument("--triton-open-inference", action="store_true",
                     help="let clients without the Triton key infer on Triton's ports (model control, shared "
                          "memory, trace and logging still need it; see docs/reliability.md)")
