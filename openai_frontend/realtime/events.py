@@ -68,6 +68,11 @@ def _checked(event: dict[str, Any]) -> dict[str, Any]:
     return event
 
 
+# a client writes JSON: its type errors name JSON's types, not Python's
+JSON_TYPES = {dict: "an object", list: "an array", str: "a string", int: "an integer", float: "a number",
+              bool: "a boolean"}  # fmt: skip
+
+
 def field(event: dict[str, Any], name: str, kind: type | tuple[type, ...], *, required: bool = True,
           where: str = "") -> Any:  # fmt: skip
     """event[name] checked against `kind` (bool is not an int here); None when absent and optional."""
@@ -79,7 +84,7 @@ def field(event: dict[str, Any], name: str, kind: type | tuple[type, ...], *, re
     value = event[name]
     kinds = kind if isinstance(kind, tuple) else (kind,)
     if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
-        names = " or ".join(k.__name__ for k in kinds)
+        names = " or ".join(JSON_TYPES.get(k, k.__name__) for k in kinds)
         raise EventError(f"'{param}' must be {names}", code="invalid_type", param=param)
     return value
 
