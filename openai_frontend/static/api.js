@@ -18,16 +18,27 @@ async function httpError(response) {
   return new Error(`${response.status}: ${message}`);
 }
 
+// fetch, with its bare "Failed to fetch" (server down, connection refused, no network) put in words
+async function request(url, init) {
+  try {
+    return await fetch(url, init);
+  } catch (err) {
+    if (init.signal?.aborted) throw err; // the user's Stop, not a failure
+    throw new Error(`cannot reach the server at ${location.host}: is it running? (${err.message})`);
+  }
+}
+
 export async function listModels(apiKey) {
-  const response = await fetch("/v1/models", { headers: headers(apiKey) });
+  const response = await request("/v1/models", { headers: headers(apiKey) });
   if (!response.ok) throw await httpError(response);
   return (await response.json()).data.map((m) => m.id);
 }
 
 // POST /v1/chat/completions with stream=true; yields each chat.completion.chunk object until [DONE].
-// An error event inside the stream (`{"error": ...}`) is thrown like an HTTP error.
+// An error event inside the stream (`{"error": ...}`) is thrown like an HTTP error, and so is a stream
+// that breaks off or ends without [DONE] (the server died or a proxy cut it): the reply is incomplete.
 export async function* streamChat(body, { apiKey, signal }) {
-  const response = await fetch("/v1/chat/completions", {
+  const response = await request("/v1/chat/completions", {
     method: "POST",
     headers: headers(apiKey),
     body: JSON.stringify({ ...body, stream: true }),
@@ -37,8 +48,14 @@ export async function* streamChat(body, { apiKey, signal }) {
   const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
   let pending = "";
   for (;;) {
-    const { value, done } = await reader.read();
-    if (done) return;
+    let value, done;
+    try {
+      ({ value, done } = await reader.read());
+    } catch (err) {
+      if (signal?.aborted) throw err;
+      throw new Error(`the connection to the server broke off mid-reply (${err.message})`);
+    }
+    if (done) throw new Error("the reply stopped before its end: the server closed the stream without [DONE]");
     pending += value;
     const events = pending.split(/\r?\n\r?\n/);
     pending = events.pop(); // an incomplete event waits for the next read

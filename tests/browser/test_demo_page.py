@@ -142,6 +142,26 @@ def test_server_error_is_shown(demo, fake):
     assert "cannot decode image" in demo.locator(".message.assistant.error").inner_text()
 
 
+def test_unreachable_server_and_cut_stream_are_named(page, fake):
+    """A server that is gone, or a stream that ends without [DONE], is an error that says so."""
+    fake.reset()
+    with ThreadedUvicorn(create_app(fake)) as gone:
+        page.goto(gone.url)
+        page.wait_for_function("() => demoState.model !== null")
+    s = send(page, "hi")
+    assert s["status"] == "error" and s["error"].startswith("cannot reach the server at 127.0.0.1:"), s["error"]
+    assert "is it running?" in page.locator("#status").inner_text()
+    assert page.locator("#send").is_visible() and page.locator("#stop").is_hidden()  # no stuck reply
+
+    # a proxy or a dying server closing the stream cleanly mid-reply: the reply is incomplete, not done
+    cut = 'data: {"choices":[{"index":0,"delta":{"content":"Hal"}}]}\n\n'
+    page.route("**/v1/chat/completions",
+               lambda route: route.fulfill(status=200, headers={"Content-Type": "text/event-stream"}, body=cut))  # fmt: skip
+    s = send(page, "hi")
+    assert s["status"] == "error" and "without [DONE]" in s["error"] and s["textReceived"] == "Hal"
+    assert s["replies"] == 0 and "without [DONE]" in page.locator(".message.assistant.error").last.inner_text()
+
+
 def test_stop_cancels_the_request(demo, fake):
     fake.script = Script(steps=[Step("Thinking", tone(2400))], hang=True)
     demo.fill("#prompt", "Talk forever")
