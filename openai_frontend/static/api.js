@@ -69,6 +69,7 @@ export async function* streamChat(body, { apiKey, signal }) {
       if (data === "[DONE]") return;
       const chunk = JSON.parse(data);
       if (chunk.error) throw new Error(chunk.error.message ?? JSON.stringify(chunk.error));
+      signal?.throwIfAborted(); // events already read belong to a reply the user cancelled
       yield chunk;
     }
   }

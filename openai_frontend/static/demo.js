@@ -292,6 +292,10 @@ $("image-input").addEventListener("change", (e) => attach("image", e.target.file
 $("audio-input").addEventListener("change", (e) => attach("audio", e.target.files[0]).then(() => (e.target.value = "")));
 $("api-key").addEventListener("change", loadModel);
 $("new-chat").addEventListener("click", () => {
+  // a reply still streaming belongs to the old chat: left running it would keep speaking and then add
+  // its turn to the new chat's (empty) history
+  abort?.abort();
+  player.reset();
   history.length = 0;
   $("log").replaceChildren();
   bubble = null;

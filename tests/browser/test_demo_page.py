@@ -173,6 +173,22 @@ def test_stop_cancels_the_request(demo, fake):
     assert fake.cancelled.wait(5)  # the frontend saw the disconnect and closed the backend stream
 
 
+def test_new_chat_drops_the_reply_in_flight(demo, fake):
+    """New chat while a reply streams: the reply stops, and the new chat's history starts empty."""
+    fake.script = Script(steps=[Step("Old", tone(24000))], hang=True)
+    demo.fill("#prompt", "First chat")
+    demo.click("#send")
+    demo.wait_for_function("() => demoState.textReceived === 'Old'")
+    demo.click("#new-chat")
+    demo.wait_for_function(DONE)
+    assert state(demo)["status"] == "stopped" and demo.locator("#log .message").count() == 0
+    assert fake.cancelled.wait(5)
+    fake.script = Script(steps=[Step("New")])
+    s = send(demo, "Second chat")
+    assert s["status"] == "done" and s["textReceived"] == "New"
+    assert fake.calls[-1]["messages"] == [{"role": "user", "content": "Second chat"}]
+
+
 def test_api_key(page, fake):
     """With --api-key the page itself stays public; its API calls carry the key the user types."""
     fake.reset()
