@@ -35,7 +35,10 @@ class TalkSession {
     this.pending = [];
     this.pendingSamples = 0;
     this.playing = null; // {itemId} of the answer on the speaker
-    this.bubble = null;
+    this.bubble = null; // {el, text} of the answer being written
+    this.opened = false;
+    this.ended = false; // by stop(): every later event of this session is ignored
+    this.lastError = null; // the latest error event's message: a server close comes right after it
   }
 
   async start() {
@@ -48,17 +51,30 @@ class TalkSession {
     const scheme = location.protocol === "https:" ? "wss" : "ws";
     const model = window.demoState?.model;
     this.ws = new WebSocket(`${scheme}://${location.host}/v1/realtime${model ? `?model=${encodeURIComponent(model)}` : ""}`, protocols);
-    this.ws.onmessage = (e) => this.onEvent(JSON.parse(e.data));
-    this.ws.onclose = () => this.stop(talk.status === "error" ? talk.error : null);
-    this.ws.onerror = () => this.stop("the connection failed");
+    this.ws.onmessage = (e) => !this.ended && this.onEvent(JSON.parse(e.data));
+    // A close the user did not ask for (End talk sets `ended` first): the server refused the session, hit
+    // one of its limits, or went away. A browser learns no HTTP status for a refused WebSocket (a wrong
+    // API key, a server that is down), so the message names the likely causes. The socket's own `error`
+    // event carries no detail and is always followed by this close, so it has no handler.
+    this.ws.onclose = (e) => {
+      const detail = ` (WebSocket code ${e.code}${e.reason ? `: ${e.reason}` : ""})`;
+      if (this.lastError) this.stop(this.lastError);
+      else if (this.opened) this.stop(`the server closed the conversation${detail}`);
+      else this.stop(`cannot open /v1/realtime: the server is down or refused the API key${detail}`);
+    };
     await new Promise((resolve, reject) => {
       this.ws.addEventListener("open", resolve, { once: true });
       this.ws.addEventListener("close", () => reject(new Error("connection closed")), { once: true });
     });
+    this.opened = true;
     this.send({ type: "session.update", session: sessionConfig() });
+    // each await below may see the session end (a refusal arrives right after the socket opens): what
+    // was acquired by then is released, and the session must not go on to "listening"
     this.stream = await navigator.mediaDevices.getUserMedia({ audio: { channelCount: 1, echoCancellation: true } });
+    if (this.ended) return this.release();
     this.ctx = new AudioContext({ sampleRate: RATE });
     await this.ctx.audioWorklet.addModule(URL.createObjectURL(new Blob([CAPTURE], { type: "text/javascript" })));
+    if (this.ended) return this.release();
     const capture = new AudioWorkletNode(this.ctx, "capture");
     capture.port.onmessage = (e) => this.onSamples(e.data);
     this.ctx.createMediaStreamSource(this.stream).connect(capture);
@@ -111,8 +127,9 @@ class TalkSession {
       case "response.created":
         talk.status = "answering";
         talk.transcript = "";
+        talk.error = this.lastError = null; // an earlier failure is over: the session answers again
         this.player.reset();
-        this.bubble = addMessage("assistant", "").text;
+        this.bubble = addMessage("assistant", "");
         break;
       case "response.output_item.added":
         this.playing = { itemId: event.item.id };
@@ -120,7 +137,7 @@ class TalkSession {
       case "response.output_audio_transcript.delta":
       case "response.output_text.delta":
         talk.transcript += event.delta;
-        if (this.bubble) this.bubble.textContent = talk.transcript;
+        if (this.bubble) this.bubble.text.textContent = talk.transcript;
         break;
       case "response.output_audio.delta":
         this.player.push(event.delta);
@@ -129,11 +146,19 @@ class TalkSession {
       case "response.done":
         talk.responses += 1;
         if (event.response.status === "cancelled") talk.cancelled += 1;
+        // a failed answer (the backend is down or refused the turn) says why in the response itself
+        if (event.response.status === "failed") {
+          talk.error = event.response.status_details?.error?.message ?? "the answer failed";
+          if (this.bubble) {
+            this.bubble.el.classList.add("error");
+            this.bubble.text.textContent = talk.transcript ? `${talk.transcript}\n[${talk.error}]` : talk.error;
+          }
+        }
         talk.status = "listening";
         break;
       case "error":
-        talk.error = event.error.message;
-        if (this.bubble === null) addMessage("assistant error", event.error.message);
+        talk.error = this.lastError = event.error.message;
+        addMessage("assistant error", event.error.message);
         break;
     }
     publish();
@@ -149,10 +174,15 @@ class TalkSession {
     this.playing = null;
   }
 
-  stop(error = null) {
-    if (talk.status === "off") return;
+  release() {
     this.stream?.getTracks().forEach((t) => t.stop());
-    this.ctx?.close();
+    if (this.ctx?.state !== "closed") this.ctx?.close();
+  }
+
+  stop(error = null) {
+    if (this.ended) return;
+    this.ended = true;
+    this.release();
     this.player.reset();
     if (this.ws && this.ws.readyState <= WebSocket.OPEN) this.ws.close();
     talk.status = error ? "error" : "off";
@@ -171,6 +201,8 @@ function sessionConfig() {
   return config;
 }
 
+let shown = null; // the status line's text as Talk last set it
+
 function publish() {
   const data = $("state").dataset;
   for (const key of ["status", "error", "speechStarted", "responses", "cancelled", "audioChunks"]) {
@@ -179,13 +211,17 @@ function publish() {
   const on = !["off", "error"].includes(talk.status);
   $("talk").textContent = on ? "End talk" : "Talk";
   $("talk").classList.toggle("recording", on);
-  if (talk.error) $("status").textContent = `talk: ${talk.error}`;
-  else if (on) $("status").textContent = talk.status === "answering" ? "answering… (speak to interrupt)" : "listening…";
+  let line = "";
+  if (talk.error) line = `talk: ${talk.error}`;
+  else if (on) line = { connecting: "connecting…", answering: "answering… (speak to interrupt)" }[talk.status] ?? "listening…";
+  else if ($("status").textContent !== shown) return; // ended: a chat message there since is left alone
+  $("status").textContent = shown = line;
+  $("status").classList.toggle("error", Boolean(talk.error));
 }
 
 let session = null;
 $("talk").addEventListener("click", async () => {
-  if (session && !["off", "error"].includes(talk.status)) {
+  if (session && !session.ended) {
     session.stop();
     return;
   }

@@ -9,9 +9,13 @@ import wave
 import numpy as np
 import pytest
 
+from omnistage.core.errors import StageUnavailableError
+from openai_frontend.app import create_app
+from openai_frontend.realtime.connection import RealtimeLimits
 from perf.realtime_load import speech_like
 
 from ..api.fake_omni import Script, Step, tone
+from ..api.servers import ThreadedUvicorn
 from .conftest import CHROMIUM, CHROMIUM_ARGS
 from .test_demo_page import fake, server  # noqa: F401  (fixtures: the frontend over a scripted backend)
 
@@ -84,3 +88,73 @@ def test_talk_hears_a_turn_plays_the_answer_and_is_interrupted(browser, server, 
     if len(fake.calls) > 1:  # the next turn's prompt holds only what was heard of the answer
         assistant = [m for m in fake.calls[1]["messages"] if m["role"] == "assistant"]
         assert all("Hello".startswith(m["content"]) for m in assistant)
+
+
+def open_demo(browser, url: str):
+    page = browser.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.goto(url)
+    page.wait_for_function("() => demoState.model === 'Qwen/Qwen3-Omni-30B-A3B-Instruct'")
+    return page, errors
+
+
+def test_talk_shows_a_failed_answer_and_goes_on(browser, server, fake):  # noqa: F811
+    """A turn the backend fails is shown as an error in the log and the status line; the next turn clears it."""
+    fake.reset()
+    fake.script = Script(steps=[Step("Hel", audio=tone(2400))], error=StageUnavailableError("the talker is restarting"))
+    page, errors = open_demo(browser, server.url)
+    try:
+        page.click("#talk")
+        page.wait_for_function("() => talkState.responses > 0", timeout=30_000)
+        s = talk_state(page)
+        assert s["status"] == "listening" and s["error"] == "the talker is restarting"
+        assert page.locator("#status").inner_text() == "talk: the talker is restarting"
+        assert page.locator(".message.assistant.error").first.inner_text() == "Hel\n[the talker is restarting]"
+        fake.script = Script(steps=[Step("Fine", audio=tone(2400))])
+        page.wait_for_function("() => talkState.transcript === 'Fine'", timeout=30_000)
+        assert talk_state(page)["error"] is None
+        assert "restarting" not in page.locator("#status").inner_text()
+        page.click("#talk")
+        page.wait_for_function("() => talkState.status === 'off'")
+        assert page.locator("#status").inner_text() == ""  # no "listening…" left behind
+    finally:
+        page.close()
+    assert not errors, errors
+
+
+def test_talk_reports_refused_and_dropped_sessions(browser, fake):  # noqa: F811
+    """A session the server refuses (its session limit) or drops (it stopped) ends Talk with a message that
+    says so; a refusal that comes while the page is still starting the microphone never turns into 'listening'."""
+    fake.reset()
+    fake.script = Script(steps=[Step("Hi", audio=tone(2400))])
+    app = create_app(fake)
+    app.state.realtime_limits = RealtimeLimits(max_sessions=1)
+    pages = []
+    try:
+        with ThreadedUvicorn(app) as srv:
+            first, first_errors = open_demo(browser, srv.url)
+            pages.append(first)
+            first.click("#talk")
+            first.wait_for_function("() => talkState.status === 'listening'")
+            second, second_errors = open_demo(browser, srv.url)
+            pages.append(second)
+            second.click("#talk")
+            second.wait_for_function("() => talkState.status === 'error'")
+            second.wait_for_timeout(1500)  # the microphone's start resolves after the refusal
+            s = talk_state(second)
+            assert s["status"] == "error" and "limit of 1 realtime sessions" in s["error"]
+            assert "limit of 1 realtime sessions" in second.locator("#status").inner_text()
+            assert second.locator("#talk").inner_text() == "Talk"
+        # the server is gone: the open session ends with a message, and a new one says why it cannot start
+        first.wait_for_function("() => talkState.status === 'error'")
+        assert talk_state(first)["error"].startswith("the server closed the conversation")
+        assert first.locator("#status").inner_text().startswith("talk: the server closed the conversation")
+        first.click("#talk")
+        first.wait_for_function("() => talkState.error?.startsWith('cannot open /v1/realtime')")
+        assert "the server is down or refused the API key" in first.locator("#status").inner_text()
+        assert first.locator("#talk").inner_text() == "Talk"
+    finally:
+        for page in pages:
+            page.close()
+    assert not first_errors and not second_errors, first_errors + second_errors
