@@ -63,12 +63,17 @@ function publish(message) {
   }
   if (bubble) bubble.metrics.textContent = metricsLine();
   const busy = ["sending", "streaming"].includes(state.status);
+  const focused = document.activeElement;
   $("send").hidden = busy;
   $("send").disabled = state.status === "recording"; // the clip is sent by the mic button
   $("stop").hidden = !busy;
   $("mic").disabled = busy;
   $("mic").classList.toggle("recording", state.status === "recording");
   $("mic").textContent = state.status === "recording" ? "Stop & send" : "Mic";
+  // Send and Stop take turns in one place; a focused button that hides would drop the keyboard's focus
+  // to the start of the page
+  if (busy && focused === $("send")) $("stop").focus();
+  if (!busy && focused === $("stop")) $("prompt").focus();
 }
 
 function metricsLine() {
@@ -108,6 +113,7 @@ function renderAttachments() {
     const remove = document.createElement("button");
     remove.textContent = "×";
     remove.title = "remove";
+    remove.setAttribute("aria-label", `remove ${item.name}`);
     remove.onclick = () => {
       attachments[kind] = null;
       renderAttachments();

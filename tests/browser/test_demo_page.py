@@ -134,6 +134,35 @@ def test_attached_audio_file_and_image(demo, fake, tmp_path):
     assert demo.locator("#attachments .chip").count() == 0  # sent attachments are cleared
 
 
+def test_keyboard_alone_attaches_sends_and_stops(demo, fake, tmp_path):
+    """Every control is in the tab order (the file pickers too), and Send / Stop hand the focus on."""
+    focused = []
+    for _ in range(14):
+        demo.keyboard.press("Tab")
+        focused.append(demo.evaluate("() => document.activeElement.id"))
+    assert focused[:12] == ["voice", "modality", "max-tokens", "speech-frames", "api-key", "new-chat",
+                            "image-input", "audio-input", "mic", "talk", "prompt", "send"]  # fmt: skip
+    png = tmp_path / "picture.png"
+    png.write_bytes(base64.b64decode(png_data_url(seed=3).split(",", 1)[1]))
+    demo.focus("#image-input")
+    with demo.expect_file_chooser() as chooser:
+        demo.keyboard.press("Space")
+    chooser.value.set_files(str(png))
+    demo.wait_for_selector("#attachments .chip[data-kind=image] button[aria-label='remove picture.png']")
+
+    fake.script = Script(steps=[Step("Thinking")], hang=True)
+    demo.fill("#prompt", "Look")
+    demo.focus("#send")
+    demo.keyboard.press("Enter")
+    demo.wait_for_function("() => demoState.textReceived === 'Thinking'")
+    assert demo.evaluate("() => document.activeElement.id") == "stop"
+    demo.keyboard.press("Enter")
+    demo.wait_for_function(DONE)
+    assert state(demo)["status"] == "stopped" and demo.evaluate("() => document.activeElement.id") == "prompt"
+    assert list(sent_parts(fake)) == ["image_url", "text"]
+    assert demo.get_by_label("Message").count() == 1
+
+
 def test_server_error_is_shown(demo, fake):
     fake.script = Script(steps=[], error=BadRequestError("messages[0]: cannot decode image"))
     s = send(demo, "hi")
