@@ -163,6 +163,19 @@ def test_keyboard_alone_attaches_sends_and_stops(demo, fake, tmp_path):
     assert demo.get_by_label("Message").count() == 1
 
 
+def test_phone_width(demo, fake, tmp_path):
+    """At a phone's width the message box keeps a usable width and every control stays on screen."""
+    demo.set_viewport_size({"width": 360, "height": 640})
+    assert demo.locator("#prompt").bounding_box()["width"] > 300
+    for control in ("label.button", "#mic", "#talk", "#send", "#new-chat", "#api-key"):
+        for box in [el.bounding_box() for el in demo.locator(control).all()]:
+            assert box["x"] >= 0 and box["x"] + box["width"] <= 360, (control, box)
+    assert demo.evaluate("() => document.documentElement.scrollWidth") <= 360  # no sideways scrolling
+    fake.script = Script(steps=[Step("Hi")])
+    assert send(demo, "Hello from a phone")["status"] == "done"
+    demo.screenshot(path=str(tmp_path / "phone.png"))
+
+
 def test_server_error_is_shown(demo, fake):
     fake.script = Script(steps=[], error=BadRequestError("messages[0]: cannot decode image"))
     s = send(demo, "hi")
