@@ -289,7 +289,8 @@ $("stop").addEventListener("click", () => {
 });
 $("mic").addEventListener("click", toggleMic);
 $("prompt").addEventListener("keydown", (e) => {
-  if (e.key === "Enter" && !e.shiftKey) {
+  // isComposing: an input method (Chinese, Japanese, ...) takes Enter to pick its candidate
+  if (e.key === "Enter" && !e.shiftKey && !e.isComposing) {
     e.preventDefault();
     send();
   }

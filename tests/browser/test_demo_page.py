@@ -162,6 +162,12 @@ def test_keyboard_alone_attaches_sends_and_stops(demo, fake, tmp_path):
     assert list(sent_parts(fake)) == ["image_url", "text"]
     assert demo.get_by_label("Message").count() == 1
 
+    # Enter that confirms an input method's candidate (Chinese, Japanese, ...) is not a send
+    demo.fill("#prompt", "你好")
+    demo.dispatch_event("#prompt", "keydown", {"key": "Enter", "isComposing": True})
+    demo.wait_for_timeout(200)
+    assert state(demo)["status"] == "stopped" and demo.input_value("#prompt") == "你好"
+
 
 def test_phone_width(demo, fake, tmp_path):
     """At a phone's width the message box keeps a usable width and every control stays on screen."""
