@@ -32,7 +32,10 @@ const state = (window.demoState = {
 const player = new PcmPlayer(() => publish());
 const recorder = new Recorder();
 const history = []; // the conversation so far, as OpenAI messages
-const attachments = { image: null, audio: null }; // {url, name} / {base64, seconds, name}
+const attachments = { image: null, audio: null, video: null }; // {url, name} / {base64, seconds, name} / {url, name, sound}
+// use_audio_in_video of the conversation: the latest video sent says whether its sound is part of the prompt.
+// The flag covers every video of a request, so an earlier video is read the same way as the latest.
+let videoSound = false;
 let abort = null; // AbortController of the reply in flight
 let bubble = null; // elements of the reply being written
 
@@ -103,13 +106,14 @@ export function addMessage(role, text) {
 function renderAttachments() {
   const box = $("attachments");
   box.replaceChildren();
-  for (const kind of ["image", "audio"]) {
+  for (const kind of ["image", "audio", "video"]) {
     const item = attachments[kind];
     if (!item) continue;
     const chip = document.createElement("span");
     chip.className = "chip";
     chip.dataset.kind = kind;
     chip.textContent = kind === "audio" ? `${item.name} (${item.seconds.toFixed(1)} s)` : item.name;
+    if (kind === "video") chip.append(soundToggle(item));
     const remove = document.createElement("button");
     remove.textContent = "×";
     remove.title = "remove";
@@ -123,10 +127,20 @@ function renderAttachments() {
   }
 }
 
+function soundToggle(item) {
+  const label = Object.assign(document.createElement("label"), { className: "sound", title: "send the clip's sound too (use_audio_in_video)" });
+  const box = Object.assign(document.createElement("input"), { type: "checkbox", checked: item.sound });
+  box.setAttribute("aria-label", `${item.name}: with its sound`);
+  box.onchange = () => (item.sound = box.checked);
+  label.append(box, " sound");
+  return label;
+}
+
 // ---- one turn -----------------------------------------------------------------------------------------------
 function userContent(text) {
-  if (!attachments.image && !attachments.audio) return text;
+  if (!attachments.image && !attachments.audio && !attachments.video) return text;
   const parts = [];
+  if (attachments.video) parts.push({ type: "video_url", video_url: { url: attachments.video.url } });
   if (attachments.image) parts.push({ type: "image_url", image_url: { url: attachments.image.url } });
   if (attachments.audio) parts.push({ type: "input_audio", input_audio: { data: attachments.audio.base64, format: "wav" } });
   if (text) parts.push({ type: "text", text });
@@ -138,6 +152,7 @@ function requestBody(userMessage) {
   const body = { messages: [...history, userMessage], modalities, stream_options: { include_usage: true } };
   body.response_style = "openai"; // this server's switch: whatever its default, chunks carry delta.audio as OpenAI's do
   if (state.model) body.model = state.model;
+  if (videoSound) body.use_audio_in_video = true;
   if (modalities.includes("audio")) body.audio = { voice: $("voice").value, format: "pcm" }; // pcm: raw chunks to play as they come
   if (positiveInt("max-tokens")) body.max_tokens = positiveInt("max-tokens");
   if (positiveInt("speech-frames")) body.sampling_params_list = [{}, { max_tokens: positiveInt("speech-frames") }];
@@ -146,6 +161,7 @@ function requestBody(userMessage) {
 
 function showUserMessage(text) {
   const { el } = addMessage("user", text);
+  if (attachments.video) el.prepend(Object.assign(document.createElement("video"), { controls: true, src: attachments.video.url }));
   if (attachments.image) el.prepend(Object.assign(document.createElement("img"), { src: attachments.image.url, alt: attachments.image.name }));
   if (attachments.audio) el.prepend(Object.assign(document.createElement("audio"), { controls: true, src: `data:audio/wav;base64,${attachments.audio.base64}` }));
 }
@@ -158,8 +174,9 @@ function resetReply() {
 async function send() {
   if (abort) return;
   const text = $("prompt").value.trim();
-  if (!text && !attachments.image && !attachments.audio) return;
+  if (!text && !attachments.image && !attachments.audio && !attachments.video) return;
   player.unlock(); // we are inside the click / key handler: the one moment audio may be enabled
+  if (attachments.video) videoSound = attachments.video.sound;
   const userMessage = { role: "user", content: userContent(text) };
   const body = requestBody(userMessage);
   state.lastRequest = {
@@ -174,7 +191,7 @@ async function send() {
   bubble.metrics = Object.assign(document.createElement("div"), { className: "metrics" });
   bubble.el.append(bubble.metrics);
   $("prompt").value = "";
-  attachments.image = attachments.audio = null;
+  attachments.image = attachments.audio = attachments.video = null;
   renderAttachments();
 
   abort = new AbortController();
@@ -249,14 +266,14 @@ async function toggleMic() {
 async function attach(kind, file) {
   if (!file) return;
   try {
-    if (kind === "image") {
+    if (kind === "image" || kind === "video") {
       const url = await new Promise((resolve, reject) => {
         const reader = new FileReader();
         reader.onload = () => resolve(reader.result);
         reader.onerror = () => reject(reader.error);
         reader.readAsDataURL(file);
       });
-      attachments.image = { url, name: file.name };
+      attachments[kind] = kind === "video" ? { url, name: file.name, sound: true } : { url, name: file.name };
     } else {
       attachments.audio = { ...(await toWav16k(await file.arrayBuffer())), name: file.name };
     }
@@ -296,6 +313,7 @@ $("prompt").addEventListener("keydown", (e) => {
   }
 });
 $("image-input").addEventListener("change", (e) => attach("image", e.target.files[0]).then(() => (e.target.value = "")));
+$("video-input").addEventListener("change", (e) => attach("video", e.target.files[0]).then(() => (e.target.value = "")));
 $("audio-input").addEventListener("change", (e) => attach("audio", e.target.files[0]).then(() => (e.target.value = "")));
 $("api-key").addEventListener("change", loadModel);
 $("new-chat").addEventListener("click", () => {
@@ -304,6 +322,7 @@ $("new-chat").addEventListener("click", () => {
   abort?.abort();
   player.reset();
   history.length = 0;
+  videoSound = false;
   $("log").replaceChildren();
   bubble = null;
 });

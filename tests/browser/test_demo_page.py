@@ -1,5 +1,5 @@
 # The demo page in headless Chromium against the frontend over a scripted backend: what the page sends
-# (voice, modalities, history, microphone / file audio as 16 kHz WAV, images) is read back from the
+# (voice, modalities, history, microphone / file audio as 16 kHz WAV, images, videos) is read back from the
 # fake, and what it receives (text, PCM chunks) must show up in its state and be scheduled back to back.
 import base64
 
@@ -13,6 +13,7 @@ from openai_frontend.settings import FrontendSettings
 from ..api.fake_omni import FakeOmniClient, Script, Step, tone
 from ..api.servers import ThreadedUvicorn
 from ..oracle import png_data_url
+from ..video_clips import make_video, video_data_url
 from .conftest import MIC_TONE_HZ, dominant_hz, read_wav, save_screenshot, tone_wav
 
 DONE = "() => ['done', 'error', 'stopped'].includes(demoState.status)"
@@ -134,14 +135,39 @@ def test_attached_audio_file_and_image(demo, fake, tmp_path):
     assert demo.locator("#attachments .chip").count() == 0  # sent attachments are cleared
 
 
+def test_attached_video_with_and_without_its_sound(demo, fake, tmp_path):
+    """A video goes as a video_url data: URI; its sound is part of the prompt (use_audio_in_video) unless
+    the chip's box is unticked, and the latest video sent decides it for the rest of the conversation."""
+    raw = make_video(seconds=1.0, fps=4, width=64, height=48, audio=True)
+    clip = tmp_path / "clip.mp4"
+    clip.write_bytes(raw)
+    demo.set_input_files("#video-input", str(clip))
+    demo.wait_for_selector("#attachments .chip[data-kind=video]")
+    assert send(demo, "What happens?")["status"] == "done"
+    parts = sent_parts(fake)
+    assert list(parts) == ["video_url", "text"]
+    assert parts["video_url"]["video_url"]["url"] == video_data_url(raw)  # the file as it was
+    assert fake.calls[-1]["parameters"].get("use_audio_in_video") is True
+    assert demo.locator(".message.user video").count() == 1
+    assert send(demo, "And then?")["status"] == "done"  # a follow-up resends the video: still with its sound
+    assert fake.calls[-1]["parameters"].get("use_audio_in_video") is True
+
+    demo.click("#new-chat")
+    demo.set_input_files("#video-input", str(clip))
+    demo.get_by_label("clip.mp4: with its sound").uncheck()
+    assert send(demo, "What do you see?")["status"] == "done"
+    assert list(sent_parts(fake)) == ["video_url", "text"]
+    assert "use_audio_in_video" not in fake.calls[-1]["parameters"]
+
+
 def test_keyboard_alone_attaches_sends_and_stops(demo, fake, tmp_path):
     """Every control is in the tab order (the file pickers too), and Send / Stop hand the focus on."""
     focused = []
     for _ in range(14):
         demo.keyboard.press("Tab")
         focused.append(demo.evaluate("() => document.activeElement.id"))
-    assert focused[:12] == ["voice", "modality", "max-tokens", "speech-frames", "api-key", "new-chat",
-                            "image-input", "audio-input", "mic", "talk", "prompt", "send"]  # fmt: skip
+    assert focused[:13] == ["voice", "modality", "max-tokens", "speech-frames", "api-key", "new-chat",
+                            "image-input", "audio-input", "video-input", "mic", "talk", "prompt", "send"]  # fmt: skip
     png = tmp_path / "picture.png"
     png.write_bytes(base64.b64decode(png_data_url(seed=3).split(",", 1)[1]))
     demo.focus("#image-input")
