@@ -78,7 +78,8 @@ def check_unicode(value: Any) -> Any:
         except UnicodeEncodeError:
             raise ValueError("invalid Unicode: a lone surrogate (\\ud800-\\udfff) outside a pair") from None
     elif isinstance(value, dict):
-        for item in value.values():
+        for key, item in value.items():  # keys too: an open object (tool parameters) is forwarded whole
+            check_unicode(key)
             check_unicode(item)
     elif isinstance(value, list):
         for item in value:
@@ -246,6 +247,21 @@ class ChatCompletionRequest(Sampling):
     parallel_tool_calls: bool | None = None  # the model may write several blocks; all are returned
 
     _voices = field_validator("speaker", "voice", mode="before")(check_voice)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode(cls, value: Any) -> Any:
+        # Every field is forwarded or rendered into the prompt (tool descriptions and parameters too), and a
+        # lone surrogate fails to encode only there; messages are checked one by one (ChatMessage) to name
+        # the message. Fields this model does not know are dropped, so they are not checked.
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if key in cls.model_fields and key != "messages":
+                    try:
+                        check_unicode(item)
+                    except ValueError as exc:
+                        raise ValueError(f"{key}: {exc}") from None
+        return value
 
     @field_validator("modalities")
     @classmethod

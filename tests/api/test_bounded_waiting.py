@@ -53,6 +53,23 @@ def test_a_lone_surrogate_is_a_400_naming_the_message(http):
     assert ok.status_code == 200  # a proper pair (escaped by json as \ud83d\ude00) is fine
 
 
+def test_a_lone_surrogate_outside_the_messages_is_a_400_naming_the_field(http, fake):
+    # tools reach the chat template and the JSON sent to Triton as they are, where a surrogate cannot be
+    # encoded: it must be refused while the request is validated
+    hi = '{"role":"user","content":"hi"}'
+    for field, value in (("tools", '[{"type":"function","function":{"name":"f","description":"\\ud800"}}]'),
+                         ("tools", '[{"type":"function","function":{"name":"f","parameters":{"\\udc00":{}}}}]'),
+                         ("stop", '["\\ud800"]')):  # fmt: skip
+        r = http.post("/v1/chat/completions", content=f'{{"messages":[{hi}],"max_tokens":2,"{field}":{value}}}',
+                      headers={"Content-Type": "application/json"})  # fmt: skip
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == field and "surrogate" in r.json()["error"]["message"]
+    r = http.post("/v1/chat/completions", content=f'{{"messages":[{{"role":"user","content":"hi","\\ud800":1}}]}}',
+                  headers={"Content-Type": "application/json"})  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0]", r.text  # a key of a message
+    assert fake.calls == []
+
+
 def test_a_body_that_stops_half_way_is_a_408(server, monkeypatch):
     monkeypatch.setattr(middleware, "BODY_READ_TIMEOUT_S", 0.5)
     host, port = server.url.removeprefix("http://").split(":")
