@@ -71,20 +71,38 @@ BODY_READ_TIMEOUT_S = 30.0
 
 
 class BoundedH11Protocol(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol with a deadline for the first request head of a connection (after a
-    response, uvicorn's own keep-alive timeout closes an idle connection)."""
+    """uvicorn's HTTP/1.1 protocol with a deadline for every request head: a new connection's first one,
+    and on a kept-alive connection each later one from its first byte on. uvicorn's keep-alive timeout
+    closes a connection idle after a response, but any byte stops that timer, so a client that trickles
+    (or starts and abandons) its next head would hold the connection for good."""
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._head_deadline = self.loop.call_later(HEAD_TIMEOUT_S, self._head_late)
+        self._head_deadline: asyncio.TimerHandle | None = self.loop.call_later(HEAD_TIMEOUT_S, self._head_late, None)
 
-    def _head_late(self) -> None:
-        # cycle: a request head arrived; another protocol: the connection was upgraded (a WebSocket)
-        if self.cycle is None and self.transport.get_protocol() is self and not self.transport.is_closing():
+    def data_received(self, data: bytes) -> None:
+        # between two requests (the last response sent): these bytes start the next head
+        if self._head_deadline is None and self.cycle is not None and self.cycle.response_complete:
+            self._head_deadline = self.loop.call_later(HEAD_TIMEOUT_S, self._head_late, self.cycle)
+        super().data_received(data)
+
+    def on_response_complete(self) -> None:
+        self._cancel_head_deadline()  # armed again by the first byte of the next head
+        super().on_response_complete()
+
+    def _head_late(self, cycle) -> None:
+        self._head_deadline = None
+        # a new cycle: the head arrived; another protocol: the connection was upgraded (a WebSocket)
+        if self.cycle is cycle and self.transport.get_protocol() is self and not self.transport.is_closing():
             self.transport.close()
 
+    def _cancel_head_deadline(self) -> None:
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+            self._head_deadline = None
+
     def connection_lost(self, exc) -> None:
-        self._head_deadline.cancel()
+        self._cancel_head_deadline()
         super().connection_lost(exc)
 
 

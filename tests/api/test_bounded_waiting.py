@@ -2,10 +2,13 @@
 # queued) gets its headers and keep-alive comments at once, a late error after that is an error event;
 # invalid Unicode is a 400; a client that trickles its request head or pauses inside its body is cut off.
 import asyncio
+import contextlib
 import json
+import select
 import socket
 import threading
 import time
+from http.client import HTTPConnection
 
 import httpx
 import uvicorn
@@ -80,11 +83,24 @@ def test_a_body_that_stops_half_way_is_a_408(server, monkeypatch):
     assert answer.startswith("HTTP/1.1 408"), answer[:200]
 
 
-def test_a_connection_that_trickles_its_request_head_is_closed(fake, monkeypatch):
-    monkeypatch.setattr(middleware, "HEAD_TIMEOUT_S", 0.5)
+def _closed_while_trickling(s: socket.socket, data: bytes, every_s: float) -> bool:
+    """Send `data` a byte at a time; True once the server has closed the connection."""
+    for byte in data:
+        try:
+            s.sendall(bytes([byte]))
+            if select.select([s], [], [], every_s)[0] and s.recv(4096) == b"":
+                return True
+        except (BrokenPipeError, ConnectionResetError):
+            return True
+    return False
+
+
+@contextlib.contextmanager
+def _bounded_server(fake, **config):
+    """The frontend on uvicorn with the HTTP protocol `python -m openai_frontend` runs (BoundedH11Protocol)."""
     port = free_port()
     config = uvicorn.Config(create_app(fake, default_voice="ethan"), port=port, log_level="warning",
-                            http=middleware.BoundedH11Protocol)  # fmt: skip
+                            http=middleware.BoundedH11Protocol, **config)  # fmt: skip
     server = uvicorn.Server(config)
     thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
     thread.start()
@@ -92,10 +108,36 @@ def test_a_connection_that_trickles_its_request_head_is_closed(fake, monkeypatch
         deadline = time.monotonic() + 10
         while not server.started and time.monotonic() < deadline:
             time.sleep(0.05)
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def test_a_connection_that_trickles_its_request_head_is_closed(fake, monkeypatch):
+    monkeypatch.setattr(middleware, "HEAD_TIMEOUT_S", 0.5)
+    with _bounded_server(fake) as port:
         with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
             s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # the head never ends
             assert s.recv(4096) == b""  # closed by the server, with no answer (not the 10 s socket timeout)
         assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200  # others are served
-    finally:
-        server.should_exit = True
-        thread.join(10)
+
+
+def test_a_kept_alive_connection_that_trickles_its_next_head_is_closed(fake, monkeypatch):
+    # any byte stops uvicorn's keep-alive timer (a long one here, as behind a load balancer): the head
+    # deadline must hold for the second request of a connection as for its first
+    monkeypatch.setattr(middleware, "HEAD_TIMEOUT_S", 0.5)
+    with _bounded_server(fake, timeout_keep_alive=60) as port:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert s.recv(4096).startswith(b"HTTP/1.1 200")
+            time.sleep(1.0)  # idle past the head deadline: an idle kept-alive connection stays open
+            start = time.monotonic()
+            assert _closed_while_trickling(s, b"GET /health HTTP/1.1\r\nX-Slow: " + b"a" * 200, every_s=0.05)
+            assert time.monotonic() - start < 5  # the deadline, not the 60 s keep-alive timeout
+        conn = HTTPConnection("127.0.0.1", port, timeout=10)
+        for _ in range(2):  # a complete later head is served on the same connection, however late it comes
+            conn.request("GET", "/health")
+            assert conn.getresponse().read() == b'{"status":"ok"}'
+            time.sleep(1.0)
+        conn.close()
