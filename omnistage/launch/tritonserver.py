@@ -69,6 +69,9 @@ class TritonServer:
         # good. 0: never.
         restart_after_stale: int = 2,
         stale_restart_s: float = 300.0,
+        # A server that exits by itself once it has been ready is started again on the same ports with the same
+        # key (Triton aborts as a whole on some stub faults: workarounds.py, 13). False: an exit is final.
+        restart_on_exit: bool = True,
     ):
         self.model_repository, self.run_dir = Path(model_repository), Path(run_dir)
         self.host, self.http_port, self.grpc_port, self.metrics_port = host, http_port, grpc_port, metrics_port
@@ -89,6 +92,9 @@ class TritonServer:
         self.ready_timeout_s = 300.0
         self._lifecycle = threading.Lock()  # a restart and stop() one at a time
         self._restarting = False  # a restart in progress: alive() stays true for the launcher
+        self.restart_on_exit = restart_on_exit
+        self._ready_once = False  # an exit before the first ready is a failed start, not restarted
+        self._supervising = False  # the supervisor thread runs: an exit it has not seen yet is still restarted
         self._launch: tuple[list[str], dict[str, str]] | None = None  # argv and environment, for restarts
         # checked against GET /v2 once ready, so that a leftover server on our ports can't pass as us
         self.server_id = f"omnistage-{os.getpid()}-{http_port}"
@@ -157,6 +163,7 @@ class TritonServer:
         self._log_offset = self._events_offset = 0
         self._spawn()
         self._stop_supervising.clear()
+        self._supervising = True
         threading.Thread(target=self._supervise, name="triton-supervisor", daemon=True).start()
 
     def _spawn(self) -> None:
@@ -165,12 +172,26 @@ class TritonServer:
         self.process.start()
 
     def _supervise(self) -> None:
-        """Restarts the server once instances that a reload replaced have not unloaded (workarounds.py, 9):
-        restart_after_stale of them, or one for stale_restart_s. A replaced instance's stub (stale_stubs) counts
-        once it has outlived STALE_STUB_GRACE_SECONDS with every model READY: a normal unload ends within
-        seconds of its replacement's load, which itself may take minutes. Their stubs are left alone until
-        then: killing a stub while Triton finalizes its instance aborts tritonserver."""
-        while not self._stop_supervising.wait(2.0) and self.alive():
+        try:
+            self._supervise_loop()
+        finally:
+            self._supervising = False
+
+    def _supervise_loop(self) -> None:
+        """Restarts the server once it has exited by itself (restart_on_exit; workarounds.py, 13), and once
+        instances that a reload replaced have not unloaded (workarounds.py, 9): restart_after_stale of them, or
+        one for stale_restart_s. A replaced instance's stub (stale_stubs) counts once it has outlived
+        STALE_STUB_GRACE_SECONDS with every model READY: a normal unload ends within seconds of its
+        replacement's load, which itself may take minutes. Their stubs are left alone until then: killing a stub
+        while Triton finalizes its instance aborts tritonserver."""
+        while not self._stop_supervising.wait(2.0):
+            if not self.process.alive():
+                if not (self._ready_once and self.restart_on_exit):
+                    return
+                self._restart(f"exited with code {self.process.poll()}")
+                if not self.process.alive():
+                    return  # every attempt failed: alive() turns false and the launcher gives up
+                continue
             now, left = time.monotonic(), stale_stubs(self.process.pid, self._dead, grace_s=0)
             ready = self._models_ready()
             self._left = {pid: self._left.get(pid, now) if ready else now for pid in left}
@@ -181,7 +202,7 @@ class TritonServer:
             oldest = min(self._stale.values(), default=now)
             if self.restart_after_stale and self._stale and (len(self._stale) >= self.restart_after_stale
                                                              or now - oldest >= self.stale_restart_s):  # fmt: skip
-                self._restart()
+                self._restart(f"{len(self._stale)} reloaded instances never unloaded")
 
     def _models_ready(self) -> bool:
         """Every model of the repository READY (none failed or unloading, as Triton's index says) and no load
@@ -209,10 +230,10 @@ class TritonServer:
             return False
         return bool(models) and all(m.get("state") == "READY" for m in models)
 
-    def _restart(self) -> None:
+    def _restart(self, why: str) -> None:
         """Stops the server and starts it again, up to RESTART_ATTEMPTS times until one start gets ready (on a
         starved host a start can fail inside the Python backend); alive() stays true meanwhile."""
-        print(f"[tritonserver] restarting: {len(self._stale)} reloaded instances never unloaded", file=sys.stderr)
+        print(f"[tritonserver] restarting: {why}", file=sys.stderr)
         self._restarting = True
         try:
             for attempt in range(1, RESTART_ATTEMPTS + 1):
@@ -248,6 +269,7 @@ class TritonServer:
             answered = json.load(r).get("name")
         if answered != self.server_id:
             raise TritonStartError(f"{self.http_url} is served by {answered!r}, not by the server we started")
+        self._ready_once = True
         return waited
 
     def _load_failure(self) -> str | None:
@@ -276,8 +298,10 @@ class TritonServer:
         return self.process.log_tail(lines) if self.process else ""
 
     def alive(self) -> bool:
-        """The server runs, or is being restarted by its supervisor."""
-        return self._restarting or (self.process is not None and self.process.alive())
+        """The server runs, or is being restarted by its supervisor (an exit it has not seen yet included)."""
+        if self._restarting or (self.process is not None and self.process.alive()):
+            return True
+        return self._supervising and self._ready_once and self.restart_on_exit and not self._stop_supervising.is_set()
 
     def stop(self) -> int | None:
         self._stop_supervising.set()

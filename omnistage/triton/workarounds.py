@@ -51,6 +51,12 @@
 #    chunk, with nothing in flight that could fail. Both end once their caller has been silent for
 #    CALLER_SILENT_SECONDS (the talker's responder: Responder.expect_caller; Code2Wav: session_idle_s), far
 #    above the longest gap between a live caller's appends or chunks. Can go with (11).
+# 13. A stub fault can take tritonserver down as a whole. Measured under load on the tiny checkpoint: a
+#    code2wav stub stopped (SIGSTOP) until Triton had answered its requests "Stub process ... is not healthy",
+#    then continued (SIGCONT), died in its decode with a segmentation fault, and tritonserver aborted
+#    (boost::interprocess::lock_exception in TRITONBACKEND_ModelInstanceExecute). The launcher's TritonServer
+#    starts a server that exits by itself again, on the same ports with the same key (restart_on_exit). Can
+#    go when a stub that stops and resumes neither crashes nor takes the server with it.
 from __future__ import annotations
 
 import json

@@ -6,6 +6,7 @@
 import json
 import os
 import signal
+import time
 
 import httpx
 import numpy as np
@@ -130,3 +131,19 @@ def test_kills_and_stops_under_load_end_every_request_and_leak_nothing(frontend,
     assert result.ok, result.problems
     assert all(f.recovered_s is not None for f in result.faults)
     assert result.outcomes.get("completed", 0) >= 16 and result.outcomes.get("failed_cleanly", 0) >= 1, result.outcomes
+
+
+def test_a_tritonserver_that_exits_by_itself_is_started_again(frontend, keyed_server):
+    """Triton aborts as a whole on some stub faults (workarounds.py, 13): the launcher starts it again on the same
+    ports with the same key, never reports it dead meanwhile (serve would exit), and the frontend serves again."""
+    before, restarts = keyed_server.process.pid, keyed_server.restarts
+    os.kill(before, signal.SIGABRT)  # what Triton's own abort does
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:  # serve polls alive() every 0.5 s and stops everything once it is false
+        assert keyed_server.alive()
+        time.sleep(0.05)
+    wait_for(lambda: keyed_server.restarts > restarts and keyed_server.process.pid != before
+             and httpx.get(f"{frontend.url}/health").status_code == 200, 300, "tritonserver started again")  # fmt: skip
+    assert keyed_server.alive()
+    r = httpx.post(f"{frontend.url}/v1/chat/completions", json=body(3, audio=True, frames=6), timeout=120)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["audio"]["data"], r.text[:300]
