@@ -11,7 +11,7 @@ from omnistage.core.protocol import OMNI, TRITON_GRPC_KEY_HEADER, TRITON_KEY_ENV
 from omnistage.core.voices import DEFAULT_VOICE
 
 from openai_frontend.app import create_app
-from openai_frontend.middleware import BoundedH11Protocol
+from openai_frontend.middleware import BoundedH11Protocol, BoundedWebSocketProtocol
 from openai_frontend.realtime.connection import RealtimeLimits
 from openai_frontend.realtime.events import MAX_EVENT_BYTES
 from openai_frontend.settings import DEFAULT_VOICES, SERVED_MODEL_NAMES, MiB, RESPONSE_STYLES, FrontendSettings
@@ -128,10 +128,12 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"python -m openai_frontend: {exc}") from None
     # uvicorn's graceful shutdown: stop accepting, let in-flight requests (streams included) finish for up
     # to the timeout, then cancel them (which cancels their Triton requests)
-    # a deadline for request heads (BoundedH11Protocol) and bodies (BodyLimit), a cap on connections
+    # a deadline for request heads (BoundedH11Protocol) and bodies (BodyLimit), one for clients that stop
+    # reading (both protocols), a cap on connections
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, http=BoundedH11Protocol,
-                limit_concurrency=args.max_connections, timeout_keep_alive=args.keep_alive_timeout,
-                timeout_graceful_shutdown=args.shutdown_timeout, ws_max_size=MAX_EVENT_BYTES)  # fmt: skip
+                ws=BoundedWebSocketProtocol, limit_concurrency=args.max_connections,
+                timeout_keep_alive=args.keep_alive_timeout, timeout_graceful_shutdown=args.shutdown_timeout,
+                ws_max_size=MAX_EVENT_BYTES)  # fmt: skip
 
 
 if __name__ == "__main__":

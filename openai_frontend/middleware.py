@@ -1,6 +1,6 @@
 # Pure ASGI middleware (not BaseHTTPMiddleware, which would buffer streamed responses and hide
 # disconnects): request accounting for /metrics, the optional API key, the request body limit and its
-# read deadline; and the HTTP protocol's deadline for a new connection's request head.
+# read deadline; and the protocols' deadlines: for a request head, and for a client that stops reading.
 from __future__ import annotations
 
 import asyncio
@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 from openai_frontend.errors import error_body, error_response
 from openai_frontend.metrics import FrontendMetrics
@@ -68,13 +69,53 @@ class ApiKeyGuard:
 # slowly on purpose (slowloris) otherwise hold a connection and its buffers for as long as they like.
 HEAD_TIMEOUT_S = 10.0
 BODY_READ_TIMEOUT_S = 30.0
+# Once what the server sends fills the connection's buffers (the kernel's, then the transport's), the client
+# gets this long to read some of it; then the connection is aborted, which ends its request or realtime
+# session as a disconnect does (cancelling its backend request). A client that stops reading and keeps the
+# connection open otherwise holds the connection, its session and everything its response has buffered for
+# good: uvicorn waits for the buffer to drain before every send, and even a close waits for it.
+WRITE_STALL_TIMEOUT_S = 30.0
 
 
-class BoundedH11Protocol(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol with a deadline for every request head: a new connection's first one,
-    and on a kept-alive connection each later one from its first byte on. uvicorn's keep-alive timeout
-    closes a connection idle after a response, but any byte stops that timer, so a client that trickles
-    (or starts and abandons) its next head would hold the connection for good."""
+class _WriteStallDeadline:
+    """Aborts the connection once its transport has been paused for writing for WRITE_STALL_TIMEOUT_S."""
+
+    _write_stall: asyncio.TimerHandle | None = None
+
+    def pause_writing(self) -> None:
+        super().pause_writing()  # type: ignore[misc]
+        if self._write_stall is None:
+            loop = self.loop  # type: ignore[attr-defined]
+            self._write_stall = loop.call_later(WRITE_STALL_TIMEOUT_S, self._write_stalled)
+
+    def resume_writing(self) -> None:
+        self._cancel_write_stall()
+        super().resume_writing()  # type: ignore[misc]
+
+    def connection_lost(self, exc) -> None:
+        self._cancel_write_stall()
+        super().connection_lost(exc)  # type: ignore[misc]
+
+    def _write_stalled(self) -> None:
+        self._write_stall = None
+        self.transport.abort()  # type: ignore[attr-defined]  # close() would wait for the buffer to drain
+
+    def _cancel_write_stall(self) -> None:
+        if self._write_stall is not None:
+            self._write_stall.cancel()
+            self._write_stall = None
+
+
+class BoundedWebSocketProtocol(_WriteStallDeadline, WebSocketsSansIOProtocol):
+    """uvicorn's WebSocket protocol with the write-stall deadline (a realtime session nobody reads)."""
+
+
+class BoundedH11Protocol(_WriteStallDeadline, H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with the write-stall deadline (a streamed reply nobody reads) and a
+    deadline for every request head: a new connection's first one, and on a kept-alive connection each later
+    one from its first byte on. uvicorn's keep-alive timeout closes a connection idle after a response, but
+    any byte stops that timer, so a client that trickles (or starts and abandons) its next head would hold
+    the connection for good."""
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)

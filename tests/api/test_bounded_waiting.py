@@ -1,11 +1,15 @@
 # Waiting has a bound on the frontend's side: a streamed reply whose first event is late (its request
 # queued) gets its headers and keep-alive comments at once, a late error after that is an error event;
-# invalid Unicode is a 400; a client that trickles its request head or pauses inside its body is cut off.
+# invalid Unicode is a 400; a client that trickles its request head, pauses inside its body or stops reading
+# what is sent to it is cut off.
 import asyncio
+import base64
 import contextlib
 import json
+import os
 import select
 import socket
+import struct
 import threading
 import time
 from http.client import HTTPConnection
@@ -18,7 +22,7 @@ from openai_frontend import middleware, sse
 from openai_frontend.app import create_app
 from omnistage.launch.process import free_port
 
-from .fake_omni import Script, Step
+from .fake_omni import Script, Step, tone
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -141,3 +145,62 @@ def test_a_kept_alive_connection_that_trickles_its_next_head_is_closed(fake, mon
             assert conn.getresponse().read() == b'{"status":"ok"}'
             time.sleep(1.0)
         conn.close()
+
+
+def _lots_of_audio_then_hang() -> Script:
+    # 200 s of audio (~13 MB of events) at once, more than the kernel's socket buffers hold, and no end
+    return Script(steps=[Step("a", audio=tone(24000))] * 200, hang=True)
+
+
+def _non_reading_socket(port: int) -> socket.socket:
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the client's side of the buffers stays small
+    s.connect(("127.0.0.1", port))
+    return s
+
+
+def test_a_streamed_reply_nobody_reads_is_cut_off_and_cancelled(fake, monkeypatch):
+    # a client that stops reading (and keeps its connection open) would hold the connection, its backend
+    # request and everything buffered for it for as long as it likes
+    monkeypatch.setattr(middleware, "WRITE_STALL_TIMEOUT_S", 0.5)
+    fake.script = _lots_of_audio_then_hang()
+    body = json.dumps({"messages": USER, "stream": True, "modalities": ["text", "audio"],
+                       "audio": {"format": "pcm16"}}).encode()  # fmt: skip
+    with _bounded_server(fake) as port, _non_reading_socket(port) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body) + body)  # fmt: skip
+        assert fake.cancelled.wait(20), "the backend stream of a reply nobody reads was never cancelled"
+        assert _drained_until_closed(s)
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+
+
+def test_a_realtime_session_that_stops_reading_is_cut_off_and_its_response_cancelled(fake, monkeypatch):
+    monkeypatch.setattr(middleware, "WRITE_STALL_TIMEOUT_S", 0.5)
+    fake.script = _lots_of_audio_then_hang()
+    with _bounded_server(fake, ws=middleware.BoundedWebSocketProtocol) as port, _non_reading_socket(port) as s:
+        key = base64.b64encode(os.urandom(16))
+        s.sendall(b"GET /v1/realtime HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                  b"Sec-WebSocket-Key: %s\r\nSec-WebSocket-Version: 13\r\n\r\n" % key)  # fmt: skip
+        head = b""
+        while b"\r\n\r\n" not in head:  # a client sends no frame before the handshake's answer
+            head += s.recv(1)
+        assert head.startswith(b"HTTP/1.1 101"), head
+        event = json.dumps({"type": "response.create", "response": {"instructions": "speak"}}).encode()
+        mask = os.urandom(4)
+        s.sendall(bytes([0x81, 0x80 | 126]) + struct.pack(">H", len(event)) + mask
+                  + bytes(b ^ mask[i % 4] for i, b in enumerate(event)))  # fmt: skip
+        assert fake.cancelled.wait(20), "the response of a session that stopped reading was never cancelled"
+        assert _drained_until_closed(s)
+
+
+def _drained_until_closed(s: socket.socket) -> bool:
+    """Read what the server had sent before it cut the connection off; True once it is closed."""
+    s.settimeout(10)
+    try:
+        while s.recv(1 << 20):
+            pass
+    except ConnectionResetError:  # an aborted connection
+        pass
+    except TimeoutError:
+        return False
+    return True
