@@ -71,6 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds of uncommitted input audio a realtime session may hold")
     p.add_argument("--realtime-max-conversation-tokens", type=int, default=limits.max_conversation_tokens,
                    help="tokens a realtime conversation may reach (prompt + reply) before it is closed")
+    p.add_argument("--realtime-max-conversation-mb", type=float, default=limits.max_conversation_mb,
+                   help="text, images and audio a realtime conversation's items may hold before it is closed")
     p.add_argument("--max-connections", type=int, default=2048,
                    help="open connections and requests beyond this are answered 503 at once")
     p.add_argument("--keep-alive-timeout", type=float, default=5.0,
@@ -123,7 +125,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         app.state.realtime_limits = RealtimeLimits(args.realtime_max_sessions, args.realtime_idle_timeout,
                                                    args.realtime_max_buffered_audio,
-                                                   args.realtime_max_conversation_tokens)  # fmt: skip
+                                                   args.realtime_max_conversation_tokens,
+                                                   args.realtime_max_conversation_mb)  # fmt: skip
     except ValueError as exc:
         raise SystemExit(f"python -m openai_frontend: {exc}") from None
     # uvicorn's graceful shutdown: stop accepting, let in-flight requests (streams included) finish for up

@@ -43,9 +43,14 @@ class RealtimeLimits:
     idle_timeout_s: float = 600.0  # no client event and no response running for this long
     max_buffered_audio_s: float = 120.0  # input audio not yet committed
     max_conversation_tokens: int = 16384  # prompt + reply tokens of the last response
+    # text, images and audio of the conversation's items (conversation.py's Item.nbytes). The token limit is
+    # checked only once a response has run, so a client that adds items and never asks for one is bounded by
+    # this. 16384 tokens of audio are ~1300 s (12.5 tokens/s), 42 MB as the model hears it (16 kHz pcm16).
+    max_conversation_mb: float = 64.0
 
     def __post_init__(self) -> None:
-        if min(self.max_sessions, self.idle_timeout_s, self.max_buffered_audio_s, self.max_conversation_tokens) <= 0:
+        if min(self.max_sessions, self.idle_timeout_s, self.max_buffered_audio_s, self.max_conversation_tokens,
+               self.max_conversation_mb) <= 0:  # fmt: skip
             raise ValueError("realtime limits must be positive")
 
 
@@ -152,9 +157,17 @@ class RealtimeConnection:
         if self.config.turn_detection["create_response"] and self.response is None:
             await self.start_response(ResponsePlan(self._messages(), self.config, conversation_id=self.conversation.id))
 
+    def _room_for(self, item: Item) -> None:
+        limit = self.limits.max_conversation_mb * 2**20
+        if self.conversation.nbytes + item.nbytes > limit:
+            raise EventError(f"the conversation would hold {(self.conversation.nbytes + item.nbytes) / 2**20:.1f} MiB "
+                             f"of text, images and audio, over the limit of {self.limits.max_conversation_mb:g} MiB; "
+                             "start a new session", code="conversation_too_large", close=True)  # fmt: skip
+
     async def _commit(self, pcm: bytes, item_id: str) -> None:
         item = audio_item(pcm)
         item.id = item_id
+        self._room_for(item)
         previous = self.conversation.add(item)
         await self.send({"type": "input_audio_buffer.committed", "item_id": item.id, "previous_item_id": previous})
         await self.send({"type": "conversation.item.added", "previous_item_id": previous, "item": item.public()})
@@ -175,6 +188,7 @@ class RealtimeConnection:
     # ---- conversation items ----------------------------------------------------------------------------
     async def on_conversation_item_create(self, event: dict[str, Any]) -> None:
         item = item_from_client(event.get("item"), self.config.input_format)
+        self._room_for(item)
         # "" appends, as at OpenAI: clients send it for "no previous item"
         previous = get(event, "previous_item_id", str, required=False) or None
         previous = self.conversation.add(item, previous)

@@ -16,6 +16,7 @@ from openai_frontend.realtime.audio import InputAudio, model_input_to_format
 from openai_frontend.realtime.events import EventError, field as get, new_id
 
 FRAME_MS = 80  # one codec frame (12.5 Hz): the talker's time for one reply token
+ITEM_BYTES = 1024  # what an item holds besides its content (its objects and id), for the conversation's size
 
 
 @dataclass
@@ -34,6 +35,12 @@ class Item:
     @property
     def text(self) -> str:
         return "".join(t for _, t in self.pieces)
+
+    @property
+    def nbytes(self) -> int:
+        """About what the item holds in memory: its text, image URLs and audio, and ITEM_BYTES."""
+        return (ITEM_BYTES + sum(map(len, self.texts)) + sum(map(len, self.images)) + sum(map(len, self.audios))
+                + sum(len(t) for _, t in self.pieces))  # fmt: skip
 
     def public(self, audio_format: str | None = None) -> dict[str, Any]:
         """The item as events show it; with `audio_format` (conversation.item.retrieved), user audio too, as
@@ -143,20 +150,25 @@ class Conversation:
     def __init__(self) -> None:
         self.id = new_id("conv")
         self.items: list[Item] = []
+        # the items' nbytes as each was added (a reply grows after that, bounded by the token limit), as a
+        # running sum: the limit is checked on every item a client adds
+        self.nbytes = 0
+        self._counted: dict[str, int] = {}
 
     def add(self, item: Item, previous_item_id: str | None = None) -> str | None:
         """Insert after previous_item_id (at the end when None); returns the id of the item before it."""
         if any(i.id == item.id for i in self.items):
             raise EventError(f"item id {item.id!r} already exists", code="item_exists", param="item.id")
         if previous_item_id is None:
-            before = self.items[-1].id if self.items else None
-            self.items.append(item)
-            return before
-        if previous_item_id == "root":
-            self.items.insert(0, item)
-            return None
-        self.items.insert(self.index(previous_item_id, "previous_item_id") + 1, item)
-        return previous_item_id
+            before, at = (self.items[-1].id if self.items else None), len(self.items)
+        elif previous_item_id == "root":
+            before, at = None, 0
+        else:
+            before, at = previous_item_id, self.index(previous_item_id, "previous_item_id") + 1
+        self.items.insert(at, item)
+        self._counted[item.id] = size = item.nbytes
+        self.nbytes += size
+        return before
 
     def index(self, item_id: str, param: str = "item_id", code: str = "item_not_found") -> int:
         """`code` names the miss as OpenAI does for the event at hand (item_retrieve_invalid_item_id, ...):
@@ -171,6 +183,7 @@ class Conversation:
 
     def delete(self, item_id: str) -> None:
         del self.items[self.index(item_id)]
+        self.nbytes -= self._counted.pop(item_id, 0)
 
     def messages(self, instructions: str) -> list[dict[str, Any]]:
         out = [{"role": "system", "content": instructions}] if instructions else []

@@ -323,3 +323,38 @@ async def test_max_conversation_tokens():
     with serve(fake, RealtimeLimits(max_conversation_tokens=10)) as srv:
         error, code = await closed_after_error(srv.url, ask)
     assert error["code"] == "conversation_too_long" and code == 1008
+
+
+async def test_max_conversation_mb():
+    # items alone, with no response asked for (the token limit is checked only after one): each 0.4 MiB of text
+    # against a 1 MiB limit; the third is refused and the session closed instead of growing without bound
+    async def add(ws):
+        for _ in range(3):
+            await ws.send(json.dumps({"type": "conversation.item.create", "item": {
+                "type": "message", "role": "user", "content": [{"type": "input_text", "text": "a" * (400 << 10)}]}}))
+
+    fake = FakeOmniClient()
+    with serve(fake, RealtimeLimits(max_conversation_mb=1.0)) as srv:
+        error, code = await closed_after_error(srv.url, add)
+    assert error["code"] == "conversation_too_large" and code == 1008
+    assert fake.calls == []
+
+
+async def test_max_conversation_mb_counts_committed_audio_and_frees_deleted_items():
+    second = base64.b64encode(bytes(48000)).decode()  # 1 s at 24 kHz: 32 KB as the model hears it (16 kHz)
+
+    async def commit_and_delete(ws):
+        await ws.send(json.dumps({"type": "session.update", "session": {"audio": {"input": {"turn_detection": None}}}}))
+        for i in range(40):  # 40 x 32 KB in all against a 0.25 MiB limit: fine while each is deleted again
+            await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": second}))
+            await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+            while (event := json.loads(await ws.recv()))["type"] != "input_audio_buffer.committed":
+                assert event["type"] != "error", event
+            await ws.send(json.dumps({"type": "conversation.item.delete", "item_id": event["item_id"]}))
+        for _ in range(10):  # kept: the limit is reached
+            await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": second}))
+            await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+
+    with serve(FakeOmniClient(), RealtimeLimits(max_conversation_mb=0.25)) as srv:
+        error, code = await closed_after_error(srv.url, commit_and_delete)
+    assert error["code"] == "conversation_too_large" and code == 1008
