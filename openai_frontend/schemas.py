@@ -73,6 +73,8 @@ CONTENT_SCHEMA = {"anyOf": [
 def check_unicode(value: Any) -> Any:
     """JSON may escape a lone surrogate (\\ud800), which no UTF-8 encoder (and so no tokenizer) takes."""
     if isinstance(value, str):
+        if value.isascii():  # most text, and every base64 payload: no copy made
+            return value
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:

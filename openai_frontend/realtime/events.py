@@ -7,6 +7,8 @@ import json
 import secrets
 from typing import Any
 
+from openai_frontend.schemas import check_unicode
+
 CLIENT_EVENTS = (
     "session.update",
     "input_audio_buffer.append", "input_audio_buffer.commit", "input_audio_buffer.clear",
@@ -48,6 +50,12 @@ def parse(raw: str | bytes) -> dict[str, Any]:
         raise EventError(f"event is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(event, dict):
         raise EventError("an event must be a JSON object", code="invalid_event")
+    # JSON may escape a lone surrogate, which no event that echoes it (session.updated, an item, an error
+    # naming the event_id) can be encoded with for the WebSocket: the session would end without a word
+    try:
+        check_unicode(event)
+    except ValueError as exc:
+        raise EventError(str(exc), code="invalid_value") from None
     if isinstance(event.get("event_id"), str):  # known from here on: errors name the event they answer
         try:
             return _checked(event)

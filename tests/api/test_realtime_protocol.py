@@ -234,6 +234,13 @@ async def test_bad_events_get_errors_and_the_session_lives_on(server):
         assert e["error"]["code"] == "response_cancel_not_active"
         e = await answer(json.dumps({"type": "response.create"}))
         assert e["error"]["code"] == "empty_conversation"
+        # a lone surrogate (JSON may escape one) can be echoed in no event: refused, not echoed
+        for raw in ('{"type":"session.update","session":{"instructions":"\\ud800"}}',
+                    '{"type":"response.cancel","event_id":"\\udc00"}',
+                    '{"type":"conversation.item.create","item":{"type":"message","role":"user",'
+                    '"content":[{"type":"input_text","text":"a\\ud800"}]}}'):  # fmt: skip
+            e = await answer(raw)
+            assert e["error"]["code"] == "invalid_value" and "surrogate" in e["error"]["message"], e
         # still serving: a valid update is applied, and the failed ones changed nothing
         e = await answer(json.dumps({"type": "session.update", "session": {"instructions": "ok"}}))
         assert e["type"] == "session.updated" and e["session"]["audio"]["output"]["voice"] == "ethan"
