@@ -300,9 +300,15 @@ async function loadModel() {
 }
 
 $("send").addEventListener("click", send);
-$("stop").addEventListener("click", () => {
+function stopReply() {
   abort?.abort();
   player.reset();
+}
+$("stop").addEventListener("click", stopReply);
+// Escape stops a reply from wherever the focus is, as the Stop button does (an open file chooser or an
+// input method that composes takes its own Escape first)
+document.addEventListener("keydown", (e) => {
+  if (e.key === "Escape" && !e.isComposing && abort) stopReply();
 });
 $("mic").addEventListener("click", toggleMic);
 $("prompt").addEventListener("keydown", (e) => {

@@ -188,6 +188,16 @@ def test_keyboard_alone_attaches_sends_and_stops(demo, fake, tmp_path):
     assert list(sent_parts(fake)) == ["image_url", "text"]
     assert demo.get_by_label("Message").count() == 1
 
+    # Escape stops a reply wherever the focus is
+    fake.script = Script(steps=[Step("Again")], hang=True)
+    demo.fill("#prompt", "Once more")
+    demo.keyboard.press("Enter")
+    demo.wait_for_function("() => demoState.textReceived === 'Again'")
+    demo.focus("#voice")
+    demo.keyboard.press("Escape")
+    demo.wait_for_function(DONE)
+    assert state(demo)["status"] == "stopped"
+
     # Enter that confirms an input method's candidate (Chinese, Japanese, ...) is not a send
     demo.fill("#prompt", "你好")
     demo.dispatch_event("#prompt", "keydown", {"key": "Enter", "isComposing": True})
