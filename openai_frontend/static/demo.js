@@ -190,6 +190,7 @@ async function send() {
   bubble = addMessage("assistant", "");
   bubble.metrics = Object.assign(document.createElement("div"), { className: "metrics" });
   bubble.el.append(bubble.metrics);
+  const sent = { text, ...attachments }; // given back to the composer if the send fails, for a retry
   $("prompt").value = "";
   attachments.image = attachments.audio = attachments.video = null;
   renderAttachments();
@@ -234,6 +235,10 @@ async function send() {
     if (!stopped) {
       bubble.el.classList.add("error");
       bubble.text.textContent = state.textReceived ? `${state.textReceived}\n[${err.message}]` : err.message;
+      // the failed message goes back into the composer, unless something new was typed or attached meanwhile
+      if (!$("prompt").value) $("prompt").value = sent.text;
+      for (const kind of ["image", "audio", "video"]) attachments[kind] ??= sent[kind];
+      renderAttachments();
     }
     publish(stopped ? "stopped" : err.message);
   } finally {
