@@ -89,7 +89,7 @@ def test_omni_grpc_client_sends_the_key_and_says_when_it_is_missing(triton_serve
     assert "finish_reason: length" in done.stdout, done.stdout[-2000:]
     with wave.open(str(tmp_path / "reply.wav")) as w:
         assert w.getnframes() == 8 * 1920 - 555
-    # without it: the refusal and what to do, not tritonclient's "stream is no longer in valid state" traceback
+    # without it: the refusal and what to do, instead of tritonclient's bare "stream is not in a valid state" traceback
     done = subprocess.run(tool, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert TRITON_KEY_ENV in done.stderr and "restricted" in done.stderr, done.stderr[-3000:]
