@@ -207,7 +207,20 @@ def turn_detection(value: Any, param: str) -> dict[str, Any] | None:
         return _semantic_vad(value, param)
     if kind != "server_vad":
         raise EventError(f"{param}.type must be 'server_vad' or 'semantic_vad'", param=f"{param}.type")
-    out = dict(SERVER_VAD_DEFAULTS)
+    out = _vad_settings(value, SERVER_VAD_DEFAULTS, param)
+    if out["idle_timeout_ms"] is not None:
+        raise EventError(f"{param}.idle_timeout_ms is not supported", code="unsupported", param=f"{param}.idle_timeout_ms")
+    return out
+
+
+def _semantic_vad(value: dict[str, Any], param: str) -> dict[str, Any]:
+    out = _vad_settings(value, SEMANTIC_VAD_DEFAULTS, param)
+    return {**SERVER_VAD_DEFAULTS, "silence_duration_ms": EAGERNESS_SILENCE_MS[out["eagerness"]], **out}
+
+
+def _vad_settings(value: dict[str, Any], defaults: dict[str, Any], param: str) -> dict[str, Any]:
+    """`defaults` with the client's settings over them, each checked; a key not in `defaults` is refused."""
+    out = dict(defaults)
     for key, item in value.items():
         if key not in out:
             raise EventError(f"unknown parameter '{param}.{key}'", code="unknown_parameter", param=f"{param}.{key}")
@@ -219,28 +232,13 @@ def turn_detection(value: Any, param: str) -> dict[str, Any] | None:
         elif key in ("prefix_padding_ms", "silence_duration_ms", "idle_timeout_ms"):
             if isinstance(item, bool) or not isinstance(item, int) or not 0 <= item <= 10_000:
                 raise EventError(f"{param}.{key} must be an integer in 0..10000", param=f"{param}.{key}")
+        elif key == "eagerness" and item not in EAGERNESS_SILENCE_MS:
+            raise EventError(f"{param}.eagerness must be one of {', '.join(EAGERNESS_SILENCE_MS)}",
+                             param=f"{param}.eagerness")  # fmt: skip
         elif key in ("create_response", "interrupt_response") and not isinstance(item, bool):
             raise EventError(f"{param}.{key} must be a boolean", code="invalid_type", param=f"{param}.{key}")
         out[key] = item
-    if out["idle_timeout_ms"] is not None:
-        raise EventError(f"{param}.idle_timeout_ms is not supported", code="unsupported", param=f"{param}.idle_timeout_ms")
     return out
-
-
-def _semantic_vad(value: dict[str, Any], param: str) -> dict[str, Any]:
-    out = dict(SEMANTIC_VAD_DEFAULTS)
-    for key, item in value.items():
-        if key not in out:
-            raise EventError(f"unknown parameter '{param}.{key}'", code="unknown_parameter", param=f"{param}.{key}")
-        if item is None:
-            continue
-        if key == "eagerness" and item not in EAGERNESS_SILENCE_MS:
-            raise EventError(f"{param}.eagerness must be one of {', '.join(EAGERNESS_SILENCE_MS)}",
-                             param=f"{param}.eagerness")  # fmt: skip
-        if key in ("create_response", "interrupt_response") and not isinstance(item, bool):
-            raise EventError(f"{param}.{key} must be a boolean", code="invalid_type", param=f"{param}.{key}")
-        out[key] = item
-    return {**SERVER_VAD_DEFAULTS, "silence_duration_ms": EAGERNESS_SILENCE_MS[out["eagerness"]], **out}
 
 
 def shown_turn_detection(td: dict[str, Any] | None) -> dict[str, Any] | None:
