@@ -50,6 +50,14 @@ def send(page, text: str) -> dict:
     return state(page)
 
 
+def streaming(page, fake, text: str, step: Step) -> None:
+    """Sends `text` and waits until the reply's first step has arrived; the reply then hangs (still streaming)."""
+    fake.script = Script(steps=[step], hang=True)
+    page.fill("#prompt", text)
+    page.click("#send")
+    page.wait_for_function(f"() => demoState.textReceived === {step.text!r}")
+
+
 def sent_parts(fake) -> dict:
     """The last user message's content parts by type, as the backend received them."""
     return {p["type"]: p for p in fake.calls[-1]["messages"][-1]["content"]}
@@ -267,10 +275,7 @@ def test_unreachable_server_and_cut_stream_are_named(page, fake):
 
 
 def test_stop_cancels_the_request(demo, fake):
-    fake.script = Script(steps=[Step("Thinking", tone(2400))], hang=True)
-    demo.fill("#prompt", "Talk forever")
-    demo.click("#send")
-    demo.wait_for_function("() => demoState.textReceived === 'Thinking'")
+    streaming(demo, fake, "Talk forever", Step("Thinking", tone(2400)))
     demo.click("#stop")
     demo.wait_for_function(DONE)
     assert state(demo)["status"] == "stopped"
@@ -279,10 +284,7 @@ def test_stop_cancels_the_request(demo, fake):
 
 def test_new_chat_drops_the_reply_in_flight(demo, fake):
     """New chat while a reply streams: the reply stops, and the new chat's history starts empty."""
-    fake.script = Script(steps=[Step("Old", tone(24000))], hang=True)
-    demo.fill("#prompt", "First chat")
-    demo.click("#send")
-    demo.wait_for_function("() => demoState.textReceived === 'Old'")
+    streaming(demo, fake, "First chat", Step("Old", tone(24000)))
     demo.click("#new-chat")
     demo.wait_for_function(DONE)
     assert state(demo)["status"] == "stopped" and demo.locator("#log .message").count() == 0
