@@ -232,7 +232,7 @@ def _vad_settings(value: dict[str, Any], defaults: dict[str, Any], param: str) -
         elif key in ("prefix_padding_ms", "silence_duration_ms", "idle_timeout_ms"):
             if isinstance(item, bool) or not isinstance(item, int) or not 0 <= item <= 10_000:
                 raise EventError(f"{param}.{key} must be an integer in 0..10000", param=f"{param}.{key}")
-        elif key == "eagerness" and item not in EAGERNESS_SILENCE_MS:
+        elif key == "eagerness" and not (isinstance(item, str) and item in EAGERNESS_SILENCE_MS):
             raise EventError(f"{param}.eagerness must be one of {', '.join(EAGERNESS_SILENCE_MS)}",
                              param=f"{param}.eagerness")  # fmt: skip
         elif key in ("create_response", "interrupt_response") and not isinstance(item, bool):

@@ -228,6 +228,9 @@ async def test_bad_events_get_errors_and_the_session_lives_on(server):
         e = await answer(json.dumps({"type": "session.update", "session": {"audio": {"input": {
             "turn_detection": {"type": "server_vad", "threshold": 7}}}}}))  # fmt: skip
         assert e["error"]["param"] == "session.audio.input.turn_detection.threshold"
+        e = await answer(json.dumps({"type": "session.update", "session": {"audio": {"input": {
+            "turn_detection": {"type": "semantic_vad", "eagerness": ["high"]}}}}}))  # fmt: skip
+        assert e["error"]["param"] == "session.audio.input.turn_detection.eagerness", e
         e = await answer(json.dumps({"type": "session.update", "session": "realtime"}))
         assert (e["error"]["code"], e["error"]["message"]) == ("invalid_type", "'session' must be an object"), e
         e = await answer(json.dumps({"type": "response.cancel"}))
