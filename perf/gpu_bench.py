@@ -76,6 +76,25 @@ def hardware() -> dict:
     return info
 
 
+def gpu_processes() -> list[dict] | str:
+    """GPU memory held by each process on the GPU (nvidia-smi), with its command line: where memory goes,
+    beside the stages' own torch peaks and KV pool sizes (omni_metrics)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20, check=False).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"nvidia-smi failed: {exc}"
+    procs = []
+    for line in out.splitlines():
+        pid, _, mib = (v.strip() for v in line.partition(","))
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:300]
+        except OSError:
+            cmd = ""
+        procs.append({"pid": pid, "used_mib": mib, "cmd": cmd.strip()})
+    return procs
+
+
 def omni_metrics(url: str) -> dict:
     """The stages' own gauges / counters (omni_<stage>_<what>) from Triton's metrics endpoint: name -> the
     values of its series; a labelled series (histogram buckets aside) also as 'name{labels}' -> [value]."""

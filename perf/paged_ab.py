@@ -17,7 +17,7 @@ from pathlib import Path
 
 from perf import loadgen, workloads
 from perf.bench_server import BenchServer
-from perf.gpu_bench import add_model_args, hardware, omni_metrics, parse_model_args, say
+from perf.gpu_bench import add_model_args, gpu_processes, hardware, omni_metrics, parse_model_args, say
 from perf.metrics import LevelResult
 
 LONG_TOKENS = 30000
@@ -46,6 +46,7 @@ class PagedAB:
         entry = {part: r.summary() | {"requests": [x.to_json() for x in r.records]} for part, r in results.items()}
         entry["stage_metrics_before"] = metrics_before
         entry["stage_metrics_after"] = self.metrics()
+        entry["gpu_processes_after"] = gpu_processes()
         self.report["levels"][name] = entry
         for part, r in results.items():
             say(f"{name}/{part}: {loadgen._line(r.summary())}")
