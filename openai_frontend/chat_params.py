@@ -38,9 +38,7 @@ class ChatPlan:
 
 def served_model(requested: str | None, settings: FrontendSettings) -> str:
     if requested is not None and requested not in settings.served_model_names:
-        names = ", ".join(repr(n) for n in settings.served_model_names)
-        raise FrontendError(404, f"model {requested!r} not found; this server serves {names}",
-                            param="model", code="model_not_found")  # fmt: skip
+        raise FrontendError(404, settings.unknown_model(requested), param="model", code="model_not_found")
     return settings.model_for(requested)
 
 

@@ -59,6 +59,11 @@ class FrontendSettings:
             raise ValueError(f"fetch_allowed_networks: {exc}") from None
         object.__setattr__(self, "fetch_allowed_networks", tuple(str(n) for n in ipaddress_networks))
 
+    def unknown_model(self, requested: str) -> str:
+        """The message for a model this server does not serve; a long name is cut, since it is the client's."""
+        shown = requested if len(requested) <= 80 else requested[:80] + "..."
+        return f"model {shown!r} not found; this server serves {', '.join(repr(n) for n in self.served_model_names)}"
+
     def model_for(self, requested: str | None) -> str:
         """The name a response carries; an unknown one is a 404 (raised by the caller)."""
         return self.served_model_names[0] if requested is None else requested

@@ -70,8 +70,7 @@ class SessionConfig:
                              param="session.type")  # fmt: skip
         model = get(session, "model", str, required=False, where="session.")
         if model is not None and model not in settings.served_model_names:
-            raise EventError(f"model {model!r} not found; this server serves {', '.join(settings.served_model_names)}",
-                             code="model_not_found", param="session.model")  # fmt: skip
+            raise EventError(settings.unknown_model(model), code="model_not_found", param="session.model")
         if "instructions" in session:
             new.instructions = get(session, "instructions", str, required=False, where="session.") or ""
         if "output_modalities" in session:

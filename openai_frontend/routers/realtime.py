@@ -53,8 +53,7 @@ async def realtime(websocket: WebSocket) -> None:
     open_sessions = getattr(app.state, "realtime_sessions", 0)
     refusal = None
     if model is not None and model not in settings.served_model_names:
-        refusal = EventError(f"model {model!r} not found; this server serves {', '.join(settings.served_model_names)}",
-                             code="model_not_found", param="model", close=True)  # fmt: skip
+        refusal = EventError(settings.unknown_model(model), code="model_not_found", param="model", close=True)
     elif open_sessions >= limits.max_sessions:
         refusal = EventError(f"this server holds its limit of {limits.max_sessions} realtime sessions; retry later",
                              code="server_overloaded", kind="server_error", close=True)  # fmt: skip

@@ -29,6 +29,14 @@ def test_models_list_both_served_names(openai_client):
     assert (e.value.body["param"], e.value.body["code"]) == ("model", "model_not_found")
 
 
+def test_an_unknown_long_model_name_is_not_echoed_whole(openai_client):
+    with pytest.raises(openai.NotFoundError) as e:
+        openai_client.models.retrieve("m" * 5000)
+    message = e.value.body["message"]
+    assert "m" * 80 + "..." in message and "m" * 81 not in message
+    assert "'qwen3-omni'" in message
+
+
 @pytest.mark.parametrize("model", ["Qwen/Qwen3-Omni-30B-A3B-Instruct", "qwen3-omni", None])
 def test_a_reply_names_the_model_its_request_sent(http, model):
     body = {"messages": [{"role": "user", "content": "hi"}], "modalities": ["text"]}
