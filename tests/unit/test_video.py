@@ -57,6 +57,28 @@ def test_video_patches_have_the_image_processors_layout(processor):
     torch.testing.assert_close(out["pixel_values_videos"], want["pixel_values"], rtol=0, atol=1e-6)
 
 
+def test_video_patches_follow_time_then_merge_order(processor):
+    # distinct frames, an odd count (the last is repeated): each row is one patch of `tp` frames, taken in
+    # time groups, then merge blocks row by row, then the patches inside a block, as [C, tp, P, P]
+    vp = processor.video_processor
+    tp, ps, ms = vp.temporal_patch_size, vp.patch_size, vp.merge_size
+    frames = np.random.default_rng(2).integers(0, 256, (3, 2 * ms * ps, 3 * ms * ps, 3), dtype=np.uint8)
+    out = vp([frames])
+    padded = np.concatenate([frames, frames[-1:]]).astype(np.float32) / 255.0
+    scaled = (padded - vp.mean) / vp.std
+    want = []
+    for g in range(2):
+        for by in range(2):
+            for bx in range(3):
+                for iy in range(ms):
+                    for ix in range(ms):
+                        y, x = (by * ms + iy) * ps, (bx * ms + ix) * ps
+                        patch = scaled[g * tp:(g + 1) * tp, y:y + ps, x:x + ps]  # [tp, P, P, C]
+                        want.append(patch.transpose(3, 0, 1, 2).reshape(-1))
+    assert out["video_grid_thw"].tolist() == [[2, 2 * ms, 3 * ms]]
+    torch.testing.assert_close(out["pixel_values_videos"], torch.from_numpy(np.stack(want)), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("kw, message", [
     ({"max_video_seconds": 1.5}, "video of 2 s is over the limit of 1.5 s"),
     ({"max_video_frame_pixels": 96 * 63}, "96x64 pixels are over the limit"),
