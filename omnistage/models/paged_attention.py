@@ -6,6 +6,11 @@
 # second kernel merges the parts. The parts keep a 30,000-token row from being one program's serial walk
 # while the short rows' programs beside it have long finished. Grids and loops depend on no host value, so
 # the decode step stays one CUDA graph per rows bucket whatever the rows' lengths.
+# Chunked prefill (prefill()) reads through the same tables: program (row, KV head, query tile) runs an online
+# softmax for BQ of the row's new tokens times the G query heads of one KV head, over the row's positions up to
+# its tile's last token, causally. Gathering instead copied every attended position of every row out of the
+# pool per layer, and transformers' masked SDPA copied them again per query head: a 512-token piece of a
+# 30,000-token prompt took ~1 GB of copies a layer, and steps with long prompts' pieces ran for seconds.
 from __future__ import annotations
 
 import torch
@@ -87,10 +92,58 @@ if fused_ops.available():
         tl.store(where, out.to(out_ptr.dtype.element_ty), mask=(g < G)[:, None])
 
 
+if fused_ops.available():
+
+    @triton.jit
+    def _prefill_kernel(q_ptr, k_ptr, v_ptr, table_ptr, slot_ptr, start_ptr, out_ptr, scale, max_blocks, s_p, s_h,
+                        tokens, heads, G: tl.constexpr, BQ: tl.constexpr, M: tl.constexpr, D: tl.constexpr,
+                        BLOCK: tl.constexpr, TILE: tl.constexpr):  # fmt: skip
+        # q [R, heads, tokens, D] contiguous; k, v pools [P, Hk, D] (strides s_p, s_h, 1); table [slots,
+        # max_blocks]; slot, start [R]: row r's tokens sit at positions start[r].. of slot[r], their K/V already
+        # written; out [R, tokens, heads, D]. Query row i of the program: token BQ * tile + i // G, head h * G + i % G
+        r, h, tile = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2)
+        slot = tl.load(slot_ptr + r).to(tl.int64)
+        start = tl.load(start_ptr + r).to(tl.int32)
+        i, d = tl.arange(0, M), tl.arange(0, D)
+        t = tile * BQ + i // G
+        g = i % G
+        live = (i < BQ * G) & (t < tokens)
+        q = tl.load(q_ptr + ((r * heads + h * G + g) * tokens + t)[:, None] * D + d[None, :], mask=live[:, None],
+                    other=0.0)  # fmt: skip
+        pos = start + t  # each query's own position: it attends [0, pos]
+        end = start + tl.minimum(tile * BQ + BQ, tokens)  # past the tile's last query
+        m = tl.full([M], float("-inf"), tl.float32)
+        l = tl.zeros([M], tl.float32)
+        acc = tl.zeros([M, D], tl.float32)
+        for t0 in range(0, end, TILE):
+            tok = t0 + tl.arange(0, TILE)
+            valid = tok < end
+            block = tl.load(table_ptr + slot * max_blocks + tok // BLOCK, mask=valid, other=0).to(tl.int64)
+            rows = (block * BLOCK + tok % BLOCK)[:, None] * s_p + h * s_h + d[None, :]
+            k = tl.load(k_ptr + rows, mask=valid[:, None], other=0.0)  # [TILE, D]
+            s = tl.dot(q, tl.trans(k)) * scale  # [M, TILE]
+            s = tl.where(valid[None, :] & (tok[None, :] <= pos[:, None]), s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))  # position 0 is in the first tile: never -inf after it
+            alpha = tl.exp(m - m_new)
+            weights = tl.exp(s - m_new[:, None])
+            l = l * alpha + tl.sum(weights, 1)
+            v = tl.load(v_ptr + rows, mask=valid[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(weights.to(v.dtype), v)
+            m = m_new
+        out = acc / l[:, None]
+        where = out_ptr + ((r * tokens + t) * heads + h * G + g)[:, None] * D + d[None, :]
+        tl.store(where, out.to(out_ptr.dtype.element_ty), mask=live[:, None])
+
+
 def runs_on(query: torch.Tensor) -> bool:
-    """Whether decode() takes this step: CUDA tensors with triton installed (tests point it at the CPU under
-    Triton's interpreter by calling decode() directly)."""
-    return query.is_cuda and fused_ops.available()
+    """Whether decode() and prefill() take this step: CUDA tensors with triton installed (tests point them at
+    the CPU under Triton's interpreter by calling them directly)."""
+    return serves(query.device)
+
+
+def serves(device: torch.device) -> bool:
+    """Whether attention over a paged cache on `device` runs in these kernels (else it is gathered)."""
+    return torch.device(device).type == "cuda" and fused_ops.available()
 
 
 def decode(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
@@ -114,4 +167,28 @@ def decode(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tabl
     out = torch.empty(batch, 1, heads, dim, dtype=query.dtype, device=query.device)
     _merge_parts_kernel[(batch, heads_k)](m, l, acc, lengths, out, heads, G=group, GP=gp, D=dim, PARTS=PARTS,
                                           TILE=TILE)  # fmt: skip
+    return out
+
+
+PREFILL_QUERIES = 16  # new tokens per prefill program: x G query heads, the rows of its [M, D] products
+
+
+def prefill(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+            slots: torch.Tensor, starts: torch.Tensor, scaling: float) -> torch.Tensor:  # fmt: skip
+    """query [R, H, T, D]: row r's T new tokens at positions starts[r].. of slot slots[r], whose K/V are in the
+    pools already; each attends causally to its slot's positions up to its own, through table [slots,
+    max_blocks] int32. -> [R, T, H, D]."""
+    from ..core.block_pool import BLOCK
+
+    rows, heads, tokens, dim = query.shape
+    heads_k = k_pool.shape[1]
+    group = heads // heads_k
+    bq = PREFILL_QUERIES
+    m = max(16, triton.next_power_of_2(bq * group))  # tl.dot wants at least 16 rows
+    q = query.contiguous()
+    out = torch.empty(rows, tokens, heads, dim, dtype=query.dtype, device=query.device)
+    assert k_pool.stride() == v_pool.stride() and k_pool.stride(-1) == 1
+    _prefill_kernel[(rows, heads_k, triton.cdiv(tokens, bq))](
+        q, k_pool, v_pool, table, slots.contiguous(), starts.contiguous(), out, scaling, table.shape[1], k_pool.stride(0), k_pool.stride(1),
+        tokens, heads, G=group, BQ=bq, M=m, D=dim, BLOCK=BLOCK, TILE=TILE, num_warps=8)  # fmt: skip
     return out

@@ -2,7 +2,9 @@
 # the prefix cache, shared by reference: stages/prefix_cache.py), replayed as a CUDA graph per (rows,
 # tokens, kv) bucket like StaticPrefill. Row r's tokens sit at positions starts[r] .. starts[r] + tokens - 1
 # of slot slots[r]; each layer writes their K/V into the slot's blocks and attends causally over the
-# slot's positions [0, kv) read through its block table: the kept prefix and the suffix so far. Rows are
+# slot's positions read through its block table: the kept prefix and the suffix so far (on CUDA in the
+# paged prefill kernel, each row to its own positions, so kv is a single bucket; else gathered up to kv
+# under a mask). Rows are
 # right-padded to the bucket's tokens (the padded positions lie past the prompt, in its last block or the
 # null block, are masked for its real tokens and are overwritten by its decode steps before anything reads
 # them); padding rows repeat row 0. A row's MRoPE positions come from a buffer: text rows take their slot
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from ..models import paged_attention
 from .cuda_graphs import GraphBank, batch_buckets, bucket_for
 from .host_copy import to_device
 from ..core.block_pool import BLOCK, blocks_for
@@ -43,6 +46,8 @@ class ChunkPrefill:
         # without graphs, exact sizes (no padding to pay for); the CPU tests drive this same code
         self.row_buckets = batch_buckets(max_rows) if self.bank.enabled else None
         self.kv_buckets = [b for b in kv_buckets if b < self.max_kv] + [self.max_kv]
+        if paged_attention.serves(device):  # each row reads its own positions: no gather to size or bound
+            self.kv_buckets, self.max_attended = [self.max_kv], None
         self.embeds = torch.zeros(max_rows, self.max_tokens, hidden, dtype=dtype, device=device)
         # slots, starts, last token
         self.index = torch.zeros(3, max_rows, dtype=torch.long, device=device)
@@ -125,5 +130,8 @@ def attend_after_prefix(cache: PagedKVCache, slots: torch.Tensor, starts: torch.
     own, read through the block table ([rows, 1, tokens, kv_len] mask, kv_len rounded up to whole blocks)."""
     kv_len = blocks_for(kv_len) * BLOCK  # a gather reads whole blocks
     positions = starts[:, None] + torch.arange(tokens, device=starts.device)[None, :]  # [rows, tokens]
+    writer = PagedWriter(cache, slots, positions, kv_len)
+    if writer.paged:  # the paged prefill kernel reads each row's own positions: no mask to build
+        return None, writer
     mask = (torch.arange(kv_len, device=starts.device)[None, None, :] <= positions[:, :, None])[:, None]
-    return mask, PagedWriter(cache, slots, positions, kv_len)
+    return mask, writer

@@ -24,11 +24,11 @@ from .paged_kv import PagedKVCache
 # Tokens per row, and the longest prompt the static prefill takes whole (runner.py): a text prompt is either
 # one static prefill row or rows of this size.
 CHUNK_TOKENS = 512
-# Rows per forward (a step with more runs several, in row order): 8192 tokens at most, and at most
-# MAX_ATTENDED rows x attended positions. Each row's attention reads its slot up to the furthest row's end,
-# and transformers' masked sdpa copies the thinker's 4 KV heads out per query head: ~1 GB a layer in bf16
-# at 16 rows x 4096 positions, held by the graph pool; so a row that attends 32k positions goes in a
-# forward of 2 rows, one at 64k alone.
+# Rows per forward (a step with more runs several, in row order): 8192 tokens at most. On CUDA each row
+# attends through its block table in the paged prefill kernel (models/paged_attention.py). Where attention
+# is gathered instead (the CPU), each row reads its slot up to the furthest row's end and transformers'
+# masked sdpa copies the 4 KV heads out per query head, so a forward also holds at most MAX_ATTENDED rows x
+# attended positions.
 MAX_ROWS = 16
 MAX_ATTENDED = 16 * 4096
 

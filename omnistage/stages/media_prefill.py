@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..models import paged_attention
 from .chunk_prefill import attend_after_prefix
 from .cuda_graphs import bucket_for, length_buckets
 from .host_copy import to_device
@@ -35,8 +36,12 @@ class MediaPrefill(PositionedPrefill):
         self.spans = LayerSpans(text_model, rows=rows, tokens=tokens, deepstack=deepstack, accept_layer=accept_layer)
         self.accept_out = self.spans.accept_out  # [rows, tokens, D]: each row's accept-layer input
         self.starts = torch.zeros(rows, dtype=torch.long, device=self.embeds.device)  # where each row begins in its slot
-        # attended lengths of steps with a kept prefix: a prompt's prefix and suffix together fit the buffers
-        self.kv_buckets = length_buckets(self.max_tokens) if self.bank.enabled else None
+        # attended lengths of steps with a kept prefix: a prompt's prefix and suffix together fit the buffers;
+        # one bucket where the paged prefill kernel reads each row's own positions (nothing sized by them)
+        self.kv_buckets = None
+        if self.bank.enabled:
+            paged = paged_attention.serves(self.embeds.device)
+            self.kv_buckets = [self.max_tokens] if paged else length_buckets(self.max_tokens)
 
     def fits(self, starts: list[int], lengths: list[int]) -> bool:
         """Whether rows of these starts and lengths (prompt tokens after the start) can run as one step."""

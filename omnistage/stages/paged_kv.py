@@ -154,11 +154,30 @@ class DecodeStepCache:
 class PagedWriter:
     """Duck-types transformers' Cache.update() for a prefill: row r's new K/V go to positions[r] of slot
     slots[r]. kv_len None: attention reads the new tokens only (a prompt from position 0); else each row's
-    positions [0, kv_len) through its table (a suffix after a kept prefix, under the caller's mask)."""
+    positions up to each token's own through its table (a suffix after a kept prefix, or a piece of a long
+    prompt): in the paged prefill kernel (attend(), CUDA), or gathered up to kv_len under the caller's mask."""
 
     def __init__(self, cache: PagedKVCache, slots: torch.Tensor, positions: torch.Tensor, kv_len: int | None):
         self.cache, self.slots, self.kv_len = cache, slots, kv_len
+        self.starts = positions[:, 0]  # [rows]: each row's tokens are consecutive from here
         self.phys = cache.physical(slots, positions)  # [rows, tokens]
+        from ..models import paged_attention
+
+        self.paged = kv_len is not None and paged_attention.serves(cache.device)
+
+    def kv_target(self, layer_idx: int, tokens: int):
+        """Where the paged kernel's layers write K/V themselves (None: through update())."""
+        from .kv_cache import KVTarget
+
+        return KVTarget.paged(self.cache.k[layer_idx], self.cache.v[layer_idx], self.phys) if self.paged else None
+
+    def attend(self, layer_idx: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """The rows' queries [rows, heads, tokens, head_dim] over their slots, causally -> [rows, tokens, heads,
+        head_dim]; asked only where kv_target() gave a target."""
+        from ..models import paged_attention
+
+        return paged_attention.prefill(query, self.cache.k[layer_idx], self.cache.v[layer_idx], self.cache.table,
+                                       self.slots, self.starts, scaling)  # fmt: skip
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         self.cache.write(layer_idx, self.phys, key_states, value_states)

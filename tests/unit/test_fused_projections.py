@@ -175,6 +175,52 @@ def test_attention_writes_kv_into_the_cache_as_update_does(on_cpu_too, device, d
     assert torch.equal(k_of(fused_cache), k_of(plain_cache)) and torch.equal(v_of(fused_cache), v_of(plain_cache))
 
 
+@pytest.mark.parametrize("device, dtype", [("cpu", torch.float32),  # Triton's interpreter garbles bf16 dots
+                                           pytest.param("cuda", torch.bfloat16, marks=pytest.mark.gpu)])
+def test_prefill_after_a_prefix_through_the_paged_kernel_equals_the_gathered_attention(on_cpu_too, monkeypatch,
+                                                                                       device, dtype):  # fmt: skip
+    """Rows of new tokens after kept prefixes (chunk_prefill.attend_after_prefix), their slots out of order:
+    through the paged prefill kernel (as on CUDA) the layer writes K/V into the blocks itself, needs no mask,
+    and gives the attention and the cache of the gathered path under its mask."""
+    from omnistage.models import paged_attention
+    from omnistage.stages.chunk_prefill import attend_after_prefix
+    from omnistage.stages.paged_kv import PagedKVCache
+
+    model = talker(dtype, device)
+    fused_projections.install(model)
+    stack = model.model
+    attn = stack.layers[0].self_attn
+    cfg = stack.config
+    g = torch.Generator().manual_seed(3)
+    starts, tokens = [5, 37, 0], 20
+
+    def cache():
+        paged = PagedKVCache(1, 4, cfg.num_key_value_heads, attn.head_dim, num_blocks=16, max_len=64, dtype=dtype,
+                             device=device)  # fmt: skip
+        for slot in (2, 0, 1):  # rows' blocks out of order in the pool
+            paged.grow(slot, 64)
+        paged.sync()
+        for t in (paged.k[0], paged.v[0]):  # the kept prefixes (and what lies past the rows)
+            t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(4)).to(device, dtype))
+        return paged
+
+    slots, starts_t = torch.tensor([2, 0, 1], device=device), torch.tensor(starts, device=device)
+    hidden = torch.randn(3, tokens, cfg.hidden_size, generator=g).to(device, dtype)
+    positions = (starts_t[:, None] + torch.arange(tokens, device=device)[None])[None].expand(3, 3, tokens)
+    rope = stack.rotary_emb(hidden, positions)
+    runs = {}
+    for paged in (False, True):
+        monkeypatch.setattr(paged_attention, "serves", lambda _, paged=paged: paged)
+        kv = cache()
+        mask, writer = attend_after_prefix(kv, slots, starts_t, tokens, 64)
+        assert (mask is None) == writer.paged == paged
+        runs[paged] = attn(hidden, rope, mask, writer)[0], kv
+    (got, got_kv), (want, want_kv) = runs[True], runs[False]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    assert torch.equal(got_kv.k[0], want_kv.k[0]) and torch.equal(got_kv.v[0], want_kv.v[0])
+
+
 class _UpdateOnly:
     """A cache seen through transformers' update() alone (no kv_target): the attention's unfused way."""
 

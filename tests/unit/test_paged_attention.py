@@ -61,6 +61,48 @@ def test_paged_decode_kernel_equals_dense_attention_per_row():
     torch.testing.assert_close(got, dense(query, ks, vs), rtol=1e-4, atol=1e-5)
 
 
+def causal_dense(query: torch.Tensor, starts: list[int], news: list[int], ks: list[torch.Tensor],
+                 vs: list[torch.Tensor], dim: int = DIM) -> list[torch.Tensor]:
+    """Row r's first news[r] queries, at positions starts[r].., each over its own contiguous K/V up to its own
+    position: [news[r], H, D] per row."""
+    out = []
+    for q, start, n, k, v in zip(query, starts, news, ks, vs):
+        length = start + n
+        mask = torch.arange(length)[None] <= (start + torch.arange(n))[:, None]  # [n, length]
+        o = F.scaled_dot_product_attention(q[None, :, :n], k[:, :, :length], v[:, :, :length], attn_mask=mask,
+                                           scale=dim**-0.5, enable_gqa=True)  # fmt: skip
+        out.append(o[0].transpose(0, 1))
+    return out
+
+
+@pytest.mark.skipif(not fused_ops.available(), reason="needs triton")
+def test_paged_prefill_kernel_equals_causal_dense_attention_per_row():
+    # rows of 20 new tokens (the last 7 of one row are padding) after kept prefixes of very different
+    # lengths, their blocks scattered: two query tiles a row, several KV tiles for the long prefix
+    starts, news, tokens = [0, 16, 283, 40], [20, 20, 13, 20], 20
+    cache, ks, vs = scattered_cache([s + n for s, n in zip(starts, news)], seed=2)
+    query = torch.randn(len(starts), HEADS, tokens, DIM)
+    slots = torch.arange(len(starts))
+    got = paged_attention.prefill(query, cache.k[0], cache.v[0], cache.table, slots, torch.tensor(starts), DIM**-0.5)
+    assert got.shape == (len(starts), tokens, HEADS, DIM)
+    for r, want in enumerate(causal_dense(query, starts, news, ks, vs)):
+        torch.testing.assert_close(got[r, : news[r]], want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(not fused_ops.available(), reason="needs triton")
+def test_paged_prefill_kernel_reads_each_rows_own_slot():
+    # rows in another order than their slots, one slot twice (two pieces of one prompt in one forward)
+    cache, ks, vs = scattered_cache([48, 16, 66], seed=3)
+    order = [2, 0, 0]
+    row_starts = [50, 16, 32]
+    query = torch.randn(3, HEADS, 16, DIM)
+    got = paged_attention.prefill(query, cache.k[0], cache.v[0], cache.table, torch.tensor(order),
+                                  torch.tensor(row_starts), DIM**-0.5)  # fmt: skip
+    wants = causal_dense(query, row_starts, [16, 16, 16], [ks[o] for o in order], [vs[o] for o in order])
+    for r, want in enumerate(wants):
+        torch.testing.assert_close(got[r], want, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads, kv_heads", [(32, 4), (16, 2)])  # the thinker's and the talker's
 def test_paged_decode_kernel_on_cuda_equals_gathered_attention(heads, kv_heads):
@@ -84,6 +126,31 @@ def test_paged_decode_kernel_on_cuda_equals_gathered_attention(heads, kv_heads):
         mask = (torch.arange(k.shape[2], device="cuda")[None] < lengths_t[part][:, None])[:, None, None]
         want = F.scaled_dot_product_attention(query[part], k, v, attn_mask=mask, scale=128**-0.5, enable_gqa=True)
         torch.testing.assert_close(got[part], want.transpose(1, 2), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads, kv_heads", [(32, 4), (16, 2)])  # the thinker's and the talker's
+def test_paged_prefill_kernel_on_cuda_equals_gathered_attention(heads, kv_heads):
+    """Compiled, bf16, real head geometry: 512-token rows of long prompts' pieces, one at the start of its
+    prompt, one after 700 positions, one after 29,000, each over its own slot."""
+    starts, tokens = [0, 700, 29000], 512
+    g = torch.Generator(device="cuda").manual_seed(0)
+    cache = PagedKVCache(1, 3, kv_heads, 128, num_blocks=2048, max_len=32768, dtype=torch.bfloat16, device="cuda")
+    for slot, start in enumerate(starts):
+        cache.grow(slot, start + tokens)
+    cache.sync()
+    for pool in (cache.k[0], cache.v[0]):
+        pool.copy_(torch.randn(pool.shape, generator=g, device="cuda"))
+    query = torch.randn(3, heads, tokens, 128, generator=g, device="cuda").to(torch.bfloat16)
+    slots, starts_t = torch.arange(3, device="cuda"), torch.tensor(starts, device="cuda")
+    got = paged_attention.prefill(query, cache.k[0], cache.v[0], cache.table, slots, starts_t, 128**-0.5)
+    for r, start in enumerate(starts):
+        k, v = cache.gather(0, slots[r : r + 1], -(-(start + tokens) // BLOCK))
+        positions = start + torch.arange(tokens, device="cuda")
+        mask = (torch.arange(k.shape[2], device="cuda")[None] <= positions[:, None])[None, None]
+        want = F.scaled_dot_product_attention(query[r : r + 1], k, v, attn_mask=mask, scale=128**-0.5,
+                                              enable_gqa=True)  # fmt: skip
+        torch.testing.assert_close(got[r], want[0].transpose(0, 1), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.gpu
