@@ -12,8 +12,12 @@ if TYPE_CHECKING:
 class PrefillStep:
     """The prefills of one step under construction: the prompt tokens and rows left to hand out."""
 
-    def __init__(self, budget: int | None, rows: int, chunk_tokens: Callable[[Sequence], int]):
+    def __init__(self, budget: int | None, rows: int, chunk_tokens: Callable[[Sequence], int],
+                 attended_budget: int | None = None):  # fmt: skip
+        """attended_budget: the most (new token, attended position) pairs that the pieces of prompts that go
+        in chunks may add up to, a piece of t tokens ending at position e counting t * e (None: no bound)."""
         self.budget = budget if budget is not None else 1 << 62
+        self.attended = attended_budget if attended_budget is not None else 1 << 62
         self.rows, self.chunk_tokens = rows, chunk_tokens
         self.prefills: list[Sequence] = []
 
@@ -29,25 +33,41 @@ class PrefillStep:
 
     def take(self, seq: Sequence, first: bool = False, admit: Callable[[Sequence], Sequence] | None = None) -> bool:
         """Gives seq its next piece: its whole prompt where it prefills in one piece, else whole chunks of
-        what the budget leaves (one chunk when `first`, whatever the budget), and its prompt's last tokens;
+        what the budgets leave (one chunk when `first`, whatever the budgets), or all of its prompt's rest;
         a sequence given a piece earlier in the step has it extended. Returns whether it got one (admitted
         through `admit` first, for a waiting sequence)."""
         left = seq.prompt_len - seq.prefilled
-        if self.one_piece(seq):
+        chunked = not self.one_piece(seq)
+        if not chunked:
             piece = left
+        elif first:
+            piece = min(left, self.chunk_tokens(seq))
         else:
-            chunk = self.chunk_tokens(seq)
-            piece = min(left, chunk if first else max(self.budget, 0) // chunk * chunk)
-            if piece == 0 and left <= self.budget:
-                piece = left  # its prompt's last tokens, less than a chunk
+            piece = self._largest_piece(seq, left)
         extend = any(seq is s for s in self.prefills)
-        if (piece < 1 and not self.one_piece(seq)) or (self.full and not extend):
+        if (piece < 1 and chunked) or (self.full and not extend):
             return False  # (a prompt of unknown length, 0, is one piece: the runner prefills all of it)
         if admit is not None:
             admit(seq)
         seq.chunk = seq.chunk + piece if extend else piece
         seq.prefilled += piece
         self.budget -= piece
+        if chunked:
+            self.attended -= piece * seq.prefilled
         if not extend:
             self.prefills.append(seq)
         return True
+
+    def _largest_piece(self, seq: Sequence, left: int) -> int:
+        """The most of seq's `left` prompt tokens that fit the budgets: whole chunks, or all that is left."""
+        chunk, start = self.chunk_tokens(seq), seq.prefilled
+
+        def fits(n: int) -> bool:
+            return n <= self.budget and n * (start + n) <= self.attended
+
+        if fits(left):
+            return left
+        piece = 0
+        while piece + chunk < left and fits(piece + chunk):
+            piece += chunk
+        return piece

@@ -93,6 +93,12 @@ MAX_PREFILLS_PER_STEP = 32
 # Prompt tokens prefilled in one step: 32 prompts of 2500 tokens in one forward (80k tokens of W2) ran the
 # H200 out of memory. Also what a step of prefill can hold the decode of every running stream back by.
 MAX_PREFILL_TOKENS = 16384
+# While other sequences decode, what the pieces of long prompts may attend in one step, as (new token,
+# attended position) pairs: one 512-token chunk at 32k positions, or 12 at 2,500 (W2's prompts). The
+# attention of a piece grows with its position: a 512-token chunk of a 30,000-token prompt is ~50 ms of the
+# H200 in the thinker, and a budget of 16k tokens of such pieces made steps of seconds that stalled every
+# running stream's speech. Alone, long prompts take the whole token budget.
+ATTENDED_BESIDE_DECODES = 16 << 20
 # Reply positions reserved at admission for a sequence that can be recomputed: a W1 reply (18 tokens) and
 # then some, so a full pool makes requests wait rather than preempt each other at once.
 REPLY_RESERVE_TOKENS = 64
@@ -105,22 +111,27 @@ class Scheduler:
     2. waiting prompts that prefill in one piece, oldest first, while they fit the budget (the first of the
        step is taken however long): a short prompt never waits for a long one's pieces;
     3. the prompts part-way through, then new long prompts, oldest first, each in whole chunks
-       (chunk_tokens) of what the budget leaves, and its prompt's last tokens.
+       (chunk_tokens) of what the budget leaves (within attended_beside_decodes while others decode), and
+       its prompt's last tokens.
     A waiting prompt is admitted when a slot is free and, with a block pool, its blocks fit; one that does
     not fit stops the admissions of the step (no newer prompt goes before it). Without the runner's prompt
     lengths (prompt_tokens) every admitted prompt prefills whole, bounded by max_prefills_per_step alone."""
 
     def __init__(self, max_slots: int, max_prefills_per_step: int = 8, max_waiting: int = 1024,
                  max_prefill_tokens: int | None = None, blocks: BlockPool | None = None,
-                 reply_reserve: int | None = REPLY_RESERVE_TOKENS):  # fmt: skip
+                 reply_reserve: int | None = REPLY_RESERVE_TOKENS,
+                 attended_beside_decodes: int | None = None):  # fmt: skip
         """blocks: the paged KV cache's pool (None: slots alone decide); reply_reserve: reply positions
-        reserved at admission, None: the whole reply (sequences that cannot be recomputed, never preempted)."""
+        reserved at admission, None: the whole reply (sequences that cannot be recomputed, never preempted);
+        attended_beside_decodes: while other sequences decode, the most (new token, attended position)
+        pairs a step's pieces of long prompts add up to (core/prefill_step.py; None: no bound)."""
         if max_slots < 1:
             raise ValueError("max_slots must be >= 1")
         self.max_slots = max_slots
         self.max_prefills_per_step = max_prefills_per_step
         self.max_waiting = max_waiting
         self.max_prefill_tokens = max_prefill_tokens
+        self.attended_beside_decodes = attended_beside_decodes
         self.blocks, self.reply_reserve = blocks, reply_reserve
         self._free = list(range(max_slots))  # min-heap
         self.waiting: deque[Sequence] = deque()
@@ -165,7 +176,8 @@ class Scheduler:
         self._preempting = bool(preempted)
         self.wait_reason = None
         step = PrefillStep(self.max_prefill_tokens if prompt_tokens is not None else None, self.max_prefills_per_step,
-                     chunk_tokens or (lambda s: s.prompt_len))  # fmt: skip
+                           chunk_tokens or (lambda s: s.prompt_len),
+                           self.attended_beside_decodes if decodes else None)  # fmt: skip
         partial = [s for s in self.running.values() if s.prefilling]  # admission order: oldest first
         if partial:
             step.take(partial[0], first=True)

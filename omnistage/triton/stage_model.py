@@ -13,7 +13,8 @@ import torch
 from ..core.engine import StageEngine
 from ..core.errors import PROBE_ACTION, BadRequestError, OmniError
 from ..core.sampling import SamplingParams
-from ..core.scheduler import MAX_PREFILL_TOKENS, MAX_PREFILLS_PER_STEP, REPLY_RESERVE_TOKENS, Scheduler, Sequence
+from ..core.scheduler import (ATTENDED_BESIDE_DECODES, MAX_PREFILL_TOKENS, MAX_PREFILLS_PER_STEP,
+                              REPLY_RESERVE_TOKENS, Scheduler, Sequence)
 from ..models import experts, fused
 from ..models.checkpoint import load_config, load_stage, resolve_checkpoint
 from ..stages.kv_budget import kv_budget_bytes
@@ -93,7 +94,8 @@ class StageModel:
         self.kv = runner.kv_plan
         scheduler = Scheduler(self.max_slots, self.max_prefills, int(self.params.get("max_queue", 1024)),
                               MAX_PREFILL_TOKENS, blocks=runner.cache.pool,
-                              reply_reserve=REPLY_RESERVE_TOKENS if runner.RECOMPUTES else None)  # fmt: skip
+                              reply_reserve=REPLY_RESERVE_TOKENS if runner.RECOMPUTES else None,
+                              attended_beside_decodes=ATTENDED_BESIDE_DECODES)  # fmt: skip
         self.engine = StageEngine(self.STAGE, runner, scheduler, self.responder.emit)
         self.responder.start()
         self.engine.start()

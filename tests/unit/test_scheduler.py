@@ -124,6 +124,27 @@ def test_short_prompts_are_not_queued_behind_a_long_ones_pieces():
     assert pieces(s.schedule(**hooks)) == {"old": (0, 300)}
 
 
+def test_while_others_decode_long_prompts_attend_within_a_bound_per_step():
+    # pairs of (new token, attended position): 200 tokens from 0 attend 200 x 200 = 40,000 <= 45,000
+    s = Scheduler(max_slots=4, max_prefills_per_step=4, max_prefill_tokens=1000, attended_beside_decodes=45_000)
+    lengths = {"run": 50, "long": 1000, "later": 900, "short": 80}
+    hooks = chunked(lengths)
+    s.add(seq("run"))
+    assert pieces(s.schedule(**hooks)) == {"run": (0, 50)}  # alone: nothing decodes yet
+    s.add(seq("long"))
+    s.add(seq("later"))
+    batch = s.schedule(**hooks)
+    assert pieces(batch) == {"long": (0, 200)} and [q.request_id for q in batch.decodes] == ["run"]
+    s.add(seq("short"))
+    # "long" goes on by its chunk (100 x 300 = 30,000); a short prompt goes whole; 100 more of "long" would
+    # attend 100 x 400, over what is left, but the first 100 of "later" (100 x 100) fit
+    assert pieces(s.schedule(**hooks)) == {"long": (200, 300), "short": (0, 80), "later": (0, 100)}
+    s.finish(s.running["run"])
+    s.finish(s.running["short"])
+    # nothing decodes: the token budget alone, oldest first
+    assert pieces(s.schedule(**hooks)) == {"long": (300, 1000), "later": (100, 400)}
+
+
 def test_a_short_prompt_over_the_budget_lets_no_newer_long_prompt_go_first():
     s = Scheduler(max_slots=4, max_prefills_per_step=4, max_prefill_tokens=200)
     lengths = {"first": 150, "short": 100, "long": 1000}
