@@ -13,6 +13,7 @@ import json
 import os
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 from perf import loadgen, workloads
@@ -55,6 +56,20 @@ class PagedAB:
     def metrics(self) -> dict:
         return omni_metrics(self.server.triton.metrics_url)
 
+    def healthy(self, limit: float = 90.0) -> dict:
+        """Waits (at most `limit` s) for the frontend's /health to say every stage serves, so that a level
+        after one that broke a stage (restarted meanwhile) measures the stack, not its restart. Returns
+        what it saw: {"waited_s", "healthy"}."""
+        t0 = time.monotonic()
+        while True:
+            try:
+                with urllib.request.urlopen(self.server.api_url + "/health", timeout=5):
+                    return {"waited_s": round(time.monotonic() - t0, 1), "healthy": True}
+            except OSError:
+                if time.monotonic() - t0 > min(limit, max(0.0, self.left() - 60)):
+                    return {"waited_s": round(time.monotonic() - t0, 1), "healthy": False}
+                time.sleep(2)
+
     def run(self) -> None:
         a = self.args
         tmp = Path(tempfile.mkdtemp(prefix="paged_ab_"))
@@ -94,8 +109,10 @@ class PagedAB:
             result["w1_during_long"] = LevelResult(64, len(during), result["w1"].wall_s, during)
             return result
 
+        self.report["health_before_mixed"] = self.healthy()
         before = self.metrics()
         self.record("mixed", asyncio.run(mixed()), before)
+        self.report["health_before_alone"] = self.healthy()
         before = self.metrics()
         self.record("alone", {"long": asyncio.run(level(url, alone, 1, 1, max(30, self.left() - 20)))}, before)
 
