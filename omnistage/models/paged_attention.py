@@ -25,6 +25,33 @@ if fused_ops.available():
     import triton.language as tl
 
     @triton.jit
+    def _attend(q, k_ptr, v_ptr, table_row, h, s_p, s_h, lo, end, pos, scale, R: tl.constexpr, D: tl.constexpr,
+                BLOCK: tl.constexpr, TILE: tl.constexpr):  # fmt: skip
+        """Online softmax of queries q [R, D] over positions [lo, end) of one sequence's blocks (table_row:
+        its row of the block table), KV head h; query i sees positions up to pos[i]. -> running max m [R],
+        sum l [R] and unnormalised acc [R, D], in fp32."""
+        d = tl.arange(0, D)
+        m = tl.full([R], float("-inf"), tl.float32)
+        l = tl.zeros([R], tl.float32)
+        acc = tl.zeros([R, D], tl.float32)
+        for t0 in range(lo, end, TILE):
+            tok = t0 + tl.arange(0, TILE)
+            valid = tok < end
+            block = tl.load(table_row + tok // BLOCK, mask=valid, other=0).to(tl.int64)
+            rows = (block * BLOCK + tok % BLOCK)[:, None] * s_p + h * s_h + d[None, :]
+            k = tl.load(k_ptr + rows, mask=valid[:, None], other=0.0)  # [TILE, D]
+            s = tl.dot(q, tl.trans(k)) * scale  # [R, TILE]
+            s = tl.where(valid[None, :] & (tok[None, :] <= pos[:, None]), s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp(m - m_new)
+            weights = tl.exp(s - m_new[:, None])
+            l = l * alpha + tl.sum(weights, 1)
+            v = tl.load(v_ptr + rows, mask=valid[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(weights.to(v.dtype), v)
+            m = m_new
+        return m, l, acc
+
+    @triton.jit
     def _part_len(length, PARTS: tl.constexpr, TILE: tl.constexpr):
         return tl.cdiv(tl.cdiv(length, PARTS), TILE) * TILE
 
@@ -42,24 +69,9 @@ if fused_ops.available():
         end = tl.minimum(start + part, length)
         g, d = tl.arange(0, GP), tl.arange(0, D)
         q = tl.load(q_ptr + (b * heads + h * G + g)[:, None] * D + d[None, :], mask=(g < G)[:, None], other=0.0)
-        m = tl.full([GP], float("-inf"), tl.float32)
-        l = tl.zeros([GP], tl.float32)
-        acc = tl.zeros([GP, D], tl.float32)
-        for t0 in range(start, end, TILE):
-            tok = t0 + tl.arange(0, TILE)
-            valid = tok < end
-            block = tl.load(table_ptr + b * max_blocks + tok // BLOCK, mask=valid, other=0).to(tl.int64)
-            rows = (block * BLOCK + tok % BLOCK)[:, None] * s_p + h * s_h + d[None, :]
-            k = tl.load(k_ptr + rows, mask=valid[:, None], other=0.0)  # [TILE, D]
-            s = tl.dot(q, tl.trans(k)) * scale  # [GP, TILE]
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            alpha = tl.exp(m - m_new)
-            weights = tl.exp(s - m_new[:, None])
-            l = l * alpha + tl.sum(weights, 1)
-            v = tl.load(v_ptr + rows, mask=valid[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(weights.to(v.dtype), v)
-            m = m_new
+        last = tl.zeros([GP], tl.int32) + length - 1  # no causal limit inside a decode row's length
+        m, l, acc = _attend(q, k_ptr, v_ptr, table_ptr + b * max_blocks, h, s_p, s_h, start, end, last, scale,
+                            R=GP, D=D, BLOCK=BLOCK, TILE=TILE)  # fmt: skip
         if start < length:  # parts past the row's length are never merged: no writes for them
             at = (b * heads_k + h) * PARTS + p
             tl.store(m_ptr + at * GP + g, m)
@@ -112,24 +124,9 @@ if fused_ops.available():
                     other=0.0)  # fmt: skip
         pos = start + t  # each query's own position: it attends [0, pos]
         end = start + tl.minimum(tile * BQ + BQ, tokens)  # past the tile's last query
-        m = tl.full([M], float("-inf"), tl.float32)
-        l = tl.zeros([M], tl.float32)
-        acc = tl.zeros([M, D], tl.float32)
-        for t0 in range(0, end, TILE):
-            tok = t0 + tl.arange(0, TILE)
-            valid = tok < end
-            block = tl.load(table_ptr + slot * max_blocks + tok // BLOCK, mask=valid, other=0).to(tl.int64)
-            rows = (block * BLOCK + tok % BLOCK)[:, None] * s_p + h * s_h + d[None, :]
-            k = tl.load(k_ptr + rows, mask=valid[:, None], other=0.0)  # [TILE, D]
-            s = tl.dot(q, tl.trans(k)) * scale  # [M, TILE]
-            s = tl.where(valid[None, :] & (tok[None, :] <= pos[:, None]), s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))  # position 0 is in the first tile: never -inf after it
-            alpha = tl.exp(m - m_new)
-            weights = tl.exp(s - m_new[:, None])
-            l = l * alpha + tl.sum(weights, 1)
-            v = tl.load(v_ptr + rows, mask=valid[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(weights.to(v.dtype), v)
-            m = m_new
+        # position 0 is in the first tile: no query's running max stays -inf after it
+        m, l, acc = _attend(q, k_ptr, v_ptr, table_ptr + slot * max_blocks, h, s_p, s_h, 0, end, pos, scale,
+                            R=M, D=D, BLOCK=BLOCK, TILE=TILE)  # fmt: skip
         out = acc / l[:, None]
         where = out_ptr + ((r * tokens + t) * heads + h * G + g)[:, None] * D + d[None, :]
         tl.store(where, out.to(out_ptr.dtype.element_ty), mask=live[:, None])
