@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from omnistage.core.chunking import ChunkSchedule
+from omnistage.core.chunking import PLAYBACK_FIRST_FRAMES, PLAYBACK_MIN_FRAMES, ChunkSchedule
 
 FRAME_MS = 80.0  # one codec frame of audio (12.5 Hz)
 
@@ -60,7 +60,7 @@ class RampRule(ChunkSchedule):
     """A playback rule of ChunkSchedule's form with other constants: each later chunk `share` of the
     frames before it, at least `min_frames`, at most chunk_frames."""
 
-    min_frames: int = 3
+    min_frames: int = PLAYBACK_MIN_FRAMES
     share: float = 0.6
 
     def next_frames(self, emitted: int) -> int:
@@ -73,9 +73,9 @@ def compare_rules(frame_ms: list[float], call_ms: list[float], first_call_ms: fl
     """The worst margin over reply lengths 5..120 per (talker, call) point, for rules of the playback form."""
     print(f"worst margin ms over 5..120-frame replies; first Code2Wav call {first_call_ms:g} ms; "
           f"columns: later call {', '.join(f'{c:g}' for c in call_ms)} ms")  # fmt: skip
-    for min_frames in (3, 4):
+    for min_frames in (3, 4, 5):
         for share in (0.5, 0.6, 0.75, 1.0):
-            rule = RampRule(min_frames=min_frames, share=share)
+            rule = RampRule(first_chunk_frames=PLAYBACK_FIRST_FRAMES, min_frames=min_frames, share=share)
             print(f"min {min_frames}, share {share}: chunks {simulate(rule, 60, 1, 0, 0).chunks}")
             for f in frame_ms:
                 worst = [min(simulate(rule, n, f, first_call_ms, c).margin_ms for n in range(5, 121)) for c in call_ms]

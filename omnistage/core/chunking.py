@@ -6,19 +6,20 @@
 #
 # Two schedules. The fixed one (the first chunk, then chunk_frames at a time) makes the fewest Code2Wav calls,
 # for clients that want the whole reply soon (text to speech). The playback one is for audio played as it
-# arrives (realtime sessions): there chunk k must be back before chunks 1..k-1 finish playing, but the talker
-# makes 25 frames (2 s of audio) in ~0.6-1.3 s under load, far longer than a 320 ms first chunk plays. So its
-# later chunks ramp up, each 3/5 of the frames cut before it, at least PLAYBACK_MIN_FRAMES (4, 3, 4, 6, 10,
-# 16, then chunk_frames): the audio already cut stays ahead of playback while the talker makes a frame in up
-# to 40 ms (2x real time) and a later Code2Wav call takes up to 200 ms, or 50 ms and 150 ms
-# (perf/playback_model.py; its --rules view shows this rule leaving the most room among its neighbours). A
-# session's calls run one after another, so a chunk must play longer than a call takes: 1-frame chunks
-# (80 ms) fall behind at every call.
+# arrives (realtime sessions): there chunk k must be back before chunks 1..k-1 finish playing, and a
+# session's Code2Wav calls run one after another, each 170-200 ms on the H200 at 32-64 sessions (full-size
+# config, dummy weights), so every chunk must play longer than a call takes. Its first chunk is at least
+# PLAYBACK_FIRST_FRAMES (480 ms), whatever the profile's first chunk: with the cuda profile's 1-frame first
+# chunk every realtime turn at 32 sessions ran dry. Later chunks ramp up, each 3/5 of the frames cut before
+# it, at least PLAYBACK_MIN_FRAMES (6, 4, 6, 9, 15, 24, then chunk_frames): the audio already cut stays ahead
+# of playback while the talker makes a frame in up to 40 ms (2x real time) and a later call takes up to
+# 300 ms (perf/playback_model.py; its --rules view compares neighbouring rules).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-PLAYBACK_MIN_FRAMES = 3  # 240 ms
+PLAYBACK_FIRST_FRAMES = 6  # 480 ms
+PLAYBACK_MIN_FRAMES = 4  # 320 ms
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ class ChunkSchedule:
         return ChunkCutter(self)
 
     def for_playback(self) -> ChunkSchedule:
-        return replace(self, playback=True)
+        return replace(self, playback=True, first_chunk_frames=max(self.first_chunk_frames, PLAYBACK_FIRST_FRAMES))
 
     def next_frames(self, emitted: int) -> int:
         """Frames of the chunk that starts after `emitted` frames."""

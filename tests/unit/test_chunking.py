@@ -151,10 +151,12 @@ def test_policy_gives_the_light_schedule_only_while_load_is_light():
 def test_playback_schedule_ramps_up_from_the_first_chunk():
     playback = ChunkSchedule(4, 25).for_playback()
     sizes = [w.frames for w in all_windows(playback, 200)]
-    # each later chunk 3/5 of the frames cut before it, at least PLAYBACK_MIN_FRAMES, at most chunk_frames
-    assert sizes == [4, 3, 4, 6, 10, 16, 25, 25, 25, 25, 25, 25, 7]
-    assert [w.frames for w in all_windows(ChunkSchedule(1, 25).for_playback(), 12)] == [1, 3, 3, 4, 1]
-    assert [w.frames for w in all_windows(ChunkSchedule(4, 2).for_playback(), 9)] == [4, 2, 2, 1]  # capped
+    # the first at least PLAYBACK_FIRST_FRAMES; each later one 3/5 of the frames cut before it, at least
+    # PLAYBACK_MIN_FRAMES, at most chunk_frames
+    assert sizes == [6, 4, 6, 9, 15, 24, 25, 25, 25, 25, 25, 11]
+    assert [w.frames for w in all_windows(ChunkSchedule(1, 25).for_playback(), 12)] == [6, 4, 2]
+    assert [w.frames for w in all_windows(ChunkSchedule(8, 25).for_playback(), 14)] == [8, 4, 2]  # a larger first
+    assert [w.frames for w in all_windows(ChunkSchedule(4, 2).for_playback(), 9)] == [6, 2, 1]  # capped
 
 
 @pytest.mark.parametrize("step", [1, 3, 25])
@@ -166,6 +168,7 @@ def test_playback_schedule_covers_every_frame_once(step):
 def test_policy_gives_the_playback_schedule_on_request():
     usual, light = ChunkSchedule(4, 25), ChunkSchedule(2, 25)
     policy = ChunkPolicy(usual, light, light_load_requests=1)
-    assert policy.for_load(1, playback=True) == ChunkSchedule(2, 25, playback=True)
-    assert policy.for_load(5, playback=True) == ChunkSchedule(4, 25, playback=True)
+    assert policy.for_load(1, playback=True) == ChunkSchedule(6, 25, playback=True)  # light or not: 6 at least
+    assert policy.for_load(5, playback=True) == ChunkSchedule(6, 25, playback=True)
+    assert ChunkPolicy(ChunkSchedule(8, 25)).for_load(5, playback=True) == ChunkSchedule(8, 25, playback=True)
     assert policy.for_load(5) is usual

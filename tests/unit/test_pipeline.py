@@ -79,8 +79,8 @@ def test_stream_equals_generate_and_full_decode(kind, playback, stages, processo
     audio = torch.cat(rec.audio)
     assert audio.numel() == want_wav.numel() == frames_made * 1920 - 555
     assert oracle.rel_error(audio, want_wav) < 1e-4
-    if playback:  # chunks end at frames 4, 7, 11, 17, 27, 43, 60 (each 3/5 of the frames before it)
-        ends = [e for e in (4, 7, 11, 17, 27, 43) if e < frames_made] + [frames_made]
+    if playback:  # chunks end at frames 6, 10, 16, 25, 40, 60 (the first 6, each later 3/5 of those before)
+        ends = [e for e in (6, 10, 16, 25, 40) if e < frames_made] + [frames_made]
         chunk_frames = [b - a for a, b in zip([0] + ends, ends)]
     else:
         chunk_frames = [4] + [25] * ((frames_made - 4) // 25) + ([(frames_made - 4) % 25] if (frames_made - 4) % 25 else [])
