@@ -14,6 +14,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from omnistage.core.chunking import ChunkSchedule
 from omnistage.core.protocol import CONTRACTS, ModelContract, TensorSpec
 from omnistage.launch.profile import (
     BASE_PROFILE, ENGINE_STAGES, PLATFORMS, Profile, ProfileError, load_profile, visible_gpu_count,
@@ -101,8 +102,10 @@ def profile_spec(profile: Profile, model_path: str | None = None, resolve_model:
             spec[name] = ModelSpec(parameters=dict(params), source=stage, contract=CONTRACTS[stage], **place)
     plan = profile.stages["code2wav"]
     # max_batch_size is the engine's, not Triton's (see ModelSpec); the first lane decodes new streams' first
-    # chunks of these lengths (CUDA graphs on cuda), the main lane the others, of up to chunk_frames
+    # chunks of these lengths (CUDA graphs on cuda), the main lane the others, of up to chunk_frames. Realtime
+    # replies start with the playback schedule's first chunk: in the main lane it waited behind later chunks
     firsts = {chunks.first_chunk_frames, chunks.light_first_chunk_frames} - {None}
+    firsts |= {ChunkSchedule(n, chunks.chunk_frames).for_playback().first_chunk_frames for n in firsts}
     params = {**common, **_parameters(plan, ("memory_fraction",)), "max_batch_windows": str(plan.max_batch_size or 64),
               "first_chunk_frames": ",".join(map(str, sorted(firsts))), "chunk_frames": str(chunks.chunk_frames)}  # fmt: skip
     for name, gpu in zip(plan.replica_names(), plan.replica_devices()):

@@ -40,7 +40,8 @@ def test_base_profile_is_the_default_layout(platform):
     omni = spec["omni_ensemble"].parameters
     # first audio after 1 frame on cuda (CPU tests count the 4-frame first chunk); no light-load schedule
     first = "1" if cuda else "4"
-    assert spec["code2wav"].parameters.get("first_chunk_frames") == ("1" if cuda else "4")
+    # the first lane also takes realtime replies' first chunks (the playback schedule's: 6 frames)
+    assert spec["code2wav"].parameters.get("first_chunk_frames") == ("1,6" if cuda else "4,6")
     assert (omni["first_chunk_frames"], omni["chunk_frames"], omni["max_inflight"]) == (first, "25", "128")
     assert (omni.get("light_first_chunk_frames"), omni.get("light_load_requests")) == (None, None)
     assert (omni["thinker_models"], omni["talker_models"]) == ("thinker", "talker")
@@ -94,7 +95,7 @@ def test_overlay_wins_over_the_base_platform_block(tmp_path):
     assert cuda["talker"].parameters["max_queue"] == "1024"
     assert cuda["talker"].parameters["kv_cache_bytes"] == "1000000"
     assert cuda["omni_ensemble"].parameters["first_chunk_frames"] == "2"
-    assert cuda["code2wav"].parameters["first_chunk_frames"] == "2"
+    assert cuda["code2wav"].parameters["first_chunk_frames"] == "2,6"
     assert cuda["omni_ensemble"].parameters["max_media_items"] == "4"
     assert render.profile_spec(load_profile(path, "cpu"), MODEL)["talker"].parameters["max_queue"] == "7"
 
