@@ -4,18 +4,21 @@
 #   mixed:  64 W1 streams and, at the same time, 4 streams of LONG_TOKENS-token prompts of random text;
 #   alone:  one ALONE_TOKENS-token prompt, nothing else running.
 # Every level has a deadline, and paged_ab.json is rewritten after each (stage metrics before and after
-# each level: KV blocks in use, preemptions, requests waiting for blocks or rows).
+# each level: KV blocks in use, preemptions, requests waiting for blocks or rows; each GPU process's memory).
+# A level whose deadline cut a request has every stub's thread stacks dumped at once (stacks.tar.gz).
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
 import os
+import subprocess
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
+from omnistage.launch.proc_stats import dump_stub_stacks
 from perf import loadgen, workloads
 from perf.bench_server import BenchServer
 from perf.gpu_bench import add_model_args, gpu_processes, hardware, omni_metrics, parse_model_args, say
@@ -35,6 +38,8 @@ class PagedAB:
         self.args, self.out = args, Path(args.out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.report = {"hardware": hardware(), "args": vars(args), "levels": {}}
+        # each stub writes its stacks there on SIGUSR1 (omnistage/triton/logs.py)
+        self.stacks = Path(os.environ.setdefault("OMNI_STACKS_DIR", tempfile.mkdtemp(prefix="paged_ab_stacks_")))
         self.deadline = time.monotonic() + args.budget_s
 
     def save(self) -> None:
@@ -48,6 +53,10 @@ class PagedAB:
         entry["stage_metrics_before"] = metrics_before
         entry["stage_metrics_after"] = self.metrics()
         entry["gpu_processes_after"] = gpu_processes()
+        if any(r.summary().get("cut_by_deadline") or r.summary().get("failed") for r in results.values()):
+            # a stalled request's stubs, as soon as the level's deadline cut it (packed in finish())
+            process = self.server.triton.process
+            entry["stub_stacks_dumped"] = dump_stub_stacks(process.pid) if process and process.pid else 0
         self.report["levels"][name] = entry
         for part, r in results.items():
             say(f"{name}/{part}: {loadgen._line(r.summary())}")
@@ -117,6 +126,10 @@ class PagedAB:
         self.record("alone", {"long": asyncio.run(level(url, alone, 1, 1, max(30, self.left() - 20)))}, before)
 
     def finish(self) -> None:
+        if any(lv.get("stub_stacks_dumped") for lv in self.report["levels"].values()) and self.stacks.is_dir():
+            time.sleep(1.0)  # faulthandler writes from the stubs' signal handlers
+            subprocess.run(["tar", "czf", str(self.out / "stacks.tar.gz"), "-C", str(self.stacks.parent),
+                            self.stacks.name], check=False)  # fmt: skip
         if getattr(self, "server", None) is not None:
             (self.out / "server_log_tail.txt").write_text(self.server.log_tail(200))
             self.server.stop()

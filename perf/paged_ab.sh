@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU device call (~6 minutes): the paged KV cache with long contexts beside many short streams
 # (perf/paged_ab.py): W1 at 64, then 64 W1 streams with 4 x 30,000-token prompts, then one 60,000-token
-# prompt alone. Writes OUT/paged_ab.json, OUT/server_log_tail.txt and OUT/paged_ab.log.
+# prompt alone. Writes OUT/paged_ab.json, OUT/server_log_tail.txt and OUT/paged_ab.log, and OUT/stacks.tar.gz
+# (every stub's thread stacks) after a level whose deadline cut a request.
 #
 #   source .carry/device/env.sh && bash perf/paged_ab.sh $OUT/paged
 # The static cache's side of the A/B (an older tree): bash perf/gpu_bench.sh $OUT/static --skip-baseline
