@@ -95,6 +95,13 @@ def gpu_processes() -> list[dict] | str:
     return procs
 
 
+def pack_stacks(stacks: Path, out: Path) -> None:
+    """The stubs' stack dumps in `stacks` (OMNI_STACKS_DIR) as out/stacks.tar.gz: the device returns few files."""
+    if stacks.is_dir():
+        time.sleep(1.0)  # faulthandler writes from the stubs' signal handlers
+        subprocess.run(["tar", "czf", str(out / "stacks.tar.gz"), "-C", str(stacks.parent), stacks.name], check=False)
+
+
 def omni_metrics(url: str) -> dict:
     """The stages' own gauges / counters (omni_<stage>_<what>) from Triton's metrics endpoint: name -> the
     values of its series; a labelled series (histogram buckets aside) also as 'name{labels}' -> [value]."""
@@ -317,13 +324,9 @@ class Bench:
 
     def pack_stacks(self) -> None:
         """stacks.tar.gz in OUT when a level dumped the stubs' stacks (the device returns few files)."""
-        stacks = self.stacks_dir
-        dumped = any(lv.get("stub_stacks_dumped") for wl in self.report.get("ours", {}).values()
-                     for lv in wl.get("levels", []))  # fmt: skip
-        if dumped and stacks.is_dir():
-            time.sleep(1.0)  # faulthandler writes from the stubs' signal handlers
-            subprocess.run(["tar", "czf", str(self.out / "stacks.tar.gz"), "-C", str(stacks.parent), stacks.name],
-                           check=False)  # fmt: skip
+        levels = [lv for wl in self.report.get("ours", {}).values() for lv in wl.get("levels", [])]
+        if any(lv.get("stub_stacks_dumped") for lv in levels):
+            pack_stacks(self.stacks_dir, self.out)
 
     def cpu_seconds(self) -> dict[str, float]:
         triton, frontend = self.server.triton.process, self.server.frontend

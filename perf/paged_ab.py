@@ -12,16 +12,15 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 from omnistage.launch.proc_stats import dump_stub_stacks
+from omnistage.launch.process import ProcessFailed
 from perf import loadgen, workloads
 from perf.bench_server import BenchServer
-from perf.gpu_bench import add_model_args, gpu_processes, hardware, omni_metrics, parse_model_args, say
+from perf.gpu_bench import add_model_args, gpu_processes, hardware, omni_metrics, pack_stacks, parse_model_args, say
 from perf.metrics import LevelResult
 
 LONG_TOKENS = 30000
@@ -70,14 +69,11 @@ class PagedAB:
         after one that broke a stage (restarted meanwhile) measures the stack, not its restart. Returns
         what it saw: {"waited_s", "healthy"}."""
         t0 = time.monotonic()
-        while True:
-            try:
-                with urllib.request.urlopen(self.server.api_url + "/health", timeout=5):
-                    return {"waited_s": round(time.monotonic() - t0, 1), "healthy": True}
-            except OSError:
-                if time.monotonic() - t0 > min(limit, max(0.0, self.left() - 60)):
-                    return {"waited_s": round(time.monotonic() - t0, 1), "healthy": False}
-                time.sleep(2)
+        try:
+            self.server.frontend.wait_http_ok(self.server.api_url + "/health", min(limit, max(0.0, self.left() - 60)))
+        except ProcessFailed:
+            return {"waited_s": round(time.monotonic() - t0, 1), "healthy": False}
+        return {"waited_s": round(time.monotonic() - t0, 1), "healthy": True}
 
     def run(self) -> None:
         a = self.args
@@ -126,10 +122,8 @@ class PagedAB:
         self.record("alone", {"long": asyncio.run(level(url, alone, 1, 1, max(30, self.left() - 20)))}, before)
 
     def finish(self) -> None:
-        if any(lv.get("stub_stacks_dumped") for lv in self.report["levels"].values()) and self.stacks.is_dir():
-            time.sleep(1.0)  # faulthandler writes from the stubs' signal handlers
-            subprocess.run(["tar", "czf", str(self.out / "stacks.tar.gz"), "-C", str(self.stacks.parent),
-                            self.stacks.name], check=False)  # fmt: skip
+        if any(lv.get("stub_stacks_dumped") for lv in self.report["levels"].values()):
+            pack_stacks(self.stacks, self.out)
         if getattr(self, "server", None) is not None:
             (self.out / "server_log_tail.txt").write_text(self.server.log_tail(200))
             self.server.stop()
