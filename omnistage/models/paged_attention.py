@@ -103,9 +103,6 @@ if fused_ops.available():
         where = out_ptr + (b * heads + h * G + g)[:, None] * D + d[None, :]
         tl.store(where, out.to(out_ptr.dtype.element_ty), mask=(g < G)[:, None])
 
-
-if fused_ops.available():
-
     @triton.jit
     def _prefill_kernel(q_ptr, k_ptr, v_ptr, table_ptr, slot_ptr, start_ptr, out_ptr, scale, max_blocks, s_p, s_h,
                         tokens, heads, G: tl.constexpr, BQ: tl.constexpr, M: tl.constexpr, D: tl.constexpr,
@@ -185,7 +182,8 @@ def prefill(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tab
     q = query.contiguous()
     out = torch.empty(rows, tokens, heads, dim, dtype=query.dtype, device=query.device)
     assert k_pool.stride() == v_pool.stride() and k_pool.stride(-1) == 1
+    assert slots.is_contiguous() and starts.is_contiguous()  # the kernel reads row r at offset r
     _prefill_kernel[(rows, heads_k, triton.cdiv(tokens, bq))](
-        q, k_pool, v_pool, table, slots.contiguous(), starts.contiguous(), out, scaling, table.shape[1], k_pool.stride(0), k_pool.stride(1),
+        q, k_pool, v_pool, table, slots, starts, out, scaling, table.shape[1], k_pool.stride(0), k_pool.stride(1),
         tokens, heads, G=group, BQ=bq, M=m, D=dim, BLOCK=BLOCK, TILE=TILE, num_warps=8)  # fmt: skip
     return out

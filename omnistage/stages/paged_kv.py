@@ -159,7 +159,7 @@ class PagedWriter:
 
     def __init__(self, cache: PagedKVCache, slots: torch.Tensor, positions: torch.Tensor, kv_len: int | None):
         self.cache, self.slots, self.kv_len = cache, slots, kv_len
-        self.starts = positions[:, 0]  # [rows]: each row's tokens are consecutive from here
+        self.starts = positions[:, 0].contiguous()  # [rows]: each row's tokens are consecutive from here
         self.phys = cache.physical(slots, positions)  # [rows, tokens]
         from ..models import paged_attention
 
