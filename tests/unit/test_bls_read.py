@@ -58,3 +58,26 @@ def test_read_copies_host_tensors_out_of_the_response(bls):
     want = audio.clone()
     carriers["text_rows"].zero_()  # the response's memory reused: what was read stays
     assert torch.equal(out["text_rows"], want) and not torch.equal(audio, want)
+
+
+def test_a_stream_is_sent_when_called_not_when_first_read(bls, monkeypatch):
+    # omni_ensemble starts the talker on the thinker's thread and reads its stream on another; the appends
+    # the thinker's thread sends next must reach the stage after the start, read or not
+    sent = []
+
+    class Request:
+        def __init__(self, model_name, inputs, requested_output_names, parameters):
+            self.parameters = parameters
+
+        def exec(self, decoupled):
+            sent.append(self.parameters["action"])
+            return iter([StubResponse([])])
+
+    monkeypatch.setattr(bls.pb_utils, "InferenceRequest", Request, raising=False)
+    monkeypatch.setattr(bls, "from_torch", lambda name, value: name)
+    reaped = []
+    client = bls.BlsStageClient(types.SimpleNamespace(hold=reaped.append))
+    stream = client.talker("s", {}, {})
+    client.talker_append("s", torch.zeros(1, 4), end=True)
+    assert sent == ["start", "append"]
+    assert list(stream) == [] and len(reaped) == 2  # read to its end, then handed to the reaper
