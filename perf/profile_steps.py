@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -28,7 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from omnistage.core.sampling import SamplingParams
 from omnistage.models import fused, gemv
-from omnistage.models.checkpoint import load_config, load_stage
+from omnistage.models.checkpoint import load_config, load_stage, load_text_embeddings
 from omnistage.stages.code2wav import Code2WavRunner
 from omnistage.stages.talker import TalkerRunner
 from omnistage.stages.thinker import ThinkerPrompt, ThinkerRunner
@@ -134,12 +135,12 @@ def profile_stage(runner_cls, model, config, kw, seqs, stage: str, step: str, tr
     return out
 
 
-def profile_frame_parts(model, config, kw, params, experts: str) -> dict:
+def profile_frame_parts(model, text_embeddings, config, kw, params, experts: str) -> dict:
     """One W1 sequence alone (batch 1, graphs captured, as served at concurrency 1): its frame split into the
     talker LM step that reads the last frame back and picks the next codebook 0 (`_advance`) and the code
     predictor's 15 sub-steps that complete the frame (`_complete_frames`), each with every kernel it runs
     and its wall time. A lone request's RTF is ~46 of these frames."""
-    runner = TalkerRunner(model, config, **dict(kw, cuda_graphs=True))
+    runner = TalkerRunner(model, config, text_embeddings, **dict(kw, cuda_graphs=True))
     runner.capture_graphs()
     seq = running(0, params, talker_prompts(config, 150, 1)[0])
     runner.prefill([seq])
@@ -267,7 +268,8 @@ def main() -> None:
         save()
     if "talker" in args.stages:
         seqs = [running(i, params, p) for i, p in enumerate(talker_prompts(config, 150, max(BATCHES)))]
-        report.update(profile_stage(TalkerRunner, load("talker"), config, kw, seqs, "talker", "frame",
+        talker = functools.partial(TalkerRunner, text_embeddings=load_text_embeddings(source, dtype, dev))
+        report.update(profile_stage(talker, load("talker"), config, kw, seqs, "talker", "frame",
                                     args.trace_dir))  # fmt: skip
         free()
         save()
@@ -278,7 +280,8 @@ def main() -> None:
             save()
     if "talker_parts" in args.stages:
         for experts in dict.fromkeys([args.experts, *args.also_experts]):
-            report.update(profile_frame_parts(load("talker", experts), config, kw, params, experts))
+            table = load_text_embeddings(source, dtype, dev)
+            report.update(profile_frame_parts(load("talker", experts), table, config, kw, params, experts))
             free()
             save()
     if "code2wav" in args.stages:

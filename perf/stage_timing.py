@@ -17,7 +17,7 @@ import torch
 from omnistage.core.sampling import SamplingParams
 from omnistage.core.scheduler import SeqStatus, Sequence
 from omnistage.models import fused_ops
-from omnistage.models.checkpoint import load_config, load_stage
+from omnistage.models.checkpoint import load_config, load_stage, load_text_embeddings
 from omnistage.models.fused import install as fused_install
 from omnistage.stages.code2wav import Code2WavRunner
 from omnistage.stages.talker import TalkerPrompt, TalkerRunner
@@ -110,9 +110,10 @@ def talker_times(report, source, config, dev, dtype, kw, params, prompt, experts
     prompts = talker_prompts(config, prompt, max(BATCHES))
     # the fused rope is installed process-wide (the thinker's run may have done it): transformers' own here
     fused_ops.modeling.apply_rotary_pos_emb = fused_ops._original_rope
-    picks = {"eager": talker_mode(report, "eager", talker, config, kw, params, prompts, dev)}
+    table = load_text_embeddings(source, dtype, dev)
+    picks = {"eager": talker_mode(report, "eager", talker, table, config, kw, params, prompts, dev)}
     served_kernels(talker, fused)
-    picks["graphs"] = talker_mode(report, "graphs", talker, config, kw, params, prompts, dev)
+    picks["graphs"] = talker_mode(report, "graphs", talker, table, config, kw, params, prompts, dev)
     report["talker_graph_eager_greedy_agreement"] = greedy_agreement(picks["eager"], picks["graphs"])
     print(json.dumps(report), flush=True)
 
@@ -129,8 +130,7 @@ def talker_prompts(config, prompt: int, n: int) -> list[TalkerPrompt]:
     """n copies of a talker prompt as the thinker hands it over: conditioning of a prompt-token turn, 20 rows."""
     g = torch.Generator().manual_seed(1)
     d = config.thinker_config.text_config.hidden_size
-    cond = TalkerConditioning(torch.randn(prompt - 10, d, generator=g) * 0.02,
-                              torch.zeros(prompt - 10, dtype=torch.bool),
+    cond = TalkerConditioning(torch.zeros(0, d), torch.zeros(prompt - 10, dtype=torch.bool),
                               torch.randint(0, 150000, (prompt - 10,), generator=g), torch.randn(6, d, generator=g) * 0.02)  # fmt: skip
     rows = list((torch.randn(20, d, generator=g) * 0.02).unbind(0))
     return [TalkerPrompt(cond, 2302, list(rows), True) for _ in range(n)]
@@ -170,9 +170,9 @@ def decode_times(runner, seqs, prefill_group: int, pick=None, measure=timed, bat
     return times, picks
 
 
-def talker_mode(report, mode, talker, config, kw, params, prompts, dev) -> list[list[int]]:
+def talker_mode(report, mode, talker, text_embeddings, config, kw, params, prompts, dev) -> list[list[int]]:
     n = len(prompts)
-    runner = TalkerRunner(talker, config, **kw, cuda_graphs=mode == "graphs")
+    runner = TalkerRunner(talker, config, text_embeddings, **kw, cuda_graphs=mode == "graphs")
     t0 = time.perf_counter()
     runner.capture_graphs()
     report[f"talker_capture_s_{mode}"] = round(time.perf_counter() - t0, 2)

@@ -77,8 +77,8 @@ THINKER = ModelContract(
     outputs=(
         TensorSpec("token_ids", "TYPE_INT64", (-1,)),  # new reply tokens since the last response
         TensorSpec("text_rows", "TYPE_FP32", (-1, -1)),  # [n, D_thinker] input embeddings of those tokens (EOS excluded)
-        # first response only, when the talker is wanted: rows of the user turns and six special rows
-        TensorSpec("talker_user_rows", "TYPE_FP32", (-1, -1)),  # [Lu, D]: layer-0 embeds, or accept-layer hidden for mm rows
+        # first response only, when the talker is wanted: the user turns' ids, their media rows, six special rows
+        TensorSpec("talker_media_rows", "TYPE_FP32", (-1, -1)),  # [media rows, D] accept-layer hidden; absent if none
         TensorSpec("talker_user_is_mm", "TYPE_BOOL", (-1,)),  # [Lu]
         TensorSpec("talker_user_ids", "TYPE_INT64", (-1,)),  # [Lu]
         TensorSpec("talker_special_rows", "TYPE_FP32", (6, -1)),  # im_start, assistant, \n, tts_bos, tts_eos, tts_pad
@@ -99,7 +99,8 @@ TALKER = ModelContract(
     name="talker",
     inputs=(
         TensorSpec("text_rows", "TYPE_FP32", (-1, -1), optional=True),
-        TensorSpec("talker_user_rows", "TYPE_FP32", (-1, -1), optional=True),
+        # absent for a prompt without media: the talker looks up text rows itself
+        TensorSpec("talker_media_rows", "TYPE_FP32", (-1, -1), optional=True),
         TensorSpec("talker_user_is_mm", "TYPE_BOOL", (-1,), optional=True),
         TensorSpec("talker_user_ids", "TYPE_INT64", (-1,), optional=True),
         TensorSpec("talker_special_rows", "TYPE_FP32", (6, -1), optional=True),

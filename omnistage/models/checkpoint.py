@@ -95,6 +95,9 @@ def load_stage(source, stage: str, dtype=torch.bfloat16, device="cpu", seed: int
                         attn_implementation=attn_implementation, experts_implementation=experts_implementation)
     if is_dummy(source):
         init_random_weights_(model, stage_seed(seed, stage))
+        if stage == "thinker":  # the talker draws the same table (load_text_embeddings)
+            with torch.no_grad():
+                model.get_input_embeddings().weight.copy_(_dummy_text_embeddings(config, seed, model.dtype, device))
         if stage == "code2wav":  # initializer_range alone gives ~1e-6 (tiny) or a clipped roar (full size)
             make_code2wav_audible_(model, stage_seed(seed, stage))
     else:
@@ -102,3 +105,33 @@ def load_stage(source, stage: str, dtype=torch.bfloat16, device="cpu", seed: int
     if attn_implementation is None and stage != "code2wav":
         attention.use_for_text_decoders(model)  # grouped-query decode steps without repeat_kv's copies
     return model.eval().requires_grad_(False)
+
+
+TEXT_EMBEDDINGS = "thinker.model.embed_tokens.weight"
+
+
+@torch.no_grad()
+def load_text_embeddings(source, dtype=torch.bfloat16, device="cpu", seed: int = 0) -> torch.Tensor:
+    """The thinker's token embedding table [vocab, D], for the talker: it looks up the text rows of a
+    prompt's user turns itself, so the thinker hands it only the rows it cannot look up (media rows)."""
+    dtype = _resolve_dtype(dtype)
+    if is_dummy(source):
+        return _dummy_text_embeddings(load_config(source), seed, dtype, device)
+    from safetensors import safe_open
+
+    from omnistage.models.weights import tensor_files
+
+    with safe_open(str(tensor_files(Path(source))[TEXT_EMBEDDINGS]), framework="pt") as f:
+        return f.get_tensor(TEXT_EMBEDDINGS).to(device=device, dtype=dtype)
+
+
+def _dummy_text_embeddings(config, seed: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """A dummy thinker's embedding table, drawn from a generator of its own so that the talker's process
+    draws the same one without drawing the rest of the thinker (same seed, dtype and device type)."""
+    text = config.thinker_config.text_config
+    gen = torch.Generator(device=device).manual_seed(stage_seed(seed, "thinker") + len(STAGES))
+    table = torch.empty(text.vocab_size, text.hidden_size, dtype=dtype, device=device)
+    table.normal_(0.0, text.initializer_range, generator=gen)
+    if text.pad_token_id is not None:
+        table[text.pad_token_id].zero_()  # as nn.Embedding's padding_idx leaves it
+    return table

@@ -32,12 +32,14 @@ class LocalStages:
                  device="cpu", dtype=torch.float32):  # fmt: skip
         self.max_seq_len = max_seq_len
         self.speakers = {k.lower(): v for k, v in config.talker_config.speaker_id.items()}
+        self.text_embeddings = thinker.get_input_embeddings().weight  # the talker looks up text rows there
         self._streams: dict[tuple[str, str], queue.SimpleQueue] = {}
         self._lock = threading.Lock()
         kw = dict(max_slots=slots, max_seq_len=max_seq_len, device=device, dtype=dtype)
         self.engines = {
             "thinker": StageEngine("thinker", ThinkerRunner(thinker, config, **kw), Scheduler(slots), self._emit("thinker")),
-            "talker": StageEngine("talker", TalkerRunner(talker, config, **kw), Scheduler(slots), self._emit("talker")),
+            "talker": StageEngine("talker", TalkerRunner(talker, config, self.text_embeddings, **kw), Scheduler(slots),
+                                  self._emit("talker")),
         }  # fmt: skip
         # first chunks of the default schedule's length take the first lane, as served
         runner = Code2WavRunner(code2wav, torch.device(device), dtype)
@@ -59,7 +61,7 @@ class LocalStages:
 
     def talker(self, session: str, inputs: dict, parameters: dict) -> Iterator[dict]:
         defaults = talker_defaults(self.max_seq_len)
-        seq = talker_sequence(session, inputs, parameters, defaults, self.speakers)
+        seq = talker_sequence(session, inputs, parameters, defaults, self.speakers, self.text_embeddings.shape[0])
         return self._run("talker", seq, talker_response)
 
     def talker_append(self, session: str, rows: torch.Tensor | None, end: bool) -> None:

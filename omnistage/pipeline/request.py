@@ -214,9 +214,9 @@ class OmniRequest:
             self.emit(OmniOutput(text=text, token_ids=ids, usage=usage), None, None)
 
     def _feed_talker(self, out: dict, ids: list[int]) -> None:
-        if "talker_user_rows" in out:
-            self._cond = {k: out[k] for k in ("talker_user_rows", "talker_user_is_mm", "talker_user_ids",
-                                              "talker_special_rows")}  # fmt: skip
+        if "talker_user_ids" in out:
+            self._cond = {k: out[k] for k in ("talker_media_rows", "talker_user_is_mm", "talker_user_ids",
+                                              "talker_special_rows") if k in out}  # fmt: skip
         rows = out.get("text_rows")  # [n, D]: a row per token of `ids` (a final EOS has none)
         end = "finish_reason" in out
         if self._tool_call_id in ids:

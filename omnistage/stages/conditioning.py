@@ -21,7 +21,7 @@ def user_positions(ids: torch.Tensor, im_start: int, user: int) -> torch.Tensor:
 
 @dataclass
 class TalkerConditioning:
-    user_rows: torch.Tensor  # [Lu, D] layer-0 embeddings, accept-layer hidden states on multimodal rows
+    media_rows: torch.Tensor  # [user_is_mm.sum(), D] the accept layer's hidden states on the media rows
     user_is_mm: torch.Tensor  # [Lu] bool
     user_ids: torch.Tensor  # [Lu] long
     special_rows: torch.Tensor  # [6, D]: <|im_start|>, assistant, \n, tts_bos, tts_eos, tts_pad

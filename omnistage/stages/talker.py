@@ -48,7 +48,7 @@ class TalkerRunner(DecoderRunner):
     # could not be recomputed, so the scheduler reserves a talker sequence's whole reply when it admits it
     RECOMPUTES = False
 
-    def __init__(self, model, config, *, max_slots: int, max_seq_len: int, device, dtype, seed: int = 0,
+    def __init__(self, model, config, text_embeddings: torch.Tensor, *, max_slots: int, max_seq_len: int, device, dtype, seed: int = 0,
                  cuda_graphs: bool = False, max_prefills: int = 16, kv_cache_bytes: int | None = None):  # fmt: skip
         tc = config.talker_config
         text = tc.text_config
@@ -71,7 +71,10 @@ class TalkerRunner(DecoderRunner):
         self.suppress = torch.zeros(text.vocab_size, dtype=torch.bool, device=self.device)
         self.suppress[text.vocab_size - 1024 :] = True  # codec specials are never sampled, except EOS
         self.suppress[self.eos] = False
-        self.prompts = PromptBuilder(model, config, self.device, dtype, self.context)
+        # the thinker's embedding table [vocab, D]: the user turns' text rows are looked up here, so that the
+        # thinker hands over only its media rows (a 30k-token prompt's rows would be ~250 MB in float32)
+        self.text_embeddings = text_embeddings.to(device=self.device, dtype=dtype)
+        self.prompts = PromptBuilder(model, config, self.text_embeddings, self.device, dtype, self.context)
         self.long_prompts: dict[int, PromptRows] = {}  # slot -> its prompt's rows, while prefilled in pieces
         # steps with prompts from media turns (their rows take MRoPE positions of their own) prefill batched too
         self.media_prefill = PositionedPrefill(f"{self.STAGE}_media", model.model, self.cache,
@@ -138,7 +141,8 @@ class TalkerRunner(DecoderRunner):
         prompts = []
         for turn in warm_up_turns(c):
             ids = turn.user_ids()
-            cond = TalkerConditioning(torch.zeros(ids.numel(), width), torch.isin(ids, mm), ids, torch.zeros(6, width))
+            is_mm = torch.isin(ids, mm)
+            cond = TalkerConditioning(torch.zeros(int(is_mm.sum()), width), is_mm, ids, torch.zeros(6, width))
             lengths = turn.feature_attention_mask.sum(-1) if turn.feature_attention_mask is not None else None
             prompts.append(TalkerPrompt(cond, speaker, [torch.zeros(width)] * (WARM_UP_STEPS + 1), text_end=True,
                                         image_grid_thw=turn.image_grid_thw, audio_feature_lengths=lengths,

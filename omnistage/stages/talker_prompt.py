@@ -1,5 +1,6 @@
 # The talker's prompts as transformers' generate() builds them, from the thinker's conditioning: the user
-# turn (media rows through hidden_projection, the rest through text_projection), then 9 assistant rows (the
+# turn (media rows through hidden_projection; the rest, looked up in the thinker's embedding table, through
+# text_projection), then 9 assistant rows (the
 # header, tts_pad x4, tts_bos and the first reply row on the text side; the codec prefix with the speaker
 # on the codec side, summed), with their MRoPE positions. Text-only prompts are built together in one pass.
 from __future__ import annotations
@@ -50,9 +51,11 @@ class PromptRows:
 
 
 class PromptBuilder:
-    def __init__(self, model, config, device: torch.device, dtype: torch.dtype, max_seq_len: int):
+    def __init__(self, model, config, text_embeddings: torch.Tensor, device: torch.device, dtype: torch.dtype,
+                 max_seq_len: int):  # fmt: skip
         tc = config.talker_config
         self.model, self.device, self.dtype = model, device, dtype
+        self.text_embeddings = text_embeddings  # [vocab, D] the thinker's layer-0 table, on the device
         self.hidden_size = tc.text_config.hidden_size
         self.codec_prefix = [tc.codec_nothink_id, tc.codec_think_bos_id, tc.codec_think_eos_id]
         self.codec_suffix = [tc.codec_pad_id, tc.codec_bos_id]
@@ -74,30 +77,33 @@ class PromptBuilder:
     def build(self, seqs: list[Sequence]) -> list[PromptRows]:
         """The talker prompt rows generate() builds (user turn: media rows through hidden_projection, the rest
         through text_projection; the assistant header + tts specials over the codec prefix: nothink, think
-        bos/eos, speaker, pad, bos; the first reply row), for all prompts in one pass: every row goes to the
-        device in one copy, the rows of each projection through it once (which row takes which is known on
+        bos/eos, speaker, pad, bos; the first reply row), for all prompts in one pass: every row the thinker
+        sent goes to the device in one copy, the user turns' text rows are looked up there, the rows of each projection through it once (which row takes which is known on
         the host, so the device only gathers and scatters), and the 9 assistant rows of all prompts are
         summed in one op. Prompt by prompt that was ~15 small ops each: a 16-prompt step spent ~15 ms of
         host time on them on the H200, beside ~22 ms of kernels (perf/README.md). MRoPE positions: 0..L-1 in
         every section for a text-only prompt, get_rope_index's for one with media (derived at admission)."""
         t, n = self.model, len(seqs)
         conds = [s.payload.cond for s in seqs]
-        lengths = [c.user_rows.shape[0] for c in conds]
+        lengths = [c.user_ids.numel() for c in conds]
+        is_mm = torch.cat([c.user_is_mm.cpu() for c in conds])
+        text_ids = torch.cat([c.user_ids.cpu() for c in conds])[~is_mm]
         firsts = [s.payload.text[0][None] for s in seqs]
-        pieces = [c.user_rows for c in conds] + [c.special_rows for c in conds] + firsts
+        pieces = [c.media_rows for c in conds] + [c.special_rows for c in conds] + firsts
         if all(p.device.type == "cpu" for p in pieces):
             rows = to_device(torch.cat(pieces), self.device).to(self.dtype)  # one copy
         else:
             rows = torch.cat([to_device(p, self.device) for p in pieces]).to(self.dtype)
-        is_mm = torch.cat([c.user_is_mm.cpu() for c in conds] + [torch.zeros(7 * n, dtype=torch.bool)])
-        projected = torch.empty(rows.shape[0], self.hidden_size, dtype=self.dtype, device=self.device)
-        for which, projection in ((is_mm, t.hidden_projection), (~is_mm, t.text_projection)):
-            if which.all():
-                projected = projection(rows)
-            elif which.any():
-                where = to_device(which.nonzero().squeeze(1), self.device)
-                projected.index_copy_(0, where, projection(rows.index_select(0, where)))
-        users, special, first_text = projected.split([sum(lengths), 6 * n, n])
+        media, tail = rows.split([rows.shape[0] - 7 * n, 7 * n])
+        looked_up = self.text_embeddings.index_select(0, to_device(text_ids, self.device))
+        text = t.text_projection(torch.cat([looked_up, tail]))  # the user turns' text rows, specials, firsts
+        if media.shape[0]:
+            users = torch.empty(is_mm.numel(), self.hidden_size, dtype=self.dtype, device=self.device)
+            users.index_copy_(0, to_device(is_mm.nonzero().squeeze(1), self.device), t.hidden_projection(media))
+            users.index_copy_(0, to_device((~is_mm).nonzero().squeeze(1), self.device), text[: text_ids.numel()])
+        else:
+            users = text[: text_ids.numel()]
+        special, first_text = text[text_ids.numel() :].split([6 * n, n])
         special, first_text = special.view(n, 6, -1), first_text.view(n, 1, -1)
         assistant = self._assistant_rows(special, first_text, seqs)
         prompts = []

@@ -243,9 +243,10 @@ class ThinkerRunner(ThinkerPrefill, DecoderRunner):
 
     def _talker_conditioning(self, ids: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor
                              ) -> tuple[TalkerConditioning, torch.Tensor]:  # fmt: skip
-        """What generate() hands the talker, for one prompt: user-turn rows (layer-0 embeddings, or the
-        accept-layer hidden state on audio/image/video rows), the assistant header rows, the tts rows,
-        and any prompt rows after the assistant header (spoken before the reply).
+        """What generate() hands the talker, for one prompt: the user turns' ids and, on their audio/image/video
+        rows, the accept-layer hidden states (the talker looks the text rows up in the thinker's embedding
+        table itself, so a long prompt's conditioning is its media rows, not every row); the assistant header
+        rows, the tts rows, and any prompt rows after the assistant header (spoken before the reply).
         `ids` are the prompt's token ids on the host: which rows go where is decided there, and the device
         only gathers. Each host sync here (a boolean mask, nonzero) would wait for a turn on a GPU that
         the other stage processes share, once per prompt."""
@@ -257,13 +258,11 @@ class ThinkerRunner(ThinkerPrefill, DecoderRunner):
         if header.numel() == 0:
             raise BadRequestError("prompt has no assistant header (<|im_start|>assistant) for the talker")
         a = int(header[-1])
-        user_dev = to_device(user, self.device)
         user_is_mm = is_mm[user]
-        rows = torch.where(to_device(user_is_mm, self.device)[:, None], hidden.index_select(0, user_dev),
-                           embeds.index_select(0, user_dev))  # fmt: skip
+        media = user[user_is_mm]
         tts = self.model.get_input_embeddings()(self.tts_ids)
         cond = TalkerConditioning(
-            user_rows=rows.float(),
+            media_rows=hidden.index_select(0, to_device(media, self.device)).float(),
             user_is_mm=user_is_mm,
             user_ids=ids[user],
             special_rows=torch.cat([embeds[a : a + 3], tts]).float(),

@@ -61,8 +61,10 @@ def thinker_response(output: ThinkerOutput | None, finish_reason: str | None) ->
             out["text_rows"] = output.text_rows
         if output.talker is not None:
             c = output.talker
-            out.update(talker_user_rows=c.user_rows, talker_user_is_mm=c.user_is_mm,
-                       talker_user_ids=c.user_ids.long(), talker_special_rows=c.special_rows)  # fmt: skip
+            out.update(talker_user_is_mm=c.user_is_mm, talker_user_ids=c.user_ids.long(),
+                       talker_special_rows=c.special_rows)  # fmt: skip
+            if c.media_rows.shape[0]:  # an empty tensor is no input for some clients (perf_analyzer)
+                out["talker_media_rows"] = c.media_rows
         if output.prompt_tokens is not None:
             out["prompt_tokens"] = torch.tensor([output.prompt_tokens], dtype=torch.int64)
         if output.cached_tokens is not None:
@@ -72,18 +74,29 @@ def thinker_response(output: ThinkerOutput | None, finish_reason: str | None) ->
     return out
 
 
-_TALKER_START = ("talker_user_rows", "talker_user_is_mm", "talker_user_ids", "talker_special_rows", "text_rows")
+_TALKER_START = ("talker_user_is_mm", "talker_user_ids", "talker_special_rows", "text_rows")
 
 
 def talker_sequence(
-    session: str, inputs: Tensors, params: dict, defaults: SamplingParams, speakers: dict[str, int]
+    session: str, inputs: Tensors, params: dict, defaults: SamplingParams, speakers: dict[str, int], vocab_size: int
 ) -> Sequence:
+    """vocab_size: rows of the thinker's embedding table, where the talker looks up talker_user_ids."""
     missing = [name for name in _TALKER_START if inputs.get(name) is None]
     if missing:
         raise BadRequestError(f"talker start is missing {', '.join(missing)}")
     speaker = resolve_voice(params.get("speaker"), sorted(speakers), param="speaker")
-    cond = TalkerConditioning(inputs["talker_user_rows"], inputs["talker_user_is_mm"].bool(),
-                              inputs["talker_user_ids"].long(), inputs["talker_special_rows"])  # fmt: skip
+    ids, is_mm = inputs["talker_user_ids"].reshape(-1).long(), inputs["talker_user_is_mm"].reshape(-1).bool()
+    special, media = inputs["talker_special_rows"], inputs.get("talker_media_rows")
+    width = special.shape[-1]
+    media = special.new_zeros(0, width) if media is None else media
+    if is_mm.shape != ids.shape:
+        raise BadRequestError(f"talker_user_is_mm has {is_mm.numel()} rows, talker_user_ids {ids.numel()}")
+    if media.dim() != 2 or media.shape[0] != int(is_mm.sum()) or media.shape[1] != width:
+        raise BadRequestError(f"talker_media_rows must be [{int(is_mm.sum())}, {width}] (one row per media "
+                              f"position of talker_user_is_mm), not {list(media.shape)}")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise BadRequestError(f"talker_user_ids must lie in [0, {vocab_size})")
+    cond = TalkerConditioning(media, is_mm, ids, special)
     prompt = TalkerPrompt(cond, speakers[speaker], image_grid_thw=inputs.get("image_grid_thw"),
                           audio_feature_lengths=inputs.get("audio_feature_lengths"),
                           video_grid_thw=inputs.get("video_grid_thw"),

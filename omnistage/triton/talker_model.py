@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from ..core.errors import BadRequestError
 from ..core.protocol import TALKER
+from ..models.checkpoint import load_text_embeddings
 from ..stages.talker import TalkerRunner
 from ..stages.wire import talker_defaults, talker_response, talker_sequence, text_end
 from .responder import send_final
@@ -18,14 +19,16 @@ class TalkerModel(StageModel):
 
     def build_runner(self, model):
         self.speakers = {k.lower(): v for k, v in self.config.talker_config.speaker_id.items()}
-        return TalkerRunner(model, self.config, max_slots=self.max_slots, max_seq_len=self.max_seq_len,
+        table = load_text_embeddings(self.params["model_path"], self.dtype, self.device)
+        self.vocab_size = table.shape[0]
+        return TalkerRunner(model, self.config, table, max_slots=self.max_slots, max_seq_len=self.max_seq_len,
                             device=self.device, dtype=self.dtype, cuda_graphs=self.cuda_graphs,
                             max_prefills=self.max_prefills, kv_cache_bytes=self.kv_cache_bytes)  # fmt: skip
 
     def sequence_from(self, request, params: dict, request_id: str):
         inputs = input_tensors(request, TALKER)
         defaults = self.sampling_defaults(talker_defaults(self.max_seq_len))
-        seq = talker_sequence(request_id, inputs, params, defaults, self.speakers)
+        seq = talker_sequence(request_id, inputs, params, defaults, self.speakers, self.vocab_size)
         if not seq.payload.text_end:
             self.responder.expect_caller(request_id, CALLER_SILENT_SECONDS)
         return seq

@@ -115,17 +115,17 @@ def stages(url: str, out: Path, reply_tokens: int, seed: int = 0) -> None:
     )
     params = {"max_tokens": reply_tokens, "ignore_eos": True, "temperature": "0", "export_talker": True}
     responses = _stream(url, "thinker", {"input_ids": ids}, params)
-    first = next(r for r in responses if "talker_user_rows" in r)
+    first = next(r for r in responses if "talker_user_ids" in r)
     text_rows = np.concatenate(
         [r["text_rows"] for r in responses if r.get("text_rows") is not None and len(r["text_rows"])]
     )
     talker = {
         name: tensor_json(first[name])
-        for name in ("talker_user_rows", "talker_user_is_mm", "talker_user_ids", "talker_special_rows")
-    }
+        for name in ("talker_user_is_mm", "talker_user_ids", "talker_special_rows")
+    }  # a text prompt has no talker_media_rows: the talker looks its rows up
     talker["text_rows"] = tensor_json(text_rows.astype(np.float32))
     write(out / "talker_w1.json", {"data": [talker]})
-    users = first["talker_user_rows"].shape[0]
+    users = first["talker_user_ids"].shape[0]
     print(f"  thinker gave {len(text_rows)} reply rows of width {text_rows.shape[1]}, {users} user rows")
 
     # Code2Wav: a request without a session is a stream of one chunk (perf_analyzer cannot carry a session from

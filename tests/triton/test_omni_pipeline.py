@@ -152,8 +152,9 @@ def test_stage_models_serve_generates_codec_codes(kind, triton_server, hf_model,
     assert tokens == want_text
     first = thinker[0]
     rows = np.concatenate([r["text_rows"] for r in thinker if r.get("text_rows") is not None])
-    talker_inputs = {k: first[k] for k in ("talker_user_rows", "talker_user_is_mm", "talker_user_ids",
-                                           "talker_special_rows")}  # fmt: skip
+    talker_inputs = {k: first[k] for k in ("talker_media_rows", "talker_user_is_mm", "talker_user_ids",
+                                           "talker_special_rows") if first.get(k) is not None}  # fmt: skip
+    assert ("talker_media_rows" in talker_inputs) == (kind != "text")  # only a media prompt has rows to hand over
     talker_inputs["text_rows"] = rows
     if "image_grid_thw" in inputs:
         talker_inputs["image_grid_thw"] = inputs["image_grid_thw"].numpy().astype(np.int64)

@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from omnistage.models.checkpoint import STAGES, load_config, load_stage
+from omnistage.models.checkpoint import STAGES, load_config, load_stage, load_text_embeddings
 from omnistage.models.tiny_checkpoint import make_tiny_checkpoint
 from omnistage.models.weights import CheckpointMismatchError
 
@@ -128,6 +128,18 @@ def test_dummy_is_deterministic_and_finite(full_model, stage):
     # Buffers are derived from the config alone, so they must match transformers' own.
     _assert_same_tensors(dict(first.named_buffers()), dict(getattr(full_model, stage).named_buffers()))
     assert torch.isfinite(_forward(stage, first)).all()
+
+
+@pytest.mark.parametrize("dummy", [False, True])
+def test_the_talkers_text_table_is_the_thinkers(tiny_dir, dummy):
+    # the talker looks up the user turns' text rows itself: in a table equal to the one the thinker embeds with
+    source = "dummy:tiny" if dummy else tiny_dir
+    thinker = load_stage(source, "thinker", torch.bfloat16, "cpu", seed=3 if dummy else 0)
+    table = load_text_embeddings(source, torch.bfloat16, "cpu", seed=3 if dummy else 0)
+    assert table.dtype == torch.bfloat16 and table.abs().sum() > 0
+    assert torch.equal(table, thinker.get_input_embeddings().weight)
+    if dummy:  # another seed, another table
+        assert not torch.equal(table, load_text_embeddings(source, torch.bfloat16, "cpu", seed=4))
 
 
 def test_dummy_seeds_talker_experts_and_routers():

@@ -137,7 +137,7 @@ def test_a_long_prompt_prefilled_in_pieces_beside_a_running_stream_matches_gener
     assert got["long"].token_ids == want_text
     assert got["short"].token_ids == oracle.generate(hf_model, short_inputs, 2 * REPLY, FRAMES)[0]
 
-    talker = TalkerRunner(hf_model.talker, hf_model.config, **RUNNER)
+    talker = TalkerRunner(hf_model.talker, hf_model.config, hf_model.thinker.get_input_embeddings().weight, **RUNNER)
     out = got["long"]
     prompt = TalkerPrompt(out.talker, 2302, list(out.text_rows.unbind(0)), True)
     rows = talker.prompt_tokens(Sequence("x", SamplingParams(), prompt))

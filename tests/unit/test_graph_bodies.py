@@ -54,8 +54,8 @@ def thinker(stages):
 
 @pytest.fixture
 def talker(stages):
-    config, _, model = stages
-    return TalkerRunner(model, config, **RUNNER)
+    config, thinker_model, model = stages
+    return TalkerRunner(model, config, thinker_model.get_input_embeddings().weight, **RUNNER)
 
 
 def ran_since(bodies, start: int) -> set:

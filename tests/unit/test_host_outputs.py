@@ -23,7 +23,7 @@ def run_pair(model, input_ids, device):
     thinker = ThinkerRunner(model.thinker, model.config, **kw)
     prompt = ThinkerPrompt(input_ids, export_talker=True)
     out, _ = run_thinker(thinker, running("t", SamplingParams(max_tokens=REPLY), prompt, slot=1))
-    talker = TalkerRunner(model.talker, model.config, **kw)
+    talker = TalkerRunner(model.talker, model.config, model.thinker.get_input_embeddings().weight, **kw)
     seqs = [running(name, SamplingParams(max_tokens=n, repetition_penalty=1.05),
                     TalkerPrompt(out.talker, 2302, list(out.text_rows.unbind(0)), True), slot)
             for name, n, slot in (("short", 3, 0), ("long", 7, 2))]  # fmt: skip

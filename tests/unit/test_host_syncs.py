@@ -8,7 +8,7 @@ import torch
 
 from omnistage.core.sampling import SamplingParams
 from omnistage.models import fused
-from omnistage.models.checkpoint import load_config, load_stage
+from omnistage.models.checkpoint import load_config, load_stage, load_text_embeddings
 from omnistage.stages.talker import TalkerPrompt, TalkerRunner
 from omnistage.stages.conditioning import TalkerConditioning
 
@@ -23,11 +23,12 @@ def test_talker_frame_queues_without_a_sync(cuda_graphs):
     model = load_stage("dummy:tiny", "talker", dtype=torch.bfloat16, device="cuda",
                        experts_implementation="gather_or_grouped")  # fmt: skip
     fused.install(model)
-    runner = TalkerRunner(model, config, max_slots=4, max_seq_len=256, device="cuda", dtype=torch.bfloat16,
+    table = load_text_embeddings("dummy:tiny", torch.bfloat16, "cuda")
+    runner = TalkerRunner(model, config, table, max_slots=4, max_seq_len=256, device="cuda", dtype=torch.bfloat16,
                           cuda_graphs=cuda_graphs)  # fmt: skip
     runner.capture_graphs()
     d = config.thinker_config.text_config.hidden_size
-    cond = TalkerConditioning(torch.randn(12, d) * 0.02, torch.zeros(12, dtype=torch.bool),
+    cond = TalkerConditioning(torch.zeros(0, d), torch.zeros(12, dtype=torch.bool),
                               torch.randint(0, 1000, (12,)), torch.randn(6, d) * 0.02)  # fmt: skip
     prompt = TalkerPrompt(cond, 2302, list((torch.randn(8, d) * 0.02).unbind(0)), True)
     seq = running("a", SamplingParams(max_tokens=64, ignore_eos=True), prompt, 0)

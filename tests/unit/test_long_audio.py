@@ -57,7 +57,7 @@ def test_90_second_clip_is_processed_in_full_and_matches_generate(hf_model, proc
     assert got["clip"].token_ids == want_text
     assert got["short"].token_ids == oracle.generate(hf_model, short, 3 * REPLY, FRAMES)[0]
 
-    talker = TalkerRunner(hf_model.talker, hf_model.config, **RUNNER)
+    talker = TalkerRunner(hf_model.talker, hf_model.config, hf_model.thinker.get_input_embeddings().weight, **RUNNER)
     out = got["clip"]
     tp = TalkerPrompt(out.talker, 2302, list(out.text_rows.unbind(0)), True, None, inputs["feature_attention_mask"].sum(-1))
     codes, steps = serve(talker, CHUNK_TOKENS, [("clip", SamplingParams(max_tokens=FRAMES, repetition_penalty=1.05), tp)])

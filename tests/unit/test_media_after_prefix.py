@@ -33,7 +33,7 @@ def runners(hf_model, monkeypatch):
     monkeypatch.setattr(cached.media_prefill, "run", record)
     monkeypatch.setattr(cached, "_prefill_long", lambda *a: pytest.fail("a media prompt prefilled in chunks"))
     plain = ThinkerRunner(hf_model.thinker, hf_model.config, **KW)
-    return cached, plain, TalkerRunner(hf_model.talker, hf_model.config, **KW)
+    return cached, plain, TalkerRunner(hf_model.talker, hf_model.config, hf_model.thinker.get_input_embeddings().weight, **KW)
 
 
 def _codes(talker, out, inputs, slot: int) -> torch.Tensor:
@@ -63,7 +63,7 @@ def _check(hf_model, runners, inputs, slot: int, name: str):
     ref, _ = run_thinker(plain, running(f"p{name}", params, _prompt(inputs), slot=slot))
     assert got.token_ids == want_text == ref.token_ids, name
     _same_kv(cached, plain, slot, inputs["input_ids"].shape[1])
-    torch.testing.assert_close(got.talker.user_rows, ref.talker.user_rows, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got.talker.media_rows, ref.talker.media_rows, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(got.text_rows, ref.text_rows, rtol=1e-4, atol=1e-5)
     assert torch.equal(_codes(talker, got, inputs, slot), want_codes), name
     cached.release(running(f"c{name}", params, _prompt(inputs), slot=slot))
@@ -130,6 +130,6 @@ def test_a_step_batches_prompts_after_a_prefix_with_fresh_media_and_text(runners
         want = oracle.generate(hf_model, x, REPLY, 2)[0]
         ref, _ = run_thinker(plain, running(f"p{i}", params, _prompt(x), slot=0))
         assert got[f"b{i}"].token_ids == want == ref.token_ids, i
-        torch.testing.assert_close(got[f"b{i}"].talker.user_rows, ref.talker.user_rows, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got[f"b{i}"].talker.media_rows, ref.talker.media_rows, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(got[f"b{i}"].text_rows, ref.text_rows, rtol=1e-4, atol=1e-5)
         plain.release(running(f"p{i}", params, _prompt(x), slot=0))

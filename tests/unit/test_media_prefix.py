@@ -84,7 +84,7 @@ def test_a_different_item_of_the_same_size_is_never_served_from_the_cache(kind, 
         got, _ = run_thinker(cached, seq(f"c{i}"))
         ref, _ = run_thinker(plain, seq(f"p{i}"))
         assert got.token_ids == want[v] == ref.token_ids, (i, v)
-        torch.testing.assert_close(got.talker.user_rows, ref.talker.user_rows, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got.talker.media_rows, ref.talker.media_rows, rtol=1e-4, atol=1e-5)
         _same_kv(cached, plain, slot, n)
         kv[v] = slot_kv(cached.cache, slot, n)
         hit = cached.prefix.hit_tokens - hits_before
@@ -108,7 +108,7 @@ def test_a_resent_turn_with_its_clip_reuses_its_kv_and_talker_rows(hf_model, pro
         got, _ = run_thinker(cached, running(f"c{i}", SamplingParams(max_tokens=REPLY), _prompt(inputs), slot=i))
         ref, _ = run_thinker(plain, running(f"p{i}", SamplingParams(max_tokens=REPLY), _prompt(inputs), slot=i))
         assert got.token_ids == want == ref.token_ids, i
-        torch.testing.assert_close(got.talker.user_rows, ref.talker.user_rows, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got.talker.media_rows, ref.talker.media_rows, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(got.text_rows, ref.text_rows, rtol=1e-4, atol=1e-5)
         last_media = int((inputs["input_ids"][0] == AUDIO_PAD).nonzero()[-1])
         assert (got.cached_tokens, ref.cached_tokens) == (cached.prefix.hit_tokens - hits_before, 0), i
@@ -166,7 +166,7 @@ def test_a_step_of_prompts_with_seen_media_prefills_their_text_together(hf_model
         want = oracle.generate(hf_model, x, REPLY, 2)[0]
         ref, _ = run_thinker(plain, running(f"p{i}", params, _prompt(x), slot=0))
         assert got[f"b{i}"].token_ids == want == ref.token_ids, i
-        torch.testing.assert_close(got[f"b{i}"].talker.user_rows, ref.talker.user_rows, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got[f"b{i}"].talker.media_rows, ref.talker.media_rows, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(got[f"b{i}"].talker.special_rows, ref.talker.special_rows, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(got[f"b{i}"].text_rows, ref.text_rows, rtol=1e-4, atol=1e-5)
         plain.release(running(f"p{i}", params, _prompt(x), slot=0))

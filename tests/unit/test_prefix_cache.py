@@ -48,7 +48,7 @@ def test_prompts_sharing_a_system_prompt_prefill_only_the_rest_and_match_generat
         torch.testing.assert_close(slot_kv(cached.cache, slot, length), slot_kv(plain.cache, slot, length),
                                    rtol=1e-4, atol=1e-5)  # fmt: skip
         torch.testing.assert_close(got.text_rows, ref.text_rows)
-        torch.testing.assert_close(got.talker.user_rows, ref.talker.user_rows)
+        torch.testing.assert_close(got.talker.media_rows, ref.talker.media_rows)
 
 
 @torch.inference_mode()

@@ -56,7 +56,7 @@ def assert_runners_match_generate(model, hf_model, processor, thinker_slot: int,
     out, _ = run_thinker(thinker, running("t", SamplingParams(max_tokens=REPLY),
                                           ThinkerPrompt(inputs["input_ids"][0], export_talker=True), thinker_slot))  # fmt: skip
     assert out.token_ids == want_text
-    talker = TalkerRunner(model.talker, model.config, **kw)
+    talker = TalkerRunner(model.talker, model.config, model.thinker.get_input_embeddings().weight, **kw)
     prompt = TalkerPrompt(out.talker, 2302, list(out.text_rows.unbind(0)), True)
     params = SamplingParams(max_tokens=FRAMES, repetition_penalty=1.05)
     codes, _ = run_talker(talker, running("a", params, prompt, talker_slot))
@@ -76,7 +76,7 @@ def test_thinker_and_talker_match_generate(kind, hf_model, processor):
     assert out.token_ids == want_text and reason == "length"
     assert out.text_rows.shape == (REPLY, hf_model.config.thinker_config.text_config.hidden_size)
 
-    talker = TalkerRunner(hf_model.talker, hf_model.config, **kw)
+    talker = TalkerRunner(hf_model.talker, hf_model.config, hf_model.thinker.get_input_embeddings().weight, **kw)
     lengths = inputs["feature_attention_mask"].sum(-1) if "feature_attention_mask" in inputs else None
     tp = TalkerPrompt(out.talker, 2302, list(out.text_rows.unbind(0)), True, inputs.get("image_grid_thw"), lengths)
     codes, reason = run_talker(talker, running("a", SamplingParams(max_tokens=FRAMES, repetition_penalty=1.05), tp, 1))
@@ -91,7 +91,7 @@ def test_talker_prefills_prompts_of_different_kinds_and_lengths_together(hf_mode
     alone."""
     kw = dict(max_slots=4, max_seq_len=512, device="cpu", dtype=torch.float32)
     thinker = ThinkerRunner(hf_model.thinker, hf_model.config, **kw)
-    talker = TalkerRunner(hf_model.talker, hf_model.config, **kw)
+    talker = TalkerRunner(hf_model.talker, hf_model.config, hf_model.thinker.get_input_embeddings().weight, **kw)
     monkeypatch.setattr(talker, "_prefill_long", lambda *a: pytest.fail("a talker prompt prefilled in chunks"))
     seqs, want = [], {}
     for i, (kind, text) in enumerate([("text", "Say hello!"), ("image", "Say hello!"), ("audio", "Answer it."),
@@ -128,7 +128,7 @@ def test_talker_waits_for_text_it_has_not_received(hf_model, processor):
     thinker = ThinkerRunner(hf_model.thinker, hf_model.config, **kw)
     out, _ = run_thinker(thinker, running("t", SamplingParams(max_tokens=REPLY),
                                           ThinkerPrompt(inputs["input_ids"][0], export_talker=True), 0))  # fmt: skip
-    talker = TalkerRunner(hf_model.talker, hf_model.config, **kw)
+    talker = TalkerRunner(hf_model.talker, hf_model.config, hf_model.thinker.get_input_embeddings().weight, **kw)
     rows = list(out.text_rows.unbind(0))
     prompt = TalkerPrompt(out.talker, 2302, rows[:1])
     seq = running("a", SamplingParams(max_tokens=FRAMES, repetition_penalty=1.05), prompt, 0)
@@ -160,7 +160,7 @@ def test_talker_eos_ends_the_stream_without_a_frame_for_it(hf_model, processor):
                                           ThinkerPrompt(inputs["input_ids"][0], export_talker=True), 0))  # fmt: skip
 
     def speak(eos=None):
-        talker = TalkerRunner(hf_model.talker, hf_model.config, **kw)
+        talker = TalkerRunner(hf_model.talker, hf_model.config, hf_model.thinker.get_input_embeddings().weight, **kw)
         if eos is not None:
             talker.eos = eos  # a codebook-0 token of the full run stands in for EOS
         prompt = TalkerPrompt(out.talker, 2302, list(out.text_rows.unbind(0)), True)
@@ -185,7 +185,7 @@ def test_a_warmed_up_runner_serves_as_a_fresh_one(hf_model, processor, monkeypat
     want_text, want_codes, _ = oracle.generate(hf_model, inputs, REPLY, FRAMES)
     kw = dict(max_slots=4, max_seq_len=512, device="cpu", dtype=torch.float32)
     thinker = ThinkerRunner(hf_model.thinker, hf_model.config, prefix_cache_bytes=1 << 20, **kw)
-    talker = TalkerRunner(hf_model.talker, hf_model.config, **kw)
+    talker = TalkerRunner(hf_model.talker, hf_model.config, hf_model.thinker.get_input_embeddings().weight, **kw)
     encoded, media_rows = [], []
     for name in ("audio", "vision"):
         encoder = getattr(thinker.media, name)
@@ -218,7 +218,7 @@ def test_thinker_prefills_text_audio_and_image_prompts_in_one_batched_forward(hf
                      [oracle.SYSTEM, {"role": "user", "content": [longer_clip, {"type": "text", "text": "And this one?"}]}]]  # fmt: skip
     kw = dict(max_slots=5, max_seq_len=512, device="cpu", dtype=torch.float32)
     thinker = ThinkerRunner(hf_model.thinker, hf_model.config, **kw)
-    talker = TalkerRunner(hf_model.talker, hf_model.config, **kw)
+    talker = TalkerRunner(hf_model.talker, hf_model.config, hf_model.thinker.get_input_embeddings().weight, **kw)
     inputs = [prepare_inputs(processor, c) for c in conversations]
     seqs = [running(f"t{i}", SamplingParams(max_tokens=REPLY),
                     ThinkerPrompt(x["input_ids"][0], x.get("pixel_values"), x.get("image_grid_thw"), x.get("input_features"),

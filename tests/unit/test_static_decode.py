@@ -39,7 +39,7 @@ def test_padded_static_path_matches_generate(hf_model, processor):
     out, _ = run_thinker(thinker, running("t", SamplingParams(max_tokens=REPLY), prompt, slot=2))
     assert out.token_ids == want_text
 
-    talker = TalkerRunner(hf_model.talker, hf_model.config, **kw)
+    talker = TalkerRunner(hf_model.talker, hf_model.config, hf_model.thinker.get_input_embeddings().weight, **kw)
     pad_to_buckets(talker.decoder, [8], [512])
     # the prompt prefills as row 0 of 4 (rows 1-3 repeat it into the same slot), right-padded to 512 tokens
     talker.static_prefill.row_buckets, talker.static_prefill.token_buckets = [4], [512]
@@ -82,14 +82,14 @@ def test_text_prompts_prefilled_together_match_generate(hf_model, processor):
         for r in results:
             outs[r.seq.request_id] = outs[r.seq.request_id].merge(r.output)
     alone = ThinkerRunner(hf_model.thinker, hf_model.config, **kw)
-    talker = TalkerRunner(hf_model.talker, hf_model.config, **kw)
+    talker = TalkerRunner(hf_model.talker, hf_model.config, hf_model.thinker.get_input_embeddings().weight, **kw)
     talker_seqs = []
     for i, x in enumerate(inputs):
         out = outs[f"t{i}"]
         assert out.token_ids == oracle.generate(hf_model, x, REPLY, FRAMES)[0]
         lone, _ = run_thinker(alone, running("x", SamplingParams(max_tokens=REPLY), ThinkerPrompt(x["input_ids"][0], export_talker=True), 3))
         assert torch.allclose(out.text_rows, lone.text_rows)
-        assert torch.allclose(out.talker.user_rows, lone.talker.user_rows, atol=1e-5)
+        assert torch.allclose(out.talker.media_rows, lone.talker.media_rows, atol=1e-5)
         assert torch.allclose(out.talker.special_rows, lone.talker.special_rows, atol=1e-5)
         tp = TalkerPrompt(out.talker, 2302, list(out.text_rows.unbind(0)), True)
         talker_seqs.append(running(f"a{i}", SamplingParams(max_tokens=FRAMES, repetition_penalty=1.05), tp, 2 - i))
@@ -107,7 +107,7 @@ def test_text_prompts_prefilled_together_match_generate(hf_model, processor):
 def test_code_predictor_greedy_rows_pick_alike_with_or_without_sampled_rows(hf_model):
     """A batch of greedy rows runs the variant without sampling kernels; beside a sampled row (the other
     variant) the greedy rows still get the same codebooks, and the sampled row draws from its logits."""
-    talker = TalkerRunner(hf_model.talker, hf_model.config, max_slots=4, max_seq_len=64, device="cpu",
+    talker = TalkerRunner(hf_model.talker, hf_model.config, hf_model.thinker.get_input_embeddings().weight, max_slots=4, max_seq_len=64, device="cpu",
                           dtype=torch.float32)  # fmt: skip
     hidden = hf_model.config.talker_config.text_config.hidden_size
     predictor = StaticCodePredictor(talker.predictor, 4, hidden, cuda_graphs=False)

@@ -10,8 +10,8 @@ from omnistage.pipeline.options import OmniOptions
 from omnistage.pipeline.request import OmniRequest
 
 D = 8
-COND = {"talker_user_rows": torch.zeros(3, D), "talker_user_is_mm": torch.zeros(3, dtype=torch.bool),
-        "talker_user_ids": torch.zeros(3, dtype=torch.long), "talker_special_rows": torch.zeros(6, D)}  # fmt: skip
+COND = {"talker_user_is_mm": torch.zeros(3, dtype=torch.bool), "talker_user_ids": torch.zeros(3, dtype=torch.long),
+        "talker_special_rows": torch.zeros(6, D)}  # fmt: skip
 
 
 class ScriptedStages:

@@ -125,7 +125,7 @@ def test_thinker_and_talker_match_generate_on_a_video(with_audio, clip, hf_model
                            video_second_per_grid=inputs["video_second_per_grid"], use_audio_in_video=with_audio)  # fmt: skip
     out, _ = run_thinker(thinker, running("t", SamplingParams(max_tokens=REPLY), prompt, slot=1))
     assert out.token_ids == want_text
-    talker = TalkerRunner(hf_model.talker, hf_model.config, **kw)
+    talker = TalkerRunner(hf_model.talker, hf_model.config, hf_model.thinker.get_input_embeddings().weight, **kw)
     lengths = inputs["feature_attention_mask"].sum(-1) if with_audio else None
     tp = TalkerPrompt(out.talker, 2302, list(out.text_rows.unbind(0)), True, None, lengths,
                       inputs["video_grid_thw"], inputs["video_second_per_grid"])  # fmt: skip
@@ -202,7 +202,7 @@ def test_videos_with_and_without_their_audio_prefill_in_one_step_with_audio_and_
         thinker.validate(s)
     outs = _decode_all(thinker, thinker.prefill(seqs))
     assert calls == {"rows": [4], "audio": 1, "vision": 1}
-    talker = TalkerRunner(hf_model.talker, hf_model.config, **kw)
+    talker = TalkerRunner(hf_model.talker, hf_model.config, hf_model.thinker.get_input_embeddings().weight, **kw)
     for i, (x, with_audio) in enumerate(cases):
         want_text, want_codes, _ = oracle.generate(hf_model, dict(x, use_audio_in_video=with_audio), REPLY, FRAMES)
         assert outs[f"t{i}"].token_ids == want_text, i
@@ -234,7 +234,7 @@ def test_the_same_video_twice_is_served_from_the_prefix_cache(clip, hf_model, pr
     last_video = inputs["input_ids"][0].tolist()[::-1].index(VIDEO_PAD)
     assert out.cached_tokens > inputs["input_ids"].shape[1] - 1 - last_video  # past the video's last row
     assert out.token_ids == want_text
-    talker = TalkerRunner(hf_model.talker, hf_model.config, **kw)
+    talker = TalkerRunner(hf_model.talker, hf_model.config, hf_model.thinker.get_input_embeddings().weight, **kw)
     assert torch.equal(_talker_codes(talker, out, inputs, 0), want_codes)
 
 
@@ -271,9 +271,9 @@ def test_a_video_longer_than_the_media_buffers_prefills_in_pieces_beside_a_text_
     last_media = max(i for i, t in enumerate(inputs["input_ids"][0].tolist()) if t in (VIDEO_PAD, AUDIO_PAD))
     assert cached > last_media and steps.pieces("video") == [(cached, n)]
     assert again["video"].token_ids == want_text
-    torch.testing.assert_close(again["video"].talker.user_rows, got["video"].talker.user_rows, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(again["video"].talker.media_rows, got["video"].talker.media_rows, rtol=1e-4, atol=1e-5)
 
-    talker = TalkerRunner(hf_model.talker, hf_model.config, **RUNNER)
+    talker = TalkerRunner(hf_model.talker, hf_model.config, hf_model.thinker.get_input_embeddings().weight, **RUNNER)
     out = got["video"]
     prompt = TalkerPrompt(out.talker, 2302, list(out.text_rows.unbind(0)), True, None,
                           inputs["feature_attention_mask"].sum(-1), inputs["video_grid_thw"],
@@ -298,7 +298,7 @@ def test_long_video_pieces_as_graphs_equal_one_eager_pass_on_cuda(tiny_checkpoin
     n = prompt.input_ids.numel()
     result, want, graphs, eager = pieces_as_graphs_and_whole_eager_on_cuda(tiny_checkpoint, prompt)
     assert result.output.token_ids == want.output.token_ids
-    torch.testing.assert_close(result.output.talker.user_rows, want.output.talker.user_rows, rtol=0.05, atol=0.05)
+    torch.testing.assert_close(result.output.talker.media_rows, want.output.talker.media_rows, rtol=0.05, atol=0.05)
     got, ref = graphs.cache.read(1, n), eager.cache.read(1, n)
     for g, w in zip(got[0] + got[1], ref[0] + ref[1]):
         torch.testing.assert_close(g, w, rtol=0.05, atol=0.05)
