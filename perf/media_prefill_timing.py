@@ -36,7 +36,7 @@ def timed(fn, device, repeat=3) -> float:
     for _ in range(repeat):
         fn()
     sync()
-    return round((time.perf_counter() - t0) / repeat * 1e3, 2)
+    return round((time.perf_counter() - t0) / repeat * 1e3, 3)
 
 
 def sequences(prompts: list[ThinkerPrompt]) -> list[Sequence]:

@@ -11,7 +11,12 @@
 # its tile's last token, causally. Gathering instead copied every attended position of every row out of the
 # pool per layer, and transformers' masked SDPA copied them again per query head: a 512-token piece of a
 # 30,000-token prompt took ~1 GB of copies a layer, and steps with long prompts' pieces ran for seconds.
+# A prefill grid too small to fill the GPU (a long prompt's lone piece: 512 tokens are 128 programs of the
+# thinker, each walking all 30,000 positions) is split over the positions as decode is, into parts merged
+# by a second kernel (prefill_parts()): a program's walk, not the number of programs, sets such a step's time.
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -43,8 +48,11 @@ if fused_ops.available():
             s = tl.dot(q, tl.trans(k)) * scale  # [R, TILE]
             s = tl.where(valid[None, :] & (tok[None, :] <= pos[:, None]), s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
-            alpha = tl.exp(m - m_new)
-            weights = tl.exp(s - m_new[:, None])
+            # a query that sees none of the positions so far (a prefill part before its position) keeps m
+            # = -inf: subtract 0 there, not -inf, so that its weights are 0 and not NaN
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m - m_safe)
+            weights = tl.exp(s - m_safe[:, None])
             l = l * alpha + tl.sum(weights, 1)
             v = tl.load(v_ptr + rows, mask=valid[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(weights.to(v.dtype), v)
@@ -73,10 +81,34 @@ if fused_ops.available():
         m, l, acc = _attend(q, k_ptr, v_ptr, table_ptr + b * max_blocks, h, s_p, s_h, start, end, last, scale,
                             R=GP, D=D, BLOCK=BLOCK, TILE=TILE)  # fmt: skip
         if start < length:  # parts past the row's length are never merged: no writes for them
-            at = (b * heads_k + h) * PARTS + p
-            tl.store(m_ptr + at * GP + g, m)
-            tl.store(l_ptr + at * GP + g, l)
-            tl.store(acc_ptr + (at * GP + g)[:, None] * D + d[None, :], acc)
+            _store_state(m_ptr, l_ptr, acc_ptr, (b * heads_k + h) * PARTS + p, m, l, acc, R=GP, D=D)
+
+    @triton.jit
+    def _store_state(m_ptr, l_ptr, acc_ptr, at, m, l, acc, R: tl.constexpr, D: tl.constexpr):
+        """One part's online-softmax state (running max, sum [R], unnormalised acc [R, D]) at index `at`."""
+        i, d = tl.arange(0, R), tl.arange(0, D)
+        tl.store(m_ptr + at * R + i, m)
+        tl.store(l_ptr + at * R + i, l)
+        tl.store(acc_ptr + (at * R + i)[:, None] * D + d[None, :], acc)
+
+    @triton.jit
+    def _merged(m_ptr, l_ptr, acc_ptr, first, parts, R: tl.constexpr, D: tl.constexpr):
+        """The attention [R, D] (fp32) of the `parts` states stored from index `first` on, merged."""
+        i, d = tl.arange(0, R), tl.arange(0, D)
+        m_all = tl.full([R], float("-inf"), tl.float32)
+        l_all = tl.zeros([R], tl.float32)
+        acc_all = tl.zeros([R, D], tl.float32)
+        for p in range(0, parts):
+            at = first + p
+            m = tl.load(m_ptr + at * R + i)
+            m_new = tl.maximum(m_all, m)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # as in _attend: parts that saw nothing
+            mine, theirs = tl.exp(m_all - m_safe), tl.exp(m - m_safe)
+            l_all = l_all * mine + tl.load(l_ptr + at * R + i) * theirs
+            acc = tl.load(acc_ptr + (at * R + i)[:, None] * D + d[None, :])
+            acc_all = acc_all * mine[:, None] + acc * theirs[:, None]
+            m_all = m_new
+        return acc_all / l_all[:, None]
 
     @triton.jit
     def _merge_parts_kernel(m_ptr, l_ptr, acc_ptr, len_ptr, out_ptr, heads, G: tl.constexpr, GP: tl.constexpr,
@@ -87,30 +119,21 @@ if fused_ops.available():
         length = tl.load(len_ptr + b).to(tl.int32)
         used = tl.cdiv(length, _part_len(length, PARTS, TILE))
         g, d = tl.arange(0, GP), tl.arange(0, D)
-        m_all = tl.full([GP], float("-inf"), tl.float32)
-        l_all = tl.zeros([GP], tl.float32)
-        acc_all = tl.zeros([GP, D], tl.float32)
-        for p in range(0, used):
-            at = (b * heads_k + h) * PARTS + p
-            m = tl.load(m_ptr + at * GP + g)
-            m_new = tl.maximum(m_all, m)
-            mine, theirs = tl.exp(m_all - m_new), tl.exp(m - m_new)
-            l_all = l_all * mine + tl.load(l_ptr + at * GP + g) * theirs
-            acc = tl.load(acc_ptr + (at * GP + g)[:, None] * D + d[None, :])
-            acc_all = acc_all * mine[:, None] + acc * theirs[:, None]
-            m_all = m_new
-        out = acc_all / l_all[:, None]
+        out = _merged(m_ptr, l_ptr, acc_ptr, (b * heads_k + h) * PARTS, used, R=GP, D=D)
         where = out_ptr + (b * heads + h * G + g)[:, None] * D + d[None, :]
         tl.store(where, out.to(out_ptr.dtype.element_ty), mask=(g < G)[:, None])
 
     @triton.jit
-    def _prefill_kernel(q_ptr, k_ptr, v_ptr, table_ptr, slot_ptr, start_ptr, out_ptr, scale, max_blocks, s_p, s_h,
-                        tokens, heads, G: tl.constexpr, BQ: tl.constexpr, M: tl.constexpr, D: tl.constexpr,
-                        BLOCK: tl.constexpr, TILE: tl.constexpr):  # fmt: skip
+    def _prefill_kernel(q_ptr, k_ptr, v_ptr, table_ptr, slot_ptr, start_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, scale,
+                        max_blocks, s_p, s_h, tokens, heads, G: tl.constexpr, BQ: tl.constexpr, M: tl.constexpr,
+                        D: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr, PARTS: tl.constexpr):  # fmt: skip
         # q [R, heads, tokens, D] contiguous; k, v pools [P, Hk, D] (strides s_p, s_h, 1); table [slots,
         # max_blocks]; slot, start [R]: row r's tokens sit at positions start[r].. of slot[r], their K/V already
-        # written; out [R, tokens, heads, D]. Query row i of the program: token BQ * tile + i // G, head h * G + i % G
-        r, h, tile = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2)
+        # written; out [R, tokens, heads, D]. Query row i of the program: token BQ * tile + i // G, head h * G + i % G.
+        # With PARTS > 1, program (r, h, tile * PARTS + p) walks part p of the tile's positions and stores its
+        # state for _prefill_merge_kernel ([R, Hk, tiles, PARTS] states) instead of writing out.
+        r, h = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+        tile, p = tl.program_id(2) // PARTS, tl.program_id(2) % PARTS
         slot = tl.load(slot_ptr + r).to(tl.int64)
         start = tl.load(start_ptr + r).to(tl.int32)
         i, d = tl.arange(0, M), tl.arange(0, D)
@@ -121,10 +144,36 @@ if fused_ops.available():
                     other=0.0)  # fmt: skip
         pos = start + t  # each query's own position: it attends [0, pos]
         end = start + tl.minimum(tile * BQ + BQ, tokens)  # past the tile's last query
-        # position 0 is in the first tile: no query's running max stays -inf after it
-        m, l, acc = _attend(q, k_ptr, v_ptr, table_ptr + slot * max_blocks, h, s_p, s_h, 0, end, pos, scale,
-                            R=M, D=D, BLOCK=BLOCK, TILE=TILE)  # fmt: skip
-        out = acc / l[:, None]
+        table_row = table_ptr + slot * max_blocks
+        if PARTS == 1:
+            # position 0 is in the first tile: no query's running max stays -inf after it
+            m, l, acc = _attend(q, k_ptr, v_ptr, table_row, h, s_p, s_h, 0, end, pos, scale, R=M, D=D, BLOCK=BLOCK,
+                                TILE=TILE)  # fmt: skip
+            _store_rows(out_ptr, acc / l[:, None], r, h, tile, tokens, heads, G=G, BQ=BQ, M=M, D=D)
+        else:
+            part = _part_len(end, PARTS, TILE)
+            lo = p * part
+            m, l, acc = _attend(q, k_ptr, v_ptr, table_row, h, s_p, s_h, lo, tl.minimum(lo + part, end), pos, scale,
+                                R=M, D=D, BLOCK=BLOCK, TILE=TILE)  # fmt: skip
+            at = (r * tl.num_programs(1) + h) * tl.cdiv(tokens, BQ) + tile
+            _store_state(m_ptr, l_ptr, acc_ptr, at * PARTS + p, m, l, acc, R=M, D=D)
+
+    @triton.jit
+    def _prefill_merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, tokens, heads, G: tl.constexpr, BQ: tl.constexpr,
+                              M: tl.constexpr, D: tl.constexpr, PARTS: tl.constexpr):  # fmt: skip
+        # program (row, KV head, query tile): its PARTS states merged into out, as _prefill_kernel writes it
+        r, h, tile = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2)
+        at = (r * tl.num_programs(1) + h) * tl.num_programs(2) + tile
+        out = _merged(m_ptr, l_ptr, acc_ptr, at * PARTS, PARTS, R=M, D=D)
+        _store_rows(out_ptr, out, r, h, tile, tokens, heads, G=G, BQ=BQ, M=M, D=D)
+
+    @triton.jit
+    def _store_rows(out_ptr, out, r, h, tile, tokens, heads, G: tl.constexpr, BQ: tl.constexpr, M: tl.constexpr,
+                    D: tl.constexpr):  # fmt: skip
+        """A prefill program's attention [M, D] into out [R, tokens, heads, D], its padding rows left out."""
+        i, d = tl.arange(0, M), tl.arange(0, D)
+        t, g = tile * BQ + i // G, i % G
+        live = (i < BQ * G) & (t < tokens)
         where = out_ptr + ((r * tokens + t) * heads + h * G + g)[:, None] * D + d[None, :]
         tl.store(where, out.to(out_ptr.dtype.element_ty), mask=live[:, None])
 
@@ -165,13 +214,28 @@ def decode(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tabl
 
 
 PREFILL_QUERIES = 16  # new tokens per prefill program: x G query heads, the rows of its [M, D] products
+PREFILL_PARTS = 8  # the most parts a prefill program's positions are split into
+
+
+@functools.cache
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def prefill_parts(programs: int, device: torch.device) -> int:
+    """Parts per prefill program for a grid of `programs`: enough for about two programs per SM (the
+    scheduler then has a program to start where one ends), none for a grid that has them already. A grid's
+    parts depend on its shape alone, so a CUDA graph captures one choice."""
+    target = 2 * _sms(torch.device(device))
+    return 1 if programs >= target else min(PREFILL_PARTS, -(-target // programs))
 
 
 def prefill(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-            slots: torch.Tensor, starts: torch.Tensor, scaling: float) -> torch.Tensor:  # fmt: skip
+            slots: torch.Tensor, starts: torch.Tensor, scaling: float, parts: int | None = None
+            ) -> torch.Tensor:  # fmt: skip
     """query [R, H, T, D]: row r's T new tokens at positions starts[r].. of slot slots[r], whose K/V are in the
     pools already; each attends causally to its slot's positions up to its own, through table [slots,
-    max_blocks] int32. -> [R, T, H, D]."""
+    max_blocks] int32. parts: splits of each program's positions (default: prefill_parts()). -> [R, T, H, D]."""
     from ..core.block_pool import BLOCK
 
     rows, heads, tokens, dim = query.shape
@@ -183,7 +247,16 @@ def prefill(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tab
     out = torch.empty(rows, tokens, heads, dim, dtype=query.dtype, device=query.device)
     assert k_pool.stride() == v_pool.stride() and k_pool.stride(-1) == 1
     assert slots.is_contiguous() and starts.is_contiguous()  # the kernel reads row r at offset r
-    _prefill_kernel[(rows, heads_k, triton.cdiv(tokens, bq))](
-        q, k_pool, v_pool, table, slots, starts, out, scaling, table.shape[1], k_pool.stride(0), k_pool.stride(1),
-        tokens, heads, G=group, BQ=bq, M=m, D=dim, BLOCK=BLOCK, TILE=TILE, num_warps=8)  # fmt: skip
+    tiles = triton.cdiv(tokens, bq)
+    parts = parts or prefill_parts(rows * heads_k * tiles, query.device)
+    states = (rows, heads_k, tiles, parts, m)
+    ml = [torch.empty(states if parts > 1 else 0, dtype=torch.float32, device=query.device) for _ in range(2)]
+    acc = torch.empty((*states, dim) if parts > 1 else 0, dtype=torch.float32, device=query.device)
+    _prefill_kernel[(rows, heads_k, tiles * parts)](
+        q, k_pool, v_pool, table, slots, starts, out, *ml, acc, scaling, table.shape[1], k_pool.stride(0),
+        k_pool.stride(1), tokens, heads, G=group, BQ=bq, M=m, D=dim, BLOCK=BLOCK, TILE=TILE, PARTS=parts,
+        num_warps=8)  # fmt: skip
+    if parts > 1:
+        _prefill_merge_kernel[(rows, heads_k, tiles)](*ml, acc, out, tokens, heads, G=group, BQ=bq, M=m, D=dim,
+                                                      PARTS=parts, num_warps=8)  # fmt: skip
     return out

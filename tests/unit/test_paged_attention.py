@@ -76,28 +76,33 @@ def causal_dense(query: torch.Tensor, starts: list[int], news: list[int], ks: li
 
 
 @pytest.mark.skipif(not fused_ops.available(), reason="needs triton")
-def test_paged_prefill_kernel_equals_causal_dense_attention_per_row():
+@pytest.mark.parametrize("parts", [1, 2, 3, 8])
+def test_paged_prefill_kernel_equals_causal_dense_attention_per_row(parts):
     # rows of 20 new tokens (the last 7 of one row are padding) after kept prefixes of very different
-    # lengths, their blocks scattered: two query tiles a row, several KV tiles for the long prefix
-    starts, news, tokens = [0, 16, 283, 40], [20, 20, 13, 20], 20
+    # lengths, their blocks scattered: two query tiles a row, several KV tiles for the long prefix. Split
+    # into parts, some parts see none of a row's positions, and some of a tile's queries none of a part's
+    # (the row at 50: its first tile's queries before position 64 see nothing of the part from 64)
+    starts, news, tokens = [0, 16, 283, 50], [20, 20, 13, 20], 20
     cache, ks, vs = scattered_cache([s + n for s, n in zip(starts, news)], seed=2)
     query = torch.randn(len(starts), HEADS, tokens, DIM)
     slots = torch.arange(len(starts))
-    got = paged_attention.prefill(query, cache.k[0], cache.v[0], cache.table, slots, torch.tensor(starts), DIM**-0.5)
+    got = paged_attention.prefill(query, cache.k[0], cache.v[0], cache.table, slots, torch.tensor(starts), DIM**-0.5,
+                                  parts=parts)  # fmt: skip
     assert got.shape == (len(starts), tokens, HEADS, DIM)
     for r, want in enumerate(causal_dense(query, starts, news, ks, vs)):
         torch.testing.assert_close(got[r, : news[r]], want, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.skipif(not fused_ops.available(), reason="needs triton")
-def test_paged_prefill_kernel_reads_each_rows_own_slot():
+@pytest.mark.parametrize("parts", [1, 4])
+def test_paged_prefill_kernel_reads_each_rows_own_slot(parts):
     # rows in another order than their slots, one slot twice (two pieces of one prompt in one forward)
     cache, ks, vs = scattered_cache([48, 16, 66], seed=3)
     order = [2, 0, 0]
     row_starts = [50, 16, 32]
     query = torch.randn(3, HEADS, 16, DIM)
     got = paged_attention.prefill(query, cache.k[0], cache.v[0], cache.table, torch.tensor(order),
-                                  torch.tensor(row_starts), DIM**-0.5)  # fmt: skip
+                                  torch.tensor(row_starts), DIM**-0.5, parts=parts)  # fmt: skip
     wants = causal_dense(query, row_starts, [16, 16, 16], [ks[o] for o in order], [vs[o] for o in order])
     for r, want in enumerate(wants):
         torch.testing.assert_close(got[r], want, rtol=1e-4, atol=1e-5)
@@ -130,19 +135,22 @@ def test_paged_decode_kernel_on_cuda_equals_gathered_attention(heads, kv_heads):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads, kv_heads", [(32, 4), (16, 2)])  # the thinker's and the talker's
-def test_paged_prefill_kernel_on_cuda_equals_gathered_attention(heads, kv_heads):
+@pytest.mark.parametrize("starts", [[0, 700, 29000], [29000]])  # the lone piece's grid is split into parts
+def test_paged_prefill_kernel_on_cuda_equals_gathered_attention(heads, kv_heads, starts):
     """Compiled, bf16, real head geometry: 512-token rows of long prompts' pieces, one at the start of its
-    prompt, one after 700 positions, one after 29,000, each over its own slot."""
-    starts, tokens = [0, 700, 29000], 512
+    prompt, one after 700 positions, one after 29,000, each over its own slot; and a piece after 29,000
+    alone, whose 128 or 64 programs prefill_parts() splits."""
+    tokens = 512
     g = torch.Generator(device="cuda").manual_seed(0)
-    cache = PagedKVCache(1, 3, kv_heads, 128, num_blocks=2048, max_len=32768, dtype=torch.bfloat16, device="cuda")
+    cache = PagedKVCache(1, len(starts), kv_heads, 128, num_blocks=2048, max_len=32768, dtype=torch.bfloat16,
+                         device="cuda")  # fmt: skip
     for slot, start in enumerate(starts):
         cache.grow(slot, start + tokens)
     cache.sync()
     for pool in (cache.k[0], cache.v[0]):
         pool.copy_(torch.randn(pool.shape, generator=g, device="cuda"))
-    query = torch.randn(3, heads, tokens, 128, generator=g, device="cuda").to(torch.bfloat16)
-    slots, starts_t = torch.arange(3, device="cuda"), torch.tensor(starts, device="cuda")
+    query = torch.randn(len(starts), heads, tokens, 128, generator=g, device="cuda").to(torch.bfloat16)
+    slots, starts_t = torch.arange(len(starts), device="cuda"), torch.tensor(starts, device="cuda")
     got = paged_attention.prefill(query, cache.k[0], cache.v[0], cache.table, slots, starts_t, 128**-0.5)
     for r, start in enumerate(starts):
         k, v = cache.gather(0, slots[r : r + 1], -(-(start + tokens) // BLOCK))
@@ -186,3 +194,10 @@ def test_decode_graphs_over_the_paged_kernel_equal_eager_steps_on_cuda(tiny_chec
             results = runner.decode(seqs)
         tokens[graphs] = out
     assert tokens[True] == tokens[False] and all(len(t) > 16 for t in tokens[True])
+
+
+def test_prefill_parts_fill_the_gpu_only_where_the_grid_does_not(monkeypatch):
+    monkeypatch.setattr(paged_attention, "_sms", lambda device: 132)  # an H100's or H200's SMs
+    assert paged_attention.prefill_parts(3 * 4 * 32, "cuda") == 1  # three 512-token rows: 384 programs
+    assert paged_attention.prefill_parts(1 * 4 * 32, "cuda") == 3  # a lone 512-token piece of the thinker
+    assert paged_attention.prefill_parts(1 * 2 * 8, "cuda") == paged_attention.PREFILL_PARTS  # capped
