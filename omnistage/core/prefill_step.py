@@ -1,6 +1,9 @@
 # One engine step's prefills while the scheduler builds it (core/scheduler.py): which sequences prefill and
 # how much of each one's prompt, under the step's budget of prompt tokens and rows. A prompt that prefills
 # in one piece goes whole; a longer one goes in whole chunks of what the budget leaves, and its last tokens.
+# While others decode, a long prompt's pieces grow in smaller units (piece_tokens) within a bound on what
+# they attend: the piece a step must give the oldest such prompt is one unit, not one chunk, so a step
+# beside running streams stays short however far into a long prompt its piece lies.
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
@@ -13,11 +16,13 @@ class PrefillStep:
     """The prefills of one step under construction: the prompt tokens and rows left to hand out."""
 
     def __init__(self, budget: int | None, rows: int, chunk_tokens: Callable[[Sequence], int],
-                 attended_budget: int | None = None):  # fmt: skip
+                 attended_budget: int | None = None, piece_tokens: int | None = None):  # fmt: skip
         """attended_budget: the most (new token, attended position) pairs that the pieces of prompts that go
-        in chunks may add up to, a piece of t tokens ending at position e counting t * e (None: no bound)."""
+        in chunks may add up to, a piece of t tokens ending at position e counting t * e (None: no bound);
+        piece_tokens: with that bound, the unit such pieces grow in (None: the prompt's chunk)."""
         self.budget = budget if budget is not None else 1 << 62
         self.attended = attended_budget if attended_budget is not None else 1 << 62
+        self.piece_tokens = piece_tokens if attended_budget is not None else None
         self.rows, self.chunk_tokens = rows, chunk_tokens
         self.prefills: list[Sequence] = []
 
@@ -41,7 +46,7 @@ class PrefillStep:
         if not chunked:
             piece = left
         elif first:
-            piece = min(left, self.chunk_tokens(seq))
+            piece = min(left, self._unit(seq))
         else:
             piece = self._largest_piece(seq, left)
         extend = any(seq is s for s in self.prefills)
@@ -58,9 +63,13 @@ class PrefillStep:
             self.prefills.append(seq)
         return True
 
+    def _unit(self, seq: Sequence) -> int:
+        chunk = self.chunk_tokens(seq)
+        return chunk if self.piece_tokens is None else min(chunk, self.piece_tokens)
+
     def _largest_piece(self, seq: Sequence, left: int) -> int:
-        """The most of seq's `left` prompt tokens that fit the budgets: whole chunks, or all that is left."""
-        chunk, start = self.chunk_tokens(seq), seq.prefilled
+        """The most of seq's `left` prompt tokens that fit the budgets: whole units, or all that is left."""
+        chunk, start = self._unit(seq), seq.prefilled
 
         def fits(n: int) -> bool:
             return n <= self.budget and n * (start + n) <= self.attended

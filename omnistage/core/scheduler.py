@@ -94,11 +94,12 @@ MAX_PREFILLS_PER_STEP = 32
 # H200 out of memory. Also what a step of prefill can hold the decode of every running stream back by.
 MAX_PREFILL_TOKENS = 16384
 # While other sequences decode, what the pieces of long prompts may attend in one step, as (new token,
-# attended position) pairs: one 512-token chunk at 32k positions, or 12 at 2,500 (W2's prompts). The
-# attention of a piece grows with its position: a 512-token chunk of a 30,000-token prompt is ~50 ms of the
-# H200 in the thinker, and a budget of 16k tokens of such pieces made steps of seconds that stalled every
-# running stream's speech. Alone, long prompts take the whole token budget.
-ATTENDED_BESIDE_DECODES = 16 << 20
+# attended position) pairs: one 128-token piece (stages/long_prefill.py: PIECE_TOKENS) at 32k positions,
+# or a W2 prompt (2,500 tokens) in two steps. The attention of a piece grows with its position: a 512-token chunk
+# of a 30,000-token prompt was ~50 ms of the H200 in the thinker (one chunk a step held 64 W1 streams beside
+# four such prompts at RTF 1.07), and a budget of 16k tokens of such pieces made steps of seconds that
+# stalled every running stream's speech. Alone, long prompts take the whole token budget in whole chunks.
+ATTENDED_BESIDE_DECODES = 4 << 20
 # Reply positions reserved at admission for a sequence that can be recomputed: a W1 reply (18 tokens) and
 # then some, so a full pool makes requests wait rather than preempt each other at once.
 REPLY_RESERVE_TOKENS = 64
@@ -120,18 +121,19 @@ class Scheduler:
     def __init__(self, max_slots: int, max_prefills_per_step: int = 8, max_waiting: int = 1024,
                  max_prefill_tokens: int | None = None, blocks: BlockPool | None = None,
                  reply_reserve: int | None = REPLY_RESERVE_TOKENS,
-                 attended_beside_decodes: int | None = None):  # fmt: skip
+                 attended_beside_decodes: int | None = None, piece_tokens: int | None = None):  # fmt: skip
         """blocks: the paged KV cache's pool (None: slots alone decide); reply_reserve: reply positions
         reserved at admission, None: the whole reply (sequences that cannot be recomputed, never preempted);
         attended_beside_decodes: while other sequences decode, the most (new token, attended position)
-        pairs a step's pieces of long prompts add up to (core/prefill_step.py; None: no bound)."""
+        pairs a step's pieces of long prompts add up to, and piece_tokens the unit those pieces grow in
+        (core/prefill_step.py; None: no bound, whole chunks)."""
         if max_slots < 1:
             raise ValueError("max_slots must be >= 1")
         self.max_slots = max_slots
         self.max_prefills_per_step = max_prefills_per_step
         self.max_waiting = max_waiting
         self.max_prefill_tokens = max_prefill_tokens
-        self.attended_beside_decodes = attended_beside_decodes
+        self.attended_beside_decodes, self.piece_tokens = attended_beside_decodes, piece_tokens
         self.blocks, self.reply_reserve = blocks, reply_reserve
         self._free = list(range(max_slots))  # min-heap
         self.waiting: deque[Sequence] = deque()
@@ -177,7 +179,7 @@ class Scheduler:
         self.wait_reason = None
         step = PrefillStep(self.max_prefill_tokens if prompt_tokens is not None else None, self.max_prefills_per_step,
                            chunk_tokens or (lambda s: s.prompt_len),
-                           self.attended_beside_decodes if decodes else None)  # fmt: skip
+                           self.attended_beside_decodes if decodes else None, self.piece_tokens)  # fmt: skip
         partial = [s for s in self.running.values() if s.prefilling]  # admission order: oldest first
         if partial:
             step.take(partial[0], first=True)

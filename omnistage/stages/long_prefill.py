@@ -1,13 +1,13 @@
 # Prefill of prompts longer than the static prefill takes whole (chunked prefill). The engine
-# hands such a prompt over in pieces across steps (core/scheduler.py), each piece whole chunks of
-# CHUNK_TOKENS but its prompt's last; here a piece is cut into rows of CHUNK_TOKENS that start where the
-# previous ones end, and every row of a step runs in one ChunkPrefill forward (stages/chunk_prefill.py),
-# with the slot's positions up to its own. Each layer writes all rows' K/V into their slots before any row
-# attends, so a row reads the rows before it of its prompt from the same forward as it reads the pieces of
-# earlier steps: the prompt's K/V and last hidden state are those of one causal pass over it. Rows start
-# every CHUNK_TOKENS from the prompt's start, or from the end of the kept prefix its slot took (the prefix
-# cache's blocks, never written), so one token bucket serves every row; a row padded to it ends inside the
-# block table (usable_prefix()), and its padded positions past the prompt's blocks write to the null block.
+# hands such a prompt over in pieces across steps (core/scheduler.py): whole chunks of CHUNK_TOKENS while
+# nothing else runs, whole units of PIECE_TOKENS beside decoding streams, and its prompt's last tokens. Here
+# a piece is cut into rows of CHUNK_TOKENS, its rest into rows of PIECE_TOKENS, each starting where the
+# previous one ends, and the rows of a step run in ChunkPrefill forwards (stages/chunk_prefill.py) of one
+# token bucket each, with the slot's positions up to their own. Each layer writes all rows' K/V into their
+# slots before any row attends, so a row reads the rows before it of its prompt from the same forward as it
+# reads the pieces of earlier steps: the prompt's K/V and last hidden state are those of one causal pass
+# over it. A row padded to its bucket ends inside the block table, which spans a chunk past the context on
+# graphs (runner.py), and its padded positions past the prompt's blocks write to the null block.
 # A prompt with media rows comes as InputRows (media_rows.py, encoded at its first piece and kept until its
 # last): its rows carry their MRoPE positions and deepstack rows into the same forward, and the accept
 # layer's rows at its media positions come back for the talker's conditioning.
@@ -24,6 +24,9 @@ from .paged_kv import PagedKVCache
 # Tokens per row, and the longest prompt the static prefill takes whole (runner.py): a text prompt is either
 # one static prefill row or rows of this size.
 CHUNK_TOKENS = 512
+# The unit of a long prompt's pieces beside decoding streams, and the rows their rest is cut into: the
+# piece a step must give a long prompt costs a quarter of a chunk's attention, wherever in the prompt it lies.
+PIECE_TOKENS = 128
 # Rows per forward (a step with more runs several, in row order): 8192 tokens at most. On CUDA each row
 # attends through its block table in the paged prefill kernel (models/paged_attention.py). Where attention
 # is gathered instead (the CPU), each row reads its slot up to the furthest row's end and transformers'
@@ -39,18 +42,9 @@ class LongPrefill:
         """deepstack / accept_layer: the thinker's media rows (LayerSpans); the talker's prompts need neither."""
         kv_buckets = tuple(length_buckets(cache.max_len, CHUNK_TOKENS))
         self.rows = ChunkPrefill(f"{name}_long", text_model, cache, max_rows=min(max_rows, MAX_ROWS),
-                                 cuda_graphs=cuda_graphs, token_buckets=(CHUNK_TOKENS,), kv_buckets=kv_buckets,
-                                 max_attended=MAX_ATTENDED, deepstack=deepstack, accept_layer=accept_layer)  # fmt: skip
-
-    def usable_prefix(self, prefix: int, length: int) -> int:
-        """How much of a kept prefix of `prefix` tokens a prompt of `length` tokens takes. Its rows start every
-        CHUNK_TOKENS after the prefix; padded to CHUNK_TOKENS (graphs), the last must end inside the block
-        table: where it would not, the prefix is cut back to whole chunks, whose rows fit a table that spans
-        whole chunks (DecoderRunner sizes it so on graphs)."""
-        if self.rows.row_buckets is None:
-            return prefix  # exact sizes: every row ends where its prompt does
-        last_row = prefix + (length - prefix - 1) // CHUNK_TOKENS * CHUNK_TOKENS
-        return prefix if last_row + CHUNK_TOKENS <= self.rows.max_kv else prefix // CHUNK_TOKENS * CHUNK_TOKENS
+                                 cuda_graphs=cuda_graphs, token_buckets=(PIECE_TOKENS, CHUNK_TOKENS),
+                                 kv_buckets=kv_buckets, max_attended=MAX_ATTENDED, deepstack=deepstack,
+                                 accept_layer=accept_layer)  # fmt: skip
 
     def run(self, pieces: list[tuple[InputRows, int, int]]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         """pieces: per prompt (its piece's rows, embeddings on the device; its slot; where the piece starts in
@@ -58,8 +52,8 @@ class LongPrefill:
         accept-layer rows at its media rows ([m, D], None without media rows or an accept layer)."""
         rows = []  # (piece, rows [<= CHUNK_TOKENS], slot, start)
         for i, (piece, slot, start) in enumerate(pieces):
-            starts = range(0, piece.embeds.shape[0], CHUNK_TOKENS)
-            rows += [(i, piece.cut(t, t + CHUNK_TOKENS), slot, start + t) for t in starts]
+            for t, n in row_cuts(piece.embeds.shape[0]):
+                rows.append((i, piece.cut(t, t + n), slot, start + t))
         last = torch.empty(len(pieces), self.rows.hidden_out.shape[1], dtype=self.rows.hidden_out.dtype,
                            device=self.rows.hidden_out.device)  # fmt: skip
         accepted: list[list[torch.Tensor]] = [[] for _ in pieces]
@@ -76,11 +70,14 @@ class LongPrefill:
         return last, [torch.cat(a) if a else None for a in accepted]
 
     def _groups(self, rows: list[tuple]) -> list[list[tuple]]:
-        """Consecutive rows cut into forwards that fit the ChunkPrefill (rows, attended positions)."""
+        """Consecutive rows cut into forwards of one token bucket that fit the ChunkPrefill (rows, attended
+        positions): a short row in a forward of whole chunks would be padded to a chunk."""
         groups = [[rows[0]]]
         for row in rows[1:]:
             group = groups[-1]
-            if self.rows.fits(len(group) + 1, CHUNK_TOKENS, max(row[3], *(r[3] for r in group))):
+            tokens = max(_length(r) for r in [row, *group])
+            if (_length(row) > PIECE_TOKENS) == (_length(group[0]) > PIECE_TOKENS) and \
+                    self.rows.fits(len(group) + 1, tokens, max(row[3], *(r[3] for r in group))):  # fmt: skip
                 group.append(row)
             else:
                 groups.append([row])
@@ -90,3 +87,15 @@ class LongPrefill:
         """Captures every bucket into the graph memory pool `pool` (shared with the static prefill's)."""
         self.rows.bank.pool = pool
         self.rows.capture_all()
+
+
+def row_cuts(tokens: int) -> list[tuple[int, int]]:
+    """(start, length) of the rows a piece of `tokens` tokens is cut into: whole chunks, then the rest in
+    rows of at most PIECE_TOKENS (a piece beside decodes is such rows alone)."""
+    whole = tokens // CHUNK_TOKENS * CHUNK_TOKENS
+    return [(t, CHUNK_TOKENS) for t in range(0, whole, CHUNK_TOKENS)] + \
+        [(t, min(PIECE_TOKENS, tokens - t)) for t in range(whole, tokens, PIECE_TOKENS)]  # fmt: skip
+
+
+def _length(row: tuple) -> int:
+    return row[1].embeds.shape[0]

@@ -43,8 +43,9 @@ class DecoderRunner:
         t = text_config
         # a request's prompt + reply: the checkpoint's context, or the profile's cap (max_seq_len) below it
         self.context = min(max_seq_len, t.max_position_embeddings)
-        # with graphs a block table spans whole chunks, so that a chunk's padded row ends inside it
-        table_len = -(-self.context // CHUNK_TOKENS) * CHUNK_TOKENS if cuda_graphs else self.context
+        # with graphs a block table spans a chunk past the context, so that a long prompt's row padded to its
+        # bucket ends inside it wherever the row starts (stages/long_prefill.py)
+        table_len = (-(-self.context // CHUNK_TOKENS) + 1) * CHUNK_TOKENS if cuda_graphs else self.context
         self.kv_plan = plan_pool(t, dtype, max_slots, self.context, kv_cache_bytes)
         self.cache = PagedKVCache(t.num_hidden_layers, max_slots, t.num_key_value_heads, t.head_dim,
                                   num_blocks=self.kv_plan.blocks, max_len=table_len, dtype=dtype, device=self.device)  # fmt: skip

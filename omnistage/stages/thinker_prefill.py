@@ -95,20 +95,14 @@ class ThinkerPrefill:
         return results
 
     def prefix_blocks(self, seq: Sequence) -> list[int]:
-        """The kept prefix a waiting prompt in chunks starts with (core/scheduler.py): its pool blocks, as far
-        as its chunk rows allow (LongPrefill.usable_prefix) and, with media, cut between items. A
-        conversation's next turn finds its earlier turns here: a long prompt's blocks are kept after its
-        prefill (see prefill())."""
+        """The kept prefix a waiting prompt in chunks starts with (core/scheduler.py): its pool blocks, cut
+        between items where it has media. A conversation's next turn finds its earlier turns here: a long
+        prompt's blocks are kept after its prefill (see prefill())."""
         if self.prefix is None or not self._in_chunks(seq):
             return []
-        p, n = seq.payload, self.prompt_tokens(seq)
-        if p.is_text_only:
-            found = self.prefix.peek(self._prompt_ids(seq).tolist())
-            return found.entries[: self.long_prefill.usable_prefix(found.tokens, n) // BLOCK]
-        found = self.media_prefix.match(p, peek=True)
-        while (tokens := self.long_prefill.usable_prefix(found.tokens, n)) < found.tokens:
-            found = self.media_prefix.usable(PrefixMatch(found.names, found.entries[: tokens // BLOCK]), p)
-        return found.entries
+        if seq.payload.is_text_only:
+            return self.prefix.peek(self._prompt_ids(seq).tolist()).entries
+        return self.media_prefix.match(seq.payload, peek=True).entries
 
     def preempt(self, seq: Sequence) -> None:
         super().preempt(seq)

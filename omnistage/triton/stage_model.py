@@ -18,6 +18,7 @@ from ..core.scheduler import (ATTENDED_BESIDE_DECODES, MAX_PREFILL_TOKENS, MAX_P
 from ..models import experts, fused
 from ..models.checkpoint import load_config, load_stage, resolve_checkpoint
 from ..stages.kv_budget import kv_budget_bytes
+from ..stages.long_prefill import PIECE_TOKENS
 from .logs import setup_logging, stop_fault_reports
 from .metrics import StageMetrics
 from .responder import Responder, answer_probe, error_response, send_final
@@ -95,7 +96,7 @@ class StageModel:
         scheduler = Scheduler(self.max_slots, self.max_prefills, int(self.params.get("max_queue", 1024)),
                               MAX_PREFILL_TOKENS, blocks=runner.cache.pool,
                               reply_reserve=REPLY_RESERVE_TOKENS if runner.RECOMPUTES else None,
-                              attended_beside_decodes=ATTENDED_BESIDE_DECODES)  # fmt: skip
+                              attended_beside_decodes=ATTENDED_BESIDE_DECODES, piece_tokens=PIECE_TOKENS)  # fmt: skip
         self.engine = StageEngine(self.STAGE, runner, scheduler, self.responder.emit)
         self.responder.start()
         self.engine.start()

@@ -3,6 +3,8 @@
 # transformers' generate() on the whole prompt, for the thinker and the talker alike.
 import threading
 
+import types
+
 import pytest
 import torch
 
@@ -10,7 +12,7 @@ from omnistage.core.engine import StageEngine
 from omnistage.core.sampling import SamplingParams
 from omnistage.core.scheduler import Scheduler, Sequence
 from omnistage.models.processor import prepare_inputs
-from omnistage.stages.long_prefill import CHUNK_TOKENS
+from omnistage.stages.long_prefill import CHUNK_TOKENS, PIECE_TOKENS, row_cuts
 from omnistage.stages.talker import TalkerPrompt, TalkerRunner
 from omnistage.stages.thinker import ThinkerPrompt, ThinkerRunner
 
@@ -63,7 +65,7 @@ class Outputs:
                 self.got[request_id] = self.got[request_id].merge(output) if request_id in self.got else output
             if finish_reason or error:
                 self.ended[request_id] = finish_reason or error
-                self.cv.notify_all()
+            self.cv.notify_all()
 
     def wait(self, *ids, timeout=300):
         with self.cv:
@@ -71,16 +73,23 @@ class Outputs:
         assert all(self.ended[i] == "length" for i in ids), self.ended
 
 
-def serve(runner, budget, requests):
+def serve(runner, budget, requests, later=(), **scheduler):
     """Runs (request id, params, payload) through a StageEngine over `runner` with a per-step prefill budget
-    of `budget` tokens; every request added before the loop starts. Returns the outputs and the step log."""
+    of `budget` tokens (and the Scheduler's other arguments); every request added before the loop starts,
+    those of `later` once the first request's first output is out. Returns the outputs and the step log."""
     steps, out = Steps(runner), Outputs()
-    engine = StageEngine("test", runner, Scheduler(4, max_prefills_per_step=4, max_prefill_tokens=budget), out)
+    engine = StageEngine("test", runner, Scheduler(4, max_prefills_per_step=4, max_prefill_tokens=budget, **scheduler),
+                         out)  # fmt: skip
     for request_id, params, payload in requests:
         engine.add(Sequence(request_id, params, payload))
     engine.start()
     try:
-        out.wait(*[r[0] for r in requests])
+        if later:
+            with out.cv:
+                assert out.cv.wait_for(lambda: requests[0][0] in out.got, 300)
+            for request_id, params, payload in later:
+                engine.add(Sequence(request_id, params, payload))
+        out.wait(*[r[0] for r in [*requests, *later]])
     finally:
         engine.stop()
     return out.got, steps
@@ -147,6 +156,37 @@ def test_a_long_prompt_prefilled_in_pieces_beside_a_running_stream_matches_gener
     assert torch.equal(codes["long"].codes, want_codes)
 
 
+def test_beside_a_running_stream_a_long_prompt_goes_in_units_and_matches_generate(hf_model, processor, long_inputs,
+                                                                                  long_want, long_kv):  # fmt: skip
+    """With a bound on what pieces attend beside decodes that leaves room for one unit at the prompt's
+    start and none beyond what a step must give: while the short stream decodes, the long prompt goes
+    PIECE_TOKENS at a time, its last piece the rest (test_scheduler.py has the chunks that follow once
+    nothing decodes). Its reply and K/V are generate()'s."""
+    short_inputs = prepare_inputs(processor, oracle.messages("text"))
+    thinker = ThinkerRunner(hf_model.thinker, hf_model.config, **RUNNER)
+    n = long_inputs["input_ids"].shape[1]
+    short = ("short", SamplingParams(max_tokens=64, ignore_eos=True), ThinkerPrompt(short_inputs["input_ids"][0]))
+    long = ("long", SamplingParams(max_tokens=REPLY, ignore_eos=True), ThinkerPrompt(long_inputs["input_ids"][0]))
+    got, steps = serve(thinker, 4 * CHUNK_TOKENS, [short], later=[long], piece_tokens=PIECE_TOKENS,
+                       attended_beside_decodes=PIECE_TOKENS * PIECE_TOKENS)  # fmt: skip
+    pieces = steps.pieces("long")
+    beside = [p["long"] for (phase, p), (after, q) in zip(steps.log, steps.log[1:])
+              if phase == "prefill" and "long" in p and after == "decode" and "short" in q]  # fmt: skip
+    assert len(beside) >= 2 and all(b - a == PIECE_TOKENS for a, b in beside if b < n)
+    assert pieces[0] == (0, PIECE_TOKENS) and pieces[-1][1] == n
+    assert all(b == c for (_, b), (c, _) in zip(pieces, pieces[1:]))
+    assert got["long"].token_ids == long_want[0] and got["short"].token_ids == \
+        oracle.generate(hf_model, short_inputs, 64, FRAMES)[0]  # fmt: skip
+    assert_same_kv(steps.kv["long"], long_kv)
+
+
+def test_a_piece_is_cut_into_chunks_then_units():
+    assert row_cuts(2 * CHUNK_TOKENS) == [(0, CHUNK_TOKENS), (CHUNK_TOKENS, CHUNK_TOKENS)]
+    assert row_cuts(CHUNK_TOKENS + PIECE_TOKENS + 5) == [(0, CHUNK_TOKENS), (CHUNK_TOKENS, PIECE_TOKENS),
+                                                         (CHUNK_TOKENS + PIECE_TOKENS, 5)]  # fmt: skip
+    assert row_cuts(PIECE_TOKENS) == [(0, PIECE_TOKENS)]
+
+
 def test_a_long_prompt_prefilled_in_one_step_matches_generate(hf_model, long_inputs, long_want, long_kv):
     """With the budget for all of it, a long prompt's chunks run as rows of one step's forwards (each row
     reading the rows before it, in the same forward or an earlier one): the same reply and K/V as
@@ -167,9 +207,13 @@ def test_rows_go_in_forwards_that_bound_rows_times_attended_positions(hf_model):
     rows x kv positions stay within the bound, so rows that attend far go in smaller forwards."""
     long = ThinkerRunner(hf_model.thinker, hf_model.config, **RUNNER).long_prefill
     long.rows.row_buckets, long.rows.max_attended = [1, 2, 4, 8, 16], 4096
-    rows = [(0, None, 0, start) for start in range(0, 4 * CHUNK_TOKENS, CHUNK_TOKENS)]
+    row = lambda start, tokens: (0, types.SimpleNamespace(embeds=torch.zeros(tokens, 1)), 0, start)  # noqa: E731
+    rows = [row(start, CHUNK_TOKENS) for start in range(0, 4 * CHUNK_TOKENS, CHUNK_TOKENS)]
     # 2 rows x 1024 positions; a third would make 4 (bucket) x 2048: the next forward, 2 x 2048
     assert [[r[3] for r in g] for g in long._groups(rows)] == [[0, 512], [1024, 1536]]
+    # a unit's rows never share a forward with whole chunks, which would pad them to a chunk
+    rows = [row(0, CHUNK_TOKENS), row(512, PIECE_TOKENS), row(640, PIECE_TOKENS)]
+    assert [[r[3] for r in g] for g in long._groups(rows)] == [[0], [512, 640]]
 
 
 @pytest.mark.gpu
@@ -188,8 +232,9 @@ def test_long_prefill_graphs_in_pieces_equal_one_eager_pass_on_cuda(tiny_checkpo
 
 
 def pieces_as_graphs_and_whole_eager_on_cuda(tiny_checkpoint, prompt: ThinkerPrompt) -> tuple:
-    """A long prompt prefilled in slot 1 of two bf16 thinker runners on CUDA: one replaying graphs, in two
-    pieces as the scheduler hands them over (a chunk, then the rest), one eager at exact sizes, whole.
+    """A long prompt prefilled in slot 1 of two bf16 thinker runners on CUDA: one replaying graphs, in pieces
+    as the scheduler hands them over (a unit beside decodes, a chunk off the chunk grid, then the rest), one
+    eager at exact sizes, whole.
     Returns the last piece's and the whole prefill's StepResult, and the two runners (graphed, eager)."""
     from omnistage.models.checkpoint import load_config, load_stage
 
@@ -204,7 +249,7 @@ def pieces_as_graphs_and_whole_eager_on_cuda(tiny_checkpoint, prompt: ThinkerPro
     graphs.validate(pieced)
     eager.validate(whole)
     pieced.prompt_len = n
-    for end in (CHUNK_TOKENS, n):
+    for end in (PIECE_TOKENS, PIECE_TOKENS + CHUNK_TOKENS, n):
         pieced.chunk, pieced.prefilled = end - pieced.prefilled, end
         [result] = graphs.prefill([pieced])
         assert (result.output is None) == (end < n)

@@ -107,17 +107,6 @@ def test_a_burst_of_unrelated_long_prompts_leaves_a_shared_short_prefix_kept(hf_
         served.close()
 
 
-def test_a_kept_prefix_is_cut_back_to_whole_chunks_where_a_padded_row_would_leave_the_block_table(hf_model):
-    long = ThinkerRunner(hf_model.thinker, hf_model.config, max_slots=1, max_seq_len=2048, device="cpu",
-                         dtype=torch.float32).long_prefill  # fmt: skip
-    assert long.usable_prefix(1600, 2000) == 1600  # exact sizes: every row ends with its prompt
-    long.rows.row_buckets = [1]  # rows padded to CHUNK_TOKENS, as on graphs, in a 2048-position table
-    assert long.usable_prefix(1040, 1552) == 1040  # one row, 1040 .. 1552
-    assert long.usable_prefix(1040, 2000) == 2 * CHUNK_TOKENS  # a second row at 1552 would end at 2064
-    assert long.usable_prefix(1600, 2000) == 3 * CHUNK_TOKENS  # its one row would end at 2112
-    assert long.usable_prefix(0, 2000) == 0
-
-
 def _next_turn(runner, first, second, slot):
     """Prefills `first` whole (its blocks are kept), then `second` in one piece after the kept prefix it finds,
     as the scheduler hands it over. Returns the second's prefill result and its kept prefix's length."""

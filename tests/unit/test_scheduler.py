@@ -145,6 +145,23 @@ def test_while_others_decode_long_prompts_attend_within_a_bound_per_step():
     assert pieces(s.schedule(**hooks)) == {"long": (300, 1000), "later": (100, 400)}
 
 
+def test_beside_decodes_long_prompts_grow_in_units_and_alone_in_chunks():
+    # units of 40 while "run" decodes: "long" starts with one (40 x 40 = 1,600 pairs of the bound's 2,000, two
+    # would be 80 x 80), "later" gets none; then "long" goes on by the unit a step must give it, over the
+    # bound; once nothing decodes, whole chunks of 100 from wherever the units left "long", or all of its rest
+    s = Scheduler(max_slots=4, max_prefills_per_step=4, max_prefill_tokens=1000, attended_beside_decodes=2000,
+                  piece_tokens=40)  # fmt: skip
+    hooks = chunked({"run": 50, "long": 1000, "later": 900})
+    s.add(seq("run"))
+    s.schedule(**hooks)
+    s.add(seq("long"))
+    s.add(seq("later"))
+    assert pieces(s.schedule(**hooks)) == {"long": (0, 40)}
+    assert pieces(s.schedule(**hooks)) == {"long": (40, 80)}
+    s.finish(s.running["run"])
+    assert pieces(s.schedule(**hooks)) == {"long": (80, 1000)}
+
+
 def test_a_short_prompt_over_the_budget_lets_no_newer_long_prompt_go_first():
     s = Scheduler(max_slots=4, max_prefills_per_step=4, max_prefill_tokens=200)
     lengths = {"first": 150, "short": 100, "long": 1000}
