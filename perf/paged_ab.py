@@ -1,8 +1,9 @@
 # Long contexts beside many short streams, in one device call (run through perf/paged_ab.sh): the server on
 # the full-size dummy weights, then
 #   w1_64:  W1 at 64 streams (the sweep's top level, for the A/B against the static cache's run);
-#   mixed:  64 W1 streams and, at the same time, 4 streams of LONG_TOKENS-token prompts of random text;
-#   alone:  one ALONE_TOKENS-token prompt, nothing else running.
+#   mixed:  64 W1 streams and, at the same time, 4 streams of LONG_TOKENS-token prompts of random text,
+#           each answered as W2 is (900 reply tokens and frames: 72 s of audio);
+#   alone:  one ALONE_TOKENS-token prompt, nothing else running, with a short reply (ALONE_REPLY).
 # Every level has a deadline, and paged_ab.json is rewritten after each (stage metrics before and after
 # each level: KV blocks in use, preemptions, requests waiting for blocks or rows; each GPU process's memory).
 # A level whose deadline cut a request has every stub's thread stacks dumped at once (stacks.tar.gz).
@@ -25,7 +26,11 @@ from perf.metrics import LevelResult
 
 LONG_TOKENS = 30000
 ALONE_TOKENS = 60000
-LONG_REPLY = 64  # reply tokens = codec frames (5 s of audio) of the long prompts
+# Reply tokens = codec frames. The long prompts' RTF (arrival to last audio over the audio's length) is read
+# for W2's reply, the long-prompt workload of vLLM-Omni's DFX figures: a 5 s reply would measure the
+# prefill of 30,000 tokens beside 64 streams against 5 s. The lone 60k prompt needs only to be served.
+LONG_REPLY = 900
+ALONE_REPLY = 64
 
 
 def level(url: str, workload, concurrency: int, prompts: int, limit: float, offset: int = 0):
@@ -100,7 +105,7 @@ class PagedAB:
         if a.w1_only:
             return
         long = workloads.w2(4, prompt_tokens=LONG_TOKENS).with_lengths(LONG_REPLY, LONG_REPLY)
-        alone = workloads.w2(1, seed=1, prompt_tokens=ALONE_TOKENS).with_lengths(LONG_REPLY, LONG_REPLY)
+        alone = workloads.w2(1, seed=1, prompt_tokens=ALONE_TOKENS).with_lengths(ALONE_REPLY, ALONE_REPLY)
         limit = min(150, self.left() * 0.6)
 
         async def mixed():
