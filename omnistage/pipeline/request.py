@@ -207,11 +207,13 @@ class OmniRequest:
         if "finish_reason" in out:
             self.finish_reason = out["finish_reason"]
             self._mark("thinker_done")
-        if self.options.want_audio and not self.cancelled.is_set() and not self._speech_ended:
-            self._feed_talker(out, ids)
         text = self.detok.push(ids) if ids else ""
         if text or ids or usage:
             self.emit(OmniOutput(text=text, token_ids=ids, usage=usage), None, None)
+        # after the text is out: the talker's start returns with its first frames (a Triton BLS call
+        # returns with its first response), so feeding it first would hold the first token back that long
+        if self.options.want_audio and not self.cancelled.is_set() and not self._speech_ended:
+            self._feed_talker(out, ids)
 
     def _feed_talker(self, out: dict, ids: list[int]) -> None:
         if "talker_user_ids" in out:

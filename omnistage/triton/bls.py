@@ -59,11 +59,11 @@ class BlsStageClient:
         self.routers = {s: ReplicaRouter((replicas or {}).get(s) or [s]) for s in ("thinker", "talker", "code2wav")}
 
     def _stream(self, model: str, outputs, inputs: dict, parameters: dict) -> Iterator[dict]:
-        """Sends the request now and returns an iterator over its outputs. Sending at call time orders a
-        session's calls as the caller makes them: the talker's start reaches the stage before the appends
-        that the thinker's thread sends while the talker's own thread has not begun reading yet (a
-        generator would send only on its first read, and the stage drops appends to a stream it does not
-        know)."""
+        """Sends the request now and returns an iterator over its outputs; the 2.51 stub's exec() returns
+        once the first response is in, so the call waits that long. Sending at call time orders a session's
+        calls as the caller makes them: the talker's start reaches the stage before the appends that the
+        thinker's thread sends while the talker's own thread has not begun reading yet (a generator would
+        send only on its first read, and the stage drops appends to a stream it does not know)."""
         request = pb_utils.InferenceRequest(
             model_name=model,
             inputs=[from_torch(k, v) for k, v in inputs.items() if v is not None],
