@@ -128,6 +128,7 @@ class OmniRequest:
         self._speech_ended = False
         self.threads = threads
         self._talker_job: Future | None = None  # _run_talker on a thread of `threads`, once the talker started
+        self._talker_open = False  # its start is sent (or being sent): an abort goes to the talker too
         self._code2wav_job: Future | None = None
         self._windows: queue.SimpleQueue = queue.SimpleQueue()
         self._frames: list[torch.Tensor] = []  # [16] long each, frames not yet sent to code2wav
@@ -241,7 +242,12 @@ class OmniRequest:
         if self.inputs.get("feature_attention_mask") is not None:
             inputs["audio_feature_lengths"] = self.inputs["feature_attention_mask"].sum(-1).long()
         parameters = dict(self.options.talker_parameters, speaker=self.options.speaker, text_end=end)
-        stream = self.stages.talker(self.session, inputs, parameters)
+        self._talker_open = True
+        stream = self.stages.talker(self.session, inputs, parameters)  # returns with the talker's first frames
+        if self.cancelled.is_set() or self.error is not None:
+            # cancelled while the start was on its way: that abort may have reached the talker first, this
+            # one comes after the start (the talker ignores an abort of a stream it no longer has)
+            self.stages.abort("talker", self.session)
         self._mark("talker_started")
         self._talker_job = self.threads.submit(self._run_talker, stream)
         self._code2wav_job = self.threads.submit(self._run_code2wav)
@@ -325,7 +331,7 @@ class OmniRequest:
             self._abort_stages()
 
     def _abort_stages(self) -> None:
-        opened = {"thinker": True, "talker": self._talker_job is not None, "code2wav": self._code2wav_open}
+        opened = {"thinker": True, "talker": self._talker_open, "code2wav": self._code2wav_open}
         for stage, started in opened.items():
             if started:
                 try:

@@ -52,3 +52,29 @@ def test_the_first_token_is_out_before_the_talker_starts():
     assert done.is_set() and "".join(emitted).startswith("Hello there")
     # each of the thinker's outputs went to the client before it went to the talker
     assert stages.calls == [("start", 1), ("append", 2), ("append", 2)]
+
+
+def test_a_client_that_leaves_during_the_talker_start_frees_the_talker():
+    # the cancel comes while the start is on its way (the BLS call has not returned): the talker gets an
+    # abort after its start, not only one that may have overtaken it
+    tokenizer = build_tokenizer()
+    hello = tokenizer.encode("Hello")
+    calls, box = [], {}
+
+    class LeftDuringStart(ScriptedStages):
+        def talker(self, session, inputs, parameters):
+            calls.append("start")
+            box["request"].cancel()
+            return iter([])
+
+        def abort(self, stage, session):
+            calls.append(f"abort {stage}")
+
+    stages = LeftDuringStart([{"token_ids": torch.tensor(hello), "text_rows": rows(hello), **COND},
+                              {"token_ids": torch.tensor([151645]), "text_rows": torch.zeros(0, 8),
+                               "finish_reason": "stop"}])  # fmt: skip
+    options = OmniOptions.from_parameters({"modalities": "text,audio"}, {"ethan"})
+    box["request"] = OmniRequest("s", {"input_ids": torch.tensor([1, 2])}, options, stages, tokenizer,
+                                 ChunkSchedule(4, 25), lambda *a: None)  # fmt: skip
+    box["request"].run()
+    assert calls.index("start") < len(calls) - 1 - calls[::-1].index("abort talker")
