@@ -1,9 +1,10 @@
 # Prefill of prompts longer than the static prefill takes whole (chunked prefill). The engine
 # hands such a prompt over in pieces across steps (core/scheduler.py): whole chunks of CHUNK_TOKENS while
 # nothing else runs, whole units of PIECE_TOKENS beside decoding streams, and its prompt's last tokens. Here
-# a piece is cut into rows of CHUNK_TOKENS, its rest into rows of PIECE_TOKENS, each starting where the
-# previous one ends, and the rows of a step run in ChunkPrefill forwards (stages/chunk_prefill.py) of one
-# token bucket each, with the slot's positions up to their own. Each layer writes all rows' K/V into their
+# a piece is cut into rows of CHUNK_TOKENS, each starting where the previous one ends; a row of at most
+# PIECE_TOKENS (a unit, or a prompt's short rest) takes a token bucket of that size instead of a chunk's. A
+# step's rows run in ChunkPrefill forwards (stages/chunk_prefill.py) of one bucket each, those of whole
+# chunks first, with the slot's positions up to their own. Each layer writes all rows' K/V into their
 # slots before any row attends, so a row reads the rows before it of its prompt from the same forward as it
 # reads the pieces of earlier steps: the prompt's K/V and last hidden state are those of one causal pass
 # over it. A row padded to its bucket ends inside the block table, which spans a chunk past the context on
@@ -24,7 +25,7 @@ from .paged_kv import PagedKVCache
 # Tokens per row, and the longest prompt the static prefill takes whole (runner.py): a text prompt is either
 # one static prefill row or rows of this size.
 CHUNK_TOKENS = 512
-# The unit of a long prompt's pieces beside decoding streams, and the rows their rest is cut into: the
+# The unit of a long prompt's pieces beside decoding streams, and the smaller token bucket of its rows: the
 # piece a step must give a long prompt costs a quarter of a chunk's attention, wherever in the prompt it lies.
 PIECE_TOKENS = 128
 # Rows per forward (a step with more runs several, in row order): 8192 tokens at most. On CUDA each row
@@ -52,13 +53,15 @@ class LongPrefill:
         accept-layer rows at its media rows ([m, D], None without media rows or an accept layer)."""
         rows = []  # (piece, rows [<= CHUNK_TOKENS], slot, start)
         for i, (piece, slot, start) in enumerate(pieces):
-            for t, n in row_cuts(piece.embeds.shape[0]):
-                rows.append((i, piece.cut(t, t + n), slot, start + t))
+            starts = range(0, piece.embeds.shape[0], CHUNK_TOKENS)
+            rows += [(i, piece.cut(t, t + CHUNK_TOKENS), slot, start + t) for t in starts]
+        # the short rows after the chunks: at most two buckets a step, and a piece's short row is its last
+        rows.sort(key=lambda r: _length(r) <= PIECE_TOKENS)
         last = torch.empty(len(pieces), self.rows.hidden_out.shape[1], dtype=self.rows.hidden_out.dtype,
                            device=self.rows.hidden_out.device)  # fmt: skip
         accepted: list[list[torch.Tensor]] = [[] for _ in pieces]
         keep = self.rows.spans.accept_layer is not None
-        for group in self._groups(rows):  # in row order: a prompt's rows stay in order
+        for group in self._groups(rows):  # a prompt's rows stay in order
             hidden = self.rows.run([r[1].embeds for r in group], [r[2] for r in group], [r[3] for r in group],
                                    positions=[r[1].positions for r in group],
                                    deepstack=[r[1].deepstack for r in group])  # fmt: skip
@@ -87,14 +90,6 @@ class LongPrefill:
         """Captures every bucket into the graph memory pool `pool` (shared with the static prefill's)."""
         self.rows.bank.pool = pool
         self.rows.capture_all()
-
-
-def row_cuts(tokens: int) -> list[tuple[int, int]]:
-    """(start, length) of the rows a piece of `tokens` tokens is cut into: whole chunks, then the rest in
-    rows of at most PIECE_TOKENS (a piece beside decodes is such rows alone)."""
-    whole = tokens // CHUNK_TOKENS * CHUNK_TOKENS
-    return [(t, CHUNK_TOKENS) for t in range(0, whole, CHUNK_TOKENS)] + \
-        [(t, min(PIECE_TOKENS, tokens - t)) for t in range(whole, tokens, PIECE_TOKENS)]  # fmt: skip
 
 
 def _length(row: tuple) -> int:

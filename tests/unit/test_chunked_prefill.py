@@ -12,7 +12,7 @@ from omnistage.core.engine import StageEngine
 from omnistage.core.sampling import SamplingParams
 from omnistage.core.scheduler import Scheduler, Sequence
 from omnistage.models.processor import prepare_inputs
-from omnistage.stages.long_prefill import CHUNK_TOKENS, PIECE_TOKENS, row_cuts
+from omnistage.stages.long_prefill import CHUNK_TOKENS, PIECE_TOKENS
 from omnistage.stages.talker import TalkerPrompt, TalkerRunner
 from omnistage.stages.thinker import ThinkerPrompt, ThinkerRunner
 
@@ -180,11 +180,28 @@ def test_beside_a_running_stream_a_long_prompt_goes_in_units_and_matches_generat
     assert_same_kv(steps.kv["long"], long_kv)
 
 
-def test_a_piece_is_cut_into_chunks_then_units():
-    assert row_cuts(2 * CHUNK_TOKENS) == [(0, CHUNK_TOKENS), (CHUNK_TOKENS, CHUNK_TOKENS)]
-    assert row_cuts(CHUNK_TOKENS + PIECE_TOKENS + 5) == [(0, CHUNK_TOKENS), (CHUNK_TOKENS, PIECE_TOKENS),
-                                                         (CHUNK_TOKENS + PIECE_TOKENS, 5)]  # fmt: skip
-    assert row_cuts(PIECE_TOKENS) == [(0, PIECE_TOKENS)]
+@torch.inference_mode()
+def test_short_rows_go_after_every_piece_s_chunks(hf_model, long_inputs, long_kv):
+    """Two long prompts in one step, one whose rest after its chunks fits a unit's bucket (76 tokens) and one
+    whose rest does not (156): the short row runs after both prompts' chunk rows, and both slots hold their
+    prompts' K/V as one forward over each gives them."""
+    ids = long_inputs["input_ids"][0]
+    short_rest = ids[: 2 * CHUNK_TOKENS + 76]
+    past = hf_model.thinker(input_ids=short_rest[None], use_cache=True).past_key_values
+    want = [layer.keys[0] for layer in past.layers], [layer.values[0] for layer in past.layers]
+    thinker = ThinkerRunner(hf_model.thinker, hf_model.config, **RUNNER)
+    forwards = []
+    run = thinker.long_prefill.rows.run
+    thinker.long_prefill.rows.run = lambda embeds, *a, **k: forwards.append([e.shape[0] for e in embeds]) or \
+        run(embeds, *a, **k)  # fmt: skip
+    got, steps = serve(thinker, 8 * CHUNK_TOKENS, [
+        ("a", SamplingParams(max_tokens=1), ThinkerPrompt(short_rest)),
+        ("b", SamplingParams(max_tokens=1), ThinkerPrompt(ids)),
+    ])  # fmt: skip
+    assert steps.pieces("a") == [(0, short_rest.numel())] and steps.pieces("b") == [(0, ids.numel())]
+    assert sorted(sum(forwards, []))[:1] == [76] and forwards[-1] == [76]  # the unit-sized row last
+    assert_same_kv(steps.kv["a"], want)
+    assert_same_kv(steps.kv["b"], long_kv)
 
 
 def test_a_long_prompt_prefilled_in_one_step_matches_generate(hf_model, long_inputs, long_want, long_kv):
