@@ -96,9 +96,10 @@ MAX_PREFILL_TOKENS = 16384
 # While other sequences decode, what the pieces of long prompts may attend in one step, as (new token,
 # attended position) pairs: one 128-token piece (stages/long_prefill.py: PIECE_TOKENS) at 32k positions,
 # or a W2 prompt (2,500 tokens) in two steps. The attention of a piece grows with its position: a 512-token chunk
-# of a 30,000-token prompt was ~50 ms of the H200 in the thinker (one chunk a step held 64 W1 streams beside
-# four such prompts at RTF 1.07), and a budget of 16k tokens of such pieces made steps of seconds that
-# stalled every running stream's speech. Alone, long prompts take the whole token budget in whole chunks.
+# of a 30,000-token prompt is ~50 ms of the H200 in the thinker (with one such chunk a step, 64 W1 streams
+# beside four such prompts ran at RTF 1.07, perf/README.md), and 16k tokens of such pieces a step make
+# steps of seconds that stall every running stream's speech. Alone, long prompts take the whole token
+# budget in whole chunks.
 ATTENDED_BESIDE_DECODES = 4 << 20
 # Reply positions reserved at admission for a sequence that can be recomputed: a W1 reply (18 tokens) and
 # then some, so a full pool makes requests wait rather than preempt each other at once.

@@ -48,9 +48,7 @@ if fused_ops.available():
             s = tl.dot(q, tl.trans(k)) * scale  # [R, TILE]
             s = tl.where(valid[None, :] & (tok[None, :] <= pos[:, None]), s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
-            # a query that sees none of the positions so far (a prefill part before its position) keeps m
-            # = -inf: subtract 0 there, not -inf, so that its weights are 0 and not NaN
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            m_safe = _finite(m_new)
             alpha = tl.exp(m - m_safe)
             weights = tl.exp(s - m_safe[:, None])
             l = l * alpha + tl.sum(weights, 1)
@@ -58,6 +56,13 @@ if fused_ops.available():
             acc = acc * alpha[:, None] + tl.dot(weights.to(v.dtype), v)
             m = m_new
         return m, l, acc
+
+    @triton.jit
+    def _finite(m):
+        """The running max to subtract: 0 where it is still -inf (a query that saw none of the positions so
+        far, as a prefill part before its position leaves it, or a merged part that saw nothing), so that
+        such weights come out 0, not NaN."""
+        return tl.where(m == float("-inf"), 0.0, m)
 
     @triton.jit
     def _part_len(length, PARTS: tl.constexpr, TILE: tl.constexpr):
@@ -102,7 +107,7 @@ if fused_ops.available():
             at = first + p
             m = tl.load(m_ptr + at * R + i)
             m_new = tl.maximum(m_all, m)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # as in _attend: parts that saw nothing
+            m_safe = _finite(m_new)
             mine, theirs = tl.exp(m_all - m_safe), tl.exp(m - m_safe)
             l_all = l_all * mine + tl.load(l_ptr + at * R + i) * theirs
             acc = tl.load(acc_ptr + (at * R + i)[:, None] * D + d[None, :])

@@ -246,7 +246,7 @@ class OmniRequest:
         stream = self.stages.talker(self.session, inputs, parameters)  # returns with the talker's first frames
         if self.cancelled.is_set() or self.error is not None:
             # cancelled while the start was on its way: that abort may have reached the talker first, this
-            # one comes after the start (the talker ignores an abort of a stream it no longer has)
+            # one comes after the start (the talker ignores an abort of a stream it does not hold)
             self.stages.abort("talker", self.session)
         self._mark("talker_started")
         self._talker_job = self.threads.submit(self._run_talker, stream)

@@ -48,8 +48,9 @@ class TalkerRunner(DecoderRunner):
     # could not be recomputed, so the scheduler reserves a talker sequence's whole reply when it admits it
     RECOMPUTES = False
 
-    def __init__(self, model, config, text_embeddings: torch.Tensor, *, max_slots: int, max_seq_len: int, device, dtype, seed: int = 0,
-                 cuda_graphs: bool = False, max_prefills: int = 16, kv_cache_bytes: int | None = None):  # fmt: skip
+    def __init__(self, model, config, text_embeddings: torch.Tensor, *, max_slots: int, max_seq_len: int, device,
+                 dtype, seed: int = 0, cuda_graphs: bool = False, max_prefills: int = 16,
+                 kv_cache_bytes: int | None = None):  # fmt: skip
         tc = config.talker_config
         text = tc.text_config
         super().__init__(model, config, text, max_slots=max_slots, max_seq_len=max_seq_len, device=device,

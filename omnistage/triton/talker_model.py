@@ -20,7 +20,6 @@ class TalkerModel(StageModel):
     def build_runner(self, model):
         self.speakers = {k.lower(): v for k, v in self.config.talker_config.speaker_id.items()}
         table = load_text_embeddings(self.params["model_path"], self.dtype, self.device)
-        self.vocab_size = table.shape[0]
         return TalkerRunner(model, self.config, table, max_slots=self.max_slots, max_seq_len=self.max_seq_len,
                             device=self.device, dtype=self.dtype, cuda_graphs=self.cuda_graphs,
                             max_prefills=self.max_prefills, kv_cache_bytes=self.kv_cache_bytes)  # fmt: skip
@@ -28,7 +27,8 @@ class TalkerModel(StageModel):
     def sequence_from(self, request, params: dict, request_id: str):
         inputs = input_tensors(request, TALKER)
         defaults = self.sampling_defaults(talker_defaults(self.max_seq_len))
-        seq = talker_sequence(request_id, inputs, params, defaults, self.speakers, self.vocab_size)
+        vocab_size = self.engine.runner.text_embeddings.shape[0]
+        seq = talker_sequence(request_id, inputs, params, defaults, self.speakers, vocab_size)
         if not seq.payload.text_end:
             self.responder.expect_caller(request_id, CALLER_SILENT_SECONDS)
         return seq
