@@ -244,13 +244,14 @@ class OmniRequest:
         parameters = dict(self.options.talker_parameters, speaker=self.options.speaker, text_end=end)
         self._talker_open = True
         stream = self.stages.talker(self.session, inputs, parameters)  # returns with the talker's first frames
+        self._mark("talker_started")
+        # the stream is read to its end whatever happens next: a 2.51 BLS stream left unread is never freed
+        self._talker_job = self.threads.submit(self._run_talker, stream)
+        self._code2wav_job = self.threads.submit(self._run_code2wav)
         if self.cancelled.is_set() or self.error is not None:
             # cancelled while the start was on its way: that abort may have reached the talker first, this
             # one comes after the start (the talker ignores an abort of a stream it does not hold)
-            self.stages.abort("talker", self.session)
-        self._mark("talker_started")
-        self._talker_job = self.threads.submit(self._run_talker, stream)
-        self._code2wav_job = self.threads.submit(self._run_code2wav)
+            self._abort("talker")
 
     # ---- talker thread ----------------------------------------------------------------------------------
     def _run_talker(self, stream: Iterator[dict]) -> None:
@@ -334,7 +335,10 @@ class OmniRequest:
         opened = {"thinker": True, "talker": self._talker_open, "code2wav": self._code2wav_open}
         for stage, started in opened.items():
             if started:
-                try:
-                    self.stages.abort(stage, self.session)
-                except Exception as e:  # the stage may already be done with it; anything else is worth seeing
-                    log.warning("abort of %s/%s failed: %s", stage, self.session, e)
+                self._abort(stage)
+
+    def _abort(self, stage: str) -> None:
+        try:
+            self.stages.abort(stage, self.session)
+        except Exception as e:  # the stage may already be done with it; anything else is worth seeing
+            log.warning("abort of %s/%s failed: %s", stage, self.session, e)

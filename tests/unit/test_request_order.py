@@ -57,24 +57,54 @@ def test_the_first_token_is_out_before_the_talker_starts():
 def test_a_client_that_leaves_during_the_talker_start_frees_the_talker():
     # the cancel comes while the start is on its way (the BLS call has not returned): the talker gets an
     # abort after its start, not only one that may have overtaken it
-    tokenizer = build_tokenizer()
-    hello = tokenizer.encode("Hello")
-    calls, box = [], {}
+    calls = []
 
     class LeftDuringStart(ScriptedStages):
+        box = {}
+
         def talker(self, session, inputs, parameters):
             calls.append("start")
-            box["request"].cancel()
+            self.box["request"].cancel()
             return iter([])
 
         def abort(self, stage, session):
             calls.append(f"abort {stage}")
 
-    stages = LeftDuringStart([{"token_ids": torch.tensor(hello), "text_rows": rows(hello), **COND},
-                              {"token_ids": torch.tensor([151645]), "text_rows": torch.zeros(0, 8),
-                               "finish_reason": "stop"}])  # fmt: skip
-    options = OmniOptions.from_parameters({"modalities": "text,audio"}, {"ethan"})
-    box["request"] = OmniRequest("s", {"input_ids": torch.tensor([1, 2])}, options, stages, tokenizer,
-                                 ChunkSchedule(4, 25), lambda *a: None)  # fmt: skip
-    box["request"].run()
+    run_cancelled_during_start(LeftDuringStart)
     assert calls.index("start") < len(calls) - 1 - calls[::-1].index("abort talker")
+
+
+def test_a_failed_abort_after_the_talker_start_still_reads_the_talker_stream():
+    # the talker may be restarting when that abort goes out: its stream must still be read to its end, or
+    # the 2.51 stub never frees it and the talker holds the slot until its idle timeout
+    read = []
+
+    class AbortFails(ScriptedStages):
+        box = {}
+
+        def talker(self, session, inputs, parameters):
+            self.box["request"].cancel()
+
+            def stream():
+                yield {"codes": torch.zeros(2, 16, dtype=torch.long)}
+                read.append("end")
+
+            return stream()
+
+        def abort(self, stage, session):
+            raise RuntimeError("talker unavailable")
+
+    run_cancelled_during_start(AbortFails)
+    assert read == ["end"]
+
+
+def run_cancelled_during_start(stages_class) -> None:
+    """A one-token reply through `stages_class`, whose talker() may cancel box["request"] (the request)."""
+    hello = build_tokenizer().encode("Hello")
+    stages = stages_class([{"token_ids": torch.tensor(hello), "text_rows": rows(hello), **COND},
+                           {"token_ids": torch.tensor([151645]), "text_rows": torch.zeros(0, 8),
+                            "finish_reason": "stop"}])  # fmt: skip
+    options = OmniOptions.from_parameters({"modalities": "text,audio"}, {"ethan"})
+    stages.box["request"] = OmniRequest("s", {"input_ids": torch.tensor([1, 2])}, options, stages,
+                                        build_tokenizer(), ChunkSchedule(4, 25), lambda *a: None)  # fmt: skip
+    stages.box["request"].run()
