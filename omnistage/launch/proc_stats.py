@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
+import subprocess
 from pathlib import Path
 
 def children(pid: int) -> list[int]:
@@ -48,6 +50,22 @@ def dump_stub_stacks(server_pid: int) -> int:
         except ProcessLookupError:  # gone since it was listed
             pass
     return len(pids)
+
+
+def native_stacks(pid: int, timeout_s: float = 60.0) -> str:
+    """Every thread's native stack (gdb, where installed; "" without it): where a stub's threads wait inside the
+    backend's C++ (a mutex, the GIL, a shared-memory queue), which the Python stacks of dump_stub_stacks stop
+    short of. gdb stops the process while it reads them, seconds on a busy host: Triton may take a stub
+    stopped that long for dead, so this is for a run that is lost already."""
+    gdb = shutil.which("gdb")
+    if gdb is None:
+        return ""
+    try:
+        run = subprocess.run([gdb, "-p", str(pid), "-batch", "-ex", "thread apply all bt"], capture_output=True,
+                             text=True, timeout=timeout_s, check=False)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return f"gdb -p {pid}: no stacks within {timeout_s:.0f}s\n"
+    return run.stdout + run.stderr
 
 
 def process_state(pid: int) -> dict[str, str]:

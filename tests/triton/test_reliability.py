@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from omnistage.launch.proc_stats import dump_stub_stacks, listening_addresses, stub_pids
+from omnistage.launch.proc_stats import dump_stub_stacks, listening_addresses, native_stacks, stub_pids
 from perf.soak import run_soak
 from perf.soak_inputs import BAD_INPUTS, FRONTEND_ONLY
 from omnistage.launch.render import default_spec
@@ -119,6 +119,47 @@ def test_overload_is_refused_at_once_with_503_and_retry_after(frontend, triton_s
     wait_for(lambda: gauge(triton_server.metrics(), "omni_requests_refused_total") >= len(refused), 5, "the refusal count")
 
 
+class HangEvidence:
+    """Watches /health while a test runs and, the first time it fails, dumps every stub's stacks: Python ones
+    into the server log (faulthandler), native ones (gdb) into files beside it. Taken at once, while the
+    stubs still hang: the watchdog's reload ends the hang with the stub."""
+
+    def __init__(self, frontend, triton_server):
+        self.url, self.server = f"{frontend.url}/health", triton_server.server
+        self.stop, self.dumped = threading.Event(), []
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join(300)  # a dump under way finishes first
+        if exc[0] is not None and not self.dumped:  # a failure /health never saw (stages that stay busy)
+            self.dump()
+
+    def _watch(self):
+        while not self.stop.wait(0.25):
+            try:
+                healthy = httpx.get(self.url, timeout=5).status_code == 200
+            except httpx.HTTPError:
+                healthy = False
+            if not healthy:
+                self.dump()
+                return
+
+    def dump(self):
+        server_pid = self.server.process.pid
+        dump_stub_stacks(server_pid)
+        for model, pids in stub_pids(server_pid).items():
+            for pid in pids:
+                path = self.server.log_path.parent / f"native-stacks-{model}-{pid}.txt"
+                path.write_text(native_stacks(pid))
+                self.dumped.append(path)
+        print("stub stacks dumped: Python ones in", self.server.log_path, "native ones in", self.dumped)
+
+
 def test_random_disconnects_free_every_stage_within_a_second(frontend, triton_server):
     rng = random.Random(6)
 
@@ -136,10 +177,12 @@ def test_random_disconnects_free_every_stage_within_a_second(frontend, triton_se
             # before the first token, in the text, and after audio started (the 4-frame first chunk)
             await asyncio.gather(*(leave_early(http, rng.choice([1, 2, 5, 20, 40])) for _ in range(8)))
 
-    asyncio.run(run())
-    freed = wait_for(lambda: stages_idle(triton_server.metrics()), 10, "every stage to free its slots")
-    assert freed < 1.0, f"stages freed {freed:.2f}s after the last client left"
-    assert httpx.post(f"{frontend.url}/v1/chat/completions", json=body(2), timeout=60).status_code == 200
+    # a rare hang here leaves evidence: where every stub's threads wait
+    with HangEvidence(frontend, triton_server):
+        asyncio.run(run())
+        freed = wait_for(lambda: stages_idle(triton_server.metrics()), 10, "every stage to free its slots")
+        assert freed < 1.0, f"stages freed {freed:.2f}s after the last client left"
+        assert httpx.post(f"{frontend.url}/v1/chat/completions", json=body(2), timeout=60).status_code == 200
 
 
 def test_killed_stage_fails_its_requests_turns_health_503_and_is_reloaded(frontend, triton_server):
