@@ -180,6 +180,8 @@ class PagedWriter:
                                        self.slots, self.starts, scaling)  # fmt: skip
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if self.paged:  # no mask was built: what it would return is read without the rows' causal limit
+            raise RuntimeError("a paged prefill attends in the fused attention (models/fused.py install())")
         self.cache.write(layer_idx, self.phys, key_states, value_states)
         if self.kv_len is None:
             return key_states, value_states

@@ -15,7 +15,7 @@ from ..core.errors import PROBE_ACTION, BadRequestError, OmniError
 from ..core.sampling import SamplingParams
 from ..core.scheduler import (ATTENDED_BESIDE_DECODES, MAX_PREFILL_TOKENS, MAX_PREFILLS_PER_STEP,
                               REPLY_RESERVE_TOKENS, Scheduler, Sequence)
-from ..models import experts, fused
+from ..models import experts
 from ..models.checkpoint import load_config, load_stage, resolve_checkpoint
 from ..stages.kv_budget import kv_budget_bytes
 from ..stages.long_prefill import PIECE_TOKENS
@@ -77,16 +77,16 @@ class StageModel:
         # rows: max_batch_size; the paged KV pool: the KV budget's blocks (stages/kv_budget.py)
         self.max_slots = int(self.params.get("max_batch_size", 8))
         self.kv_cache_bytes = kv_budget_bytes(self.params)
-        # on CUDA the decode steps and the static prefills replay as graphs, and the fused kernels replace
-        # transformers' elementwise ops: both are the measured path there
-        # (perf/results/2026-12-03-h200-static-prefill.json); the CPU runs eager
+        # on CUDA the decode steps and the static prefills replay as graphs, over the fused kernels the runner
+        # installs: both are the measured path there (perf/results/2026-12-03-h200-static-prefill.json); the
+        # CPU runs eager
         self.cuda_graphs = self.device.type == "cuda"
         self.max_prefills = min(MAX_PREFILLS_PER_STEP, self.max_slots)
-        if self.device.type == "cuda":
-            log.info("[%s] fused kernels installed: %s", self.STAGE, fused.install(model))
         # a deploy profile's sampling defaults, over the stage's built-in ones (validated when rendered)
         self.sampling_overrides = json.loads(self.params.get("sampling_defaults") or "{}")
         runner = self.build_runner(model)
+        if runner.fused:
+            log.info("[%s] fused kernels installed: %s", self.STAGE, runner.fused)
         # before serving, so that ready means warm: capture needs the device to itself, and the warm-up
         # request loads what the graphs leave out
         runner.capture_graphs()

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from omnistage.core.sampling import SamplingParams
-from omnistage.models import fused
 from omnistage.models.checkpoint import load_config, load_stage, load_text_embeddings
 from omnistage.stages.talker import TalkerPrompt, TalkerRunner
 from omnistage.stages.conditioning import TalkerConditioning
@@ -22,7 +21,6 @@ def test_talker_frame_queues_without_a_sync(cuda_graphs):
     config = load_config("dummy:tiny")
     model = load_stage("dummy:tiny", "talker", dtype=torch.bfloat16, device="cuda",
                        experts_implementation="gather_or_grouped")  # fmt: skip
-    fused.install(model)
     table = load_text_embeddings("dummy:tiny", torch.bfloat16, "cuda")
     runner = TalkerRunner(model, config, table, max_slots=4, max_seq_len=256, device="cuda", dtype=torch.bfloat16,
                           cuda_graphs=cuda_graphs)  # fmt: skip

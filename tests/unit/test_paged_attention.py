@@ -167,7 +167,6 @@ def test_decode_graphs_over_the_paged_kernel_equal_eager_steps_on_cuda(tiny_chec
     """As served on CUDA (bf16, fused kernels, graphs per rows bucket): two prompts of different lengths
     decoded side by side give the tokens of the same steps run eagerly."""
     from omnistage.core.sampling import SamplingParams
-    from omnistage.models import fused
     from omnistage.models.checkpoint import load_config, load_stage
     from omnistage.models.processor import prepare_inputs
     from omnistage.stages.thinker import ThinkerPrompt, ThinkerRunner
@@ -178,7 +177,6 @@ def test_decode_graphs_over_the_paged_kernel_equal_eager_steps_on_cuda(tiny_chec
     config = load_config(str(tiny_checkpoint))
     model = load_stage(str(tiny_checkpoint), "thinker", dtype=torch.bfloat16, device="cuda",
                        experts_implementation="gather_or_grouped")  # fmt: skip
-    fused.install(model)
     texts = ["Say hello!", "Tell me a long story about the sea, please, in three short sentences."]
     prompts = [ThinkerPrompt(prepare_inputs(processor, oracle.messages("text", t))["input_ids"][0]) for t in texts]
     tokens = {}
