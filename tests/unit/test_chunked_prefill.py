@@ -237,15 +237,43 @@ def test_rows_go_in_forwards_that_bound_rows_times_attended_positions(hf_model):
 @torch.inference_mode()
 def test_long_prefill_graphs_in_pieces_equal_one_eager_pass_on_cuda(tiny_checkpoint, long_inputs):
     """As served on CUDA (bf16, graphs, rows padded to their buckets, the paged prefill kernel): a long
-    prompt prefilled in pieces leaves the K/V of the prompt prefilled whole at exact sizes without graphs in
-    its slot, within bf16 rounding, and picks the same token."""
+    prompt prefilled in pieces leaves the K/V and the logits of the prompt prefilled whole at exact sizes
+    without graphs, within bf16 rounding."""
     prompt = ThinkerPrompt(long_inputs["input_ids"][0])
     result, whole, graphs, eager = pieces_as_graphs_and_whole_eager_on_cuda(tiny_checkpoint, prompt)
     n = prompt.input_ids.numel()
-    got, want = graphs.cache.read(1, n), eager.cache.read(1, n)
-    for g, w in zip(got[0] + got[1], want[0] + want[1]):
-        torch.testing.assert_close(g, w, rtol=0.05, atol=0.05)
-    assert result.output.token_ids == whole.output.token_ids
+    assert_close_in_bf16(torch.cat(sum(graphs.cache.read(1, n), [])), torch.cat(sum(eager.cache.read(1, n), [])))
+    assert_same_pick_in_bf16(graphs, eager, result, whole)
+
+
+def assert_close_in_bf16(got: torch.Tensor, want: torch.Tensor, tol: float = 0.05) -> None:
+    """Equal within bf16 rounding, but for at most one element in a thousand: two passes that cut a prompt
+    differently round their products differently, and where a token's router scores nearly tie, one pass
+    may send it to another expert, which moves that token's rows (on an H100: 7 of 37,760 K values of one
+    position). A pass that attends wrongly moves every position after its error."""
+    off = ~torch.isclose(got.float(), want.float(), rtol=tol, atol=tol)
+    assert off.float().mean().item() <= 1e-3, f"{off.sum().item()} of {off.numel()} values differ"
+
+
+def assert_same_pick_in_bf16(graphs, eager, result, whole) -> None:
+    """The last prefill's logits of the two runners agree within bf16 rounding, and each picked token holds
+    the top logit of the other's within it (random weights leave near ties at the top)."""
+    got, want = graphs.last_logits, eager.last_logits
+    assert_close_in_bf16(got, want)
+    for token, logits in ((result.output.token_ids[0], want), (whole.output.token_ids[0], got)):
+        assert logits[token].item() >= logits.max().item() - 0.05, (token, logits.topk(3))
+
+
+def recording_logits(runner):
+    """Keeps the logits of the runner's last sampling step as runner.last_logits (one row, float32)."""
+    sample = runner._sample
+
+    def _sample(logits, seqs):
+        runner.last_logits = logits[0].float().clone()
+        return sample(logits, seqs)
+
+    runner._sample = _sample
+    return runner
 
 
 @torch.inference_mode()
@@ -277,7 +305,8 @@ def pieces_as_graphs_and_whole_eager_on_cuda(tiny_checkpoint, prompt: ThinkerPro
     model = load_stage(str(tiny_checkpoint), "thinker", dtype=torch.bfloat16, device="cuda",
                        experts_implementation="gather_or_grouped")  # fmt: skip
     kw = dict(max_slots=2, max_seq_len=2000, device="cuda", dtype=torch.bfloat16)
-    graphs, eager = ThinkerRunner(model, config, cuda_graphs=True, **kw), ThinkerRunner(model, config, **kw)
+    graphs = recording_logits(ThinkerRunner(model, config, cuda_graphs=True, **kw))
+    eager = recording_logits(ThinkerRunner(model, config, **kw))
     graphs.capture_graphs()
     n = prompt.input_ids.numel()
     pieced, whole = (Sequence(name, SamplingParams(max_tokens=REPLY), prompt, slot=1) for name in "gw")
