@@ -140,5 +140,6 @@ class TritonOmniClient(OmniClient):
 
 def _rpc_error(exc: grpc.aio.AioRpcError, url: str) -> OmniError:
     if exc.code() in _UNAVAILABLE:
-        return TritonUnavailableError(f"Triton at {url} unavailable: {exc.details()}")
+        # a stream that breaks mid-response this way lost the server itself (workarounds.py, 13)
+        return TritonUnavailableError(f"Triton at {url} unavailable ({exc.details()}): exited or restarting; retry")
     return error_from_message(exc.details() or str(exc.code()))

@@ -191,6 +191,7 @@ def test_killed_stage_fails_its_requests_turns_health_503_and_is_reloaded(fronte
     # omnistage/triton/workarounds.py)
     wait_for(lambda: httpx.get(f"{frontend.url}/health").status_code == 200, 60, "a healthy server to start from")
     talker = stub_pids(triton_server.server.process.pid)["talker"]
+    server_restarts = triton_server.server.restarts
     events: list[dict] = []
 
     async def spoken_stream(http):
@@ -218,11 +219,16 @@ def test_killed_stage_fails_its_requests_turns_health_503_and_is_reloaded(fronte
     detect = wait_for(lambda: httpx.get(f"{frontend.url}/health").status_code == 503, 5, "/health to report the dead stage") if down.status_code == 200 else 0.0
     back = wait_for(lambda: httpx.get(f"{frontend.url}/health").status_code == 200, 60, "the talker to be reloaded")
     report = httpx.get(f"{frontend.url}/health").json()["models"]
-    assert report["talker"]["reloads"] >= 1 and all(m["ok"] for m in report.values()), report
+    # Triton 2.51 reloads the talker, or now and then aborts as a whole and the launcher restarts it
+    # (workarounds.py, 13): either way the stage comes back
+    recovered_by = "talker reload" if report["talker"]["reloads"] >= 1 else "server restart"
+    assert report["talker"]["reloads"] >= 1 or triton_server.server.restarts > server_restarts, report
+    assert all(m["ok"] for m in report.values()), report
     assert stub_pids(triton_server.server.process.pid)["talker"] != talker
     r = httpx.post(f"{frontend.url}/v1/chat/completions", json=body(3, audio=True, frames=6), timeout=120)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["audio"]["data"]
-    print(f"stream ended {ended:.2f}s after the kill; /health 503 after {detect:.2f}s; healthy again {back:.2f}s later")
+    print(f"stream ended {ended:.2f}s after the kill; /health 503 after {detect:.2f}s; healthy again {back:.2f}s later "
+          f"by a {recovered_by}")
 
 
 def test_every_port_is_loopback_only(frontend, triton_server):
