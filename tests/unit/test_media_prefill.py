@@ -65,7 +65,10 @@ def test_media_prompts_padded_together_equal_each_prompt_alone(hf_model, process
 def test_media_prefill_graphs_equal_eager_on_cuda(hf_model, processor):
     import copy
 
+    from omnistage.models import fused
+
     thinker = copy.deepcopy(hf_model.thinker).to("cuda", torch.bfloat16)
+    fused.install(thinker)  # as a CUDA runner serves: its paged prefill attends in the fused attention
     prompts = _prompts(processor)
     kw = dict(device="cuda", dtype=torch.bfloat16)
     # the eager run at the graphs' bucket shapes: the same kernels on the same shapes
