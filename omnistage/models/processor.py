@@ -61,7 +61,8 @@ class VideoProcessor:
             x /= std
             rows.append(x.reshape(gt * gh * gw, c * tp * ps * ps))
             grids.append([gt, gh, gw])
-        return BatchFeature({"pixel_values_videos": torch.cat(rows),
+        # one video per request (processor.py's check): no copy of its tens of MB into a new tensor
+        return BatchFeature({"pixel_values_videos": torch.cat(rows) if len(rows) > 1 else rows[0],
                              "video_grid_thw": torch.tensor(grids, dtype=torch.long)})  # fmt: skip
 
 
