@@ -1,13 +1,14 @@
 # The stage engine loop (torch-free): one thread owns the scheduler and the runner, so neither needs
-# locks. Other threads talk to it only through `add` / `abort` / `update` (queued into an inbox) and
-# hear back through `emit`, which is called on the engine thread and must not block (the Triton glue
-# puts outputs on a queue drained by its own response thread, since response_sender.send() blocks).
+# locks. Other threads talk to it only through `add` / `add_async` / `abort` / `update` (queued into an
+# inbox) and hear back through `emit`, which is called on the engine thread and must not block (the Triton
+# glue puts outputs on a queue drained by its own response thread, since response_sender.send() blocks).
 from __future__ import annotations
 
 import logging
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -18,6 +19,10 @@ log = logging.getLogger(__name__)
 
 ABORTED = "abort"
 SLOW_STEP_SECONDS = 2.0  # steps slower than this are logged
+# Prompts validated at once by add_async(): one prompt's media digests (hashlib lets go of the GIL) run beside
+# another's; a burst of 64 W4 prompts waits 94 ms on average for its admission on two cores, 154 ms in turn
+# (perf/media_intake_timing.py)
+INTAKE_THREADS = 4
 
 
 @dataclass
@@ -28,7 +33,8 @@ class StepResult:
 
 
 class StageRunner(Protocol):
-    def validate(self, seq: Sequence) -> None: ...  # raises BadRequestError; runs on the caller's thread
+    # raises BadRequestError; runs on the caller's thread, or on an intake thread (add_async): thread-safe
+    def validate(self, seq: Sequence) -> None: ...
     def is_ready(self, seq: Sequence) -> bool: ...  # can this running sequence take a decode step now?
     def prefill(self, seqs: list[Sequence]) -> list[StepResult]: ...
     def decode(self, seqs: list[Sequence]) -> list[StepResult]: ...
@@ -58,6 +64,8 @@ class StageEngine:
         self._inbox: list[tuple[str, Any]] = []
         self._cv = threading.Condition()
         self._stop = False
+        self._intake: ThreadPoolExecutor | None = None  # add_async()'s validations, started with the first one
+        self._validating: dict[str, bool] = {}  # request id -> aborted while add_async() validates it (under _cv)
         self._thread: threading.Thread | None = None
         self.steps = 0
         self.last_batch_size = 0
@@ -83,13 +91,49 @@ class StageEngine:
             self._cv.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._intake is not None:  # validations still running end their sequences ("engine stopped")
+            self._intake.shutdown(wait=False)
 
     def add(self, seq: Sequence) -> None:
         self.runner.validate(seq)  # bad input fails here, before anything is queued
         seq.added_at = time.perf_counter()
         self._post("add", seq)
 
+    def add_async(self, seq: Sequence, refused: Callable[[Exception], None]) -> None:
+        """add() with the validation on a thread of the engine's intake, for prompts whose validation is
+        long (the thinker's media digests), so that the caller's thread takes the next request in meanwhile.
+        refused(error) is called on that thread when the validation fails; an abort that comes while it
+        runs ends the sequence (emit ABORTED) instead of queueing it."""
+        with self._cv:
+            self._validating[seq.request_id] = False
+            if self._intake is None:
+                self._intake = ThreadPoolExecutor(INTAKE_THREADS, thread_name_prefix=f"{self.name}-intake")
+        self._intake.submit(self._validate_and_add, seq, refused)
+
+    def _validate_and_add(self, seq: Sequence, refused: Callable[[Exception], None]) -> None:
+        try:
+            self.runner.validate(seq)
+        except Exception as e:
+            with self._cv:
+                self._validating.pop(seq.request_id, None)
+            refused(e)
+            return
+        with self._cv:  # queued under the lock: an abort that finds it no longer validating comes after it
+            aborted = self._validating.pop(seq.request_id, False)
+            if not aborted and not self._stop:
+                seq.added_at = time.perf_counter()
+                self._inbox.append(("add", seq))
+                self._cv.notify()
+        if aborted:
+            self.emit(seq.request_id, None, ABORTED, None)
+        elif self._stop:
+            self.emit(seq.request_id, None, None, EngineError(f"[{self.name}] engine stopped"))
+
     def abort(self, request_id: str) -> None:
+        with self._cv:
+            if request_id in self._validating:  # add_async() has not queued it yet: it ends it instead
+                self._validating[request_id] = True
+                return
         self._post("abort", request_id)
 
     def update(self, request_id: str, fn: Callable[[Sequence], None]) -> None:

@@ -144,16 +144,27 @@ class StageModel:
                 seq = self.sequence_from(request, params, request_id)
                 # before add: the engine may answer at once
                 self.responder.register(request_id, sender, bf16_bytes=wants_bf16_bytes(params))
-                self.engine.add(seq)
+                if self.validates_aside(seq):
+                    self.engine.add_async(seq, lambda e: self._refuse(request_id, sender, e))
+                else:
+                    self.engine.add(seq)
             else:
                 self.control(action, request, params, request_id, sender)
         except Exception as e:  # a malformed request must not take the model down
-            if not isinstance(e, OmniError):
-                log.exception("[%s] bad request", self.STAGE)
-                e = BadRequestError(f"invalid request: {e}")
-            if request_id is not None:
-                self.responder.unregister(request_id, sender)
-            send_final(sender, error_response(e))
+            self._refuse(request_id, sender, e)
+
+    def _refuse(self, request_id: str | None, sender, e: Exception) -> None:
+        if not isinstance(e, OmniError):
+            log.error("[%s] bad request", self.STAGE, exc_info=e)
+            e = BadRequestError(f"invalid request: {e}")
+        if request_id is not None:
+            self.responder.unregister(request_id, sender)
+        send_final(sender, error_response(e))
+
+    def validates_aside(self, seq: Sequence) -> bool:
+        """Whether the engine validates this start on its intake threads (StageEngine.add_async), beside
+        the next requests this thread takes in, rather than here."""
+        return False
 
     def control(self, action: str, request, params: dict, request_id: str, sender) -> None:
         raise BadRequestError(f"unknown action {action!r}")

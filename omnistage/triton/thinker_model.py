@@ -21,5 +21,12 @@ class ThinkerModel(StageModel):
         inputs = input_tensors(request, THINKER)
         return thinker_sequence(request_id, inputs, params, self.sampling_defaults(thinker_defaults(self.max_seq_len)))
 
+    def validates_aside(self, seq) -> bool:
+        # the digests of a prompt's images or video take milliseconds (a 10 s video's tens of them), and Triton
+        # hands this model its next request only when this one is in; a clip's features are too small to pay
+        # for the thread hop
+        p = seq.payload
+        return p.pixel_values is not None or p.pixel_values_videos is not None
+
     def encode(self, output, finish_reason):
         return thinker_response(output, finish_reason)

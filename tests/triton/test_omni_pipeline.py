@@ -112,6 +112,13 @@ def test_one_frame_first_chunk_sent_with_the_talker_prefill(triton_launcher, tin
 
 
 def _stage(url, model, inputs: dict, parameters: dict) -> list[dict]:
+    out, error = _stage_stream(url, model, inputs, parameters)
+    assert error is None, error
+    return out
+
+
+def _stage_stream(url, model, inputs: dict, parameters: dict) -> tuple[list[dict], str | None]:
+    """A stage's responses to one request, up to its final one or its error (the error's message)."""
     client = grpcclient.InferenceServerClient(url)
     responses: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
@@ -123,17 +130,35 @@ def _stage(url, model, inputs: dict, parameters: dict) -> list[dict]:
         t.set_data_from_numpy(value)
         tensors.append(t)
     client.async_stream_infer(model, tensors, parameters=parameters, enable_empty_final_response=True)
-    out = []
+    out, message = [], None
     while True:
         result, error = responses.get(timeout=120)
-        assert error is None, error
+        if error is not None:
+            message = error.message()
+            break
         response = result.get_response()
         out.append({o.name: result.as_numpy(o.name) for o in response.outputs})
         if response.parameters["triton_final_response"].bool_param:
             break
     client.stop_stream()
     client.close()
-    return out
+    return out, message
+
+
+def test_an_image_prompt_the_thinker_admits_aside_is_refused_or_served_on_its_stream(triton_server, processor):
+    """An image prompt is validated on the thinker's intake threads (StageEngine.add_async): a placeholder
+    count that differs from its image's tokens still comes back as the client's error on its own stream, and
+    the prompt as the processor made it is served."""
+    inputs = prepare_inputs(processor, oracle.messages("image"))
+    good = {"input_ids": inputs["input_ids"][0].numpy(), "pixel_values": inputs["pixel_values"].numpy(),
+            "image_grid_thw": inputs["image_grid_thw"].numpy().astype(np.int64)}  # fmt: skip
+    image_token = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    bad = dict(good, input_ids=np.append(good["input_ids"], image_token))
+    params = {"max_tokens": 2, "temperature": "0"}
+    out, error = _stage_stream(triton_server.grpc_url, "thinker", bad, params)
+    assert error is not None and "placeholder" in error and not out, (out, error)
+    out, error = _stage_stream(triton_server.grpc_url, "thinker", good, params)
+    assert error is None and sum(len(r["token_ids"]) for r in out if r.get("token_ids") is not None) == 2
 
 
 @pytest.mark.parametrize("kind", ["text", "image", "audio"])

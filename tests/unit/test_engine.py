@@ -310,3 +310,52 @@ def test_the_runners_prompt_lengths_bound_a_steps_prefills():
     out.wait("a", "b", "c")
     engine.stop()
     assert runner.prefilled == [["a"], ["b", "c"]]
+
+
+class HeldValidation(CountingRunner):
+    """validate() of a sequence whose payload is "held" waits for `go`; "bad" payloads are refused."""
+
+    def __init__(self):
+        super().__init__()
+        self.go, self.entered = threading.Event(), threading.Event()
+
+    def validate(self, seq):
+        if seq.payload == "held":
+            self.entered.set()
+            assert self.go.wait(5)
+        super().validate(seq)
+
+
+def test_add_async_validates_beside_the_caller_and_serves_or_refuses():
+    runner = HeldValidation()
+    engine, out = make(runner)
+    refused = []
+    engine.add_async(Sequence("slow", SamplingParams(max_tokens=2), "held"), refused.append)
+    assert runner.entered.wait(5)
+    engine.add(Sequence("quick", SamplingParams(max_tokens=1), None))  # the caller goes on meanwhile
+    out.wait("quick")
+    assert "slow" not in out.done
+    runner.go.set()
+    engine.add_async(Sequence("bad", SamplingParams(), "bad"), refused.append)
+    out.wait("slow")
+    deadline = time.monotonic() + 5
+    while not refused and time.monotonic() < deadline:
+        time.sleep(0.01)
+    engine.stop()
+    assert out.outputs("slow") == [1, 2] and out.done["slow"] == "length"
+    assert [type(e) for e in refused] == [BadRequestError] and "bad" not in out.done  # refused, not emitted
+
+
+def test_an_abort_during_add_asyncs_validation_ends_the_sequence_unqueued():
+    runner = HeldValidation()
+    engine, out = make(runner)
+    engine.add_async(Sequence("a", SamplingParams(max_tokens=100), "held"), lambda e: None)
+    assert runner.entered.wait(5)
+    engine.abort("a")  # before its add is queued: lost to the engine, unless add_async keeps it
+    runner.go.set()
+    out.wait("a")
+    engine.add(Sequence("b", SamplingParams(max_tokens=1), None))
+    out.wait("b")
+    engine.stop()
+    assert out.done["a"] == "abort" and out.outputs("a") == []
+    assert "a" not in runner.released and engine.scheduler.slots_in_use == 0  # never held a slot
