@@ -10,10 +10,12 @@
 # (1 / 16 / 32 prompts of 150 tokens whose first 112 come from the prefix cache), graphs captured.
 # thinker_b1 / talker_parts: a lone request's steps (graphs captured) with the stage's experts and with
 # each of --also-experts (lean_grouped_mm): the thinker's decode step, and the talker's frame beside its two
-# parts (the LM step and the code predictor's 15 sub-steps), with every kernel each runs.
+# parts (the LM step and the code predictor's 15 sub-steps), with every kernel each runs. thinker_long: the
+# thinker's decode step at 64 short rows, alone and beside --long-rows rows of --long-tokens positions.
 #
 #   python -m perf.profile_steps out.json [--experts NAME] [--also-experts NAME ...] [--trace-dir DIR]
-#                                         [--stages thinker thinker_prefix thinker_b1 talker talker_parts code2wav]
+#                                         [--stages thinker thinker_prefix thinker_b1 talker talker_parts
+#                                          thinker_long code2wav] [--long-tokens 30000 --long-rows 4]
 from __future__ import annotations
 
 import argparse
@@ -200,6 +202,48 @@ def profile_prefix_prefill(model, config, kw, params, sizes=(1, 16, 32)) -> dict
     return out
 
 
+def profile_beside_long(model, config, kw, params, long_tokens: int, long_rows: int, short_rows: int = 64,
+                        measure=None) -> dict:
+    """The thinker's decode step as perf/paged_ab.py's mixed level runs it (graphs captured on CUDA):
+    `short_rows` W1-like rows (150-token prompts) alone, then with `long_rows` rows of `long_tokens`
+    positions beside them, prefilled in the scheduler's pieces. Its kernels and wall time with this process
+    alone on the GPU: whether the long rows' attention, or the stages sharing the GPU, slows that step."""
+    from omnistage.core.scheduler import Scheduler, Sequence
+    from omnistage.stages.kv_budget import kv_bytes_per_token
+    from omnistage.stages.long_prefill import CHUNK_TOKENS
+
+    measure = measure or with_wall
+    slots = short_rows + long_rows
+    # a pool for these rows and their steps (the served one is the profile's budget)
+    pool = kv_bytes_per_token(config.thinker_config.text_config, kw["dtype"]) * (
+        short_rows * 512 + long_rows * (long_tokens + 1024))  # fmt: skip
+    runner = ThinkerRunner(model, config, **dict(kw, max_slots=slots, max_seq_len=long_tokens + 1024,
+                                                 kv_cache_bytes=pool, cuda_graphs=kw["device"].type == "cuda"))
+    runner.capture_graphs()
+    scheduler = Scheduler(slots, slots, max_prefill_tokens=CHUNK_TOKENS, blocks=runner.cache.pool)
+
+    def admit(prompts: list[ThinkerPrompt]) -> list[Sequence]:
+        """The prompts through the scheduler's pieces, up to each one's first token."""
+        seqs = [Sequence(f"r{len(scheduler.running) + i}", params, p) for i, p in enumerate(prompts)]
+        for seq in seqs:
+            runner.validate(seq)
+            scheduler.add(seq)
+        while any(s.prefilling or not s.num_generated for s in seqs):
+            batch = scheduler.schedule(runner.is_ready, runner.prompt_tokens, runner.kv_tokens,
+                                       runner.chunk_tokens, runner.prefix_blocks)  # fmt: skip
+            runner.prefill(batch.prefills)
+        return seqs
+
+    # a step runs every occupied row up to the highest: the short rows alone before the long ones come
+    short = admit(thinker_prompts(config, 150, short_rows, True))
+    out = {f"thinker_decode_{short_rows}_short": measure(lambda: runner.decode(short))}
+    long = admit(thinker_prompts(config, long_tokens, long_rows, True))
+    out[f"thinker_decode_{short_rows}_short_{long_rows}x{long_tokens}"] = measure(lambda: runner.decode(short + long))
+    release(runner, short + long)
+    del runner
+    return out
+
+
 def profile_code2wav(module, dev, dtype, fused: bool) -> dict:
     """Code2Wav forwards as the W1 chunk schedule makes them: first chunks (4 frames, no state) and
     25-frame chunks after 29 frames (full conv context), for 1/16/64 streams at once; then the same with
@@ -236,6 +280,8 @@ def main() -> None:
     ap.add_argument("--trace-dir", default=None)
     ap.add_argument("--no-fused", action="store_true", help="keep transformers' ops and projections")
     ap.add_argument("--stages", nargs="+", default=["thinker", "talker", "code2wav"])
+    ap.add_argument("--long-tokens", type=int, default=30000, help="thinker_long: positions of each long row")
+    ap.add_argument("--long-rows", type=int, default=4, help="thinker_long: long rows beside 64 short ones")
     args = ap.parse_args()
     source, dev, dtype = f"dummy:{args.config}", torch.device("cuda", 0), torch.bfloat16
     config = load_config(source)
@@ -284,6 +330,10 @@ def main() -> None:
             report.update(profile_frame_parts(load("talker", experts), table, config, kw, params, experts))
             free()
             save()
+    if "thinker_long" in args.stages:
+        report.update(profile_beside_long(load("thinker"), config, kw, params, args.long_tokens, args.long_rows))
+        free()
+        save()
     if "code2wav" in args.stages:
         module = load_stage(source, "code2wav", dtype, dev)
         report.update(profile_code2wav(module, dev, dtype, fused=not args.no_fused))
