@@ -118,15 +118,15 @@ class StageEngine:
                 self._validating.pop(seq.request_id, None)
             refused(e)
             return
-        with self._cv:  # queued under the lock: an abort that finds it no longer validating comes after it
-            aborted = self._validating.pop(seq.request_id, False)
-            if not aborted and not self._stop:
+        # queued under the lock (_cv's RLock): an abort that misses it in _validating comes after it in the inbox
+        with self._cv:
+            aborted, stopped = self._validating.pop(seq.request_id, False), self._stop
+            if not (aborted or stopped):
                 seq.added_at = time.perf_counter()
-                self._inbox.append(("add", seq))
-                self._cv.notify()
+                self._post("add", seq)
         if aborted:
             self.emit(seq.request_id, None, ABORTED, None)
-        elif self._stop:
+        elif stopped:
             self.emit(seq.request_id, None, None, EngineError(f"[{self.name}] engine stopped"))
 
     def abort(self, request_id: str) -> None:
