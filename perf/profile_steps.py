@@ -239,8 +239,36 @@ def profile_beside_long(model, config, kw, params, long_tokens: int, long_rows: 
     out = {f"thinker_decode_{short_rows}_short": measure(lambda: runner.decode(short))}
     long = admit(thinker_prompts(config, long_tokens, long_rows, True))
     out[f"thinker_decode_{short_rows}_short_{long_rows}x{long_tokens}"] = measure(lambda: runner.decode(short + long))
+    out.update(profile_pieces(runner, long[0], short + long[1:], long_tokens, measure))
     release(runner, short + long)
     del runner
+    return out
+
+
+def profile_pieces(runner, seq, decodes, long_tokens: int, measure) -> dict:
+    """A long prompt's piece as the scheduler gives one beside decodes (one 128-token unit at 30,000
+    positions, or more units further down), rewritten in place at seq's slot (the same K/V each time): its
+    kernels alone, the piece's forward then the decode step of `decodes` (one sync at the end), and the
+    piece in the decode step's forward, as the engine runs it: what the experts' second read costs."""
+    from omnistage.core.scheduler import Sequence
+    from omnistage.stages.media_rows import InputRows
+
+    ids = seq.payload.input_ids
+
+    def piece(start: int, n: int):
+        rows = InputRows(runner._embed(ids[start : start + n]))
+        return lambda: runner.long_prefill.run([(rows, seq.slot, start)])
+
+    out = {}
+    for n, at in ((128, long_tokens - 129), (128, long_tokens // 2), (512, long_tokens // 8)):
+        out[f"thinker_piece_{n}_at_{at}"] = measure(piece(at, n))
+    unit = piece(long_tokens - 129, 128)
+    out["thinker_decode_beside"] = measure(lambda: runner.decode(decodes))
+    out["thinker_piece_128_then_decode"] = measure(lambda: (unit(), runner.decode(decodes)))
+    # the same piece as served: through the decode step's forward (ThinkerRunner.decode's riders)
+    rider = Sequence("rider", seq.params, seq.payload, slot=seq.slot)
+    rider.prompt_len, rider.prefilled, rider.chunk = long_tokens, long_tokens - 1, 128
+    out["thinker_decode_with_piece_128"] = measure(lambda: runner.decode(decodes, [rider]))
     return out
 
 

@@ -217,6 +217,13 @@ class StageEngine:
 
     def _step(self, prefills: list[Sequence], decodes: list[Sequence]) -> None:
         t0 = time.perf_counter()
+        first = [s for s in prefills if s.first_piece]  # their prompt's first piece (or all of it)
+        self.prefilled_rows += len(first)
+        self.queue_seconds += sum(t0 - s.added_at for s in first)
+        # pieces of long prompts that go through the decode step's forward (the runner's rides_decode)
+        rides = getattr(self.runner, "rides_decode", None)
+        riders = [s for s in prefills if rides(s)] if decodes and rides else []
+        prefills = [s for s in prefills if s not in riders] if riders else prefills
         if prefills:
             self._run_phase("prefill", prefills)
             # What this step prefilled decodes in it too, when ready: a decode step runs every occupied row of
@@ -226,32 +233,28 @@ class StageEngine:
             done = [s for s in prefills if s.status is SeqStatus.RUNNING and not s.prefilling]
             decodes = decodes + [s for s in done if self.runner.is_ready(s)]
         if decodes:
-            self._run_phase("decode", decodes)
+            self._run_phase("decode", decodes, riders)
         self.steps += 1
-        self.last_batch_size = len({id(s) for s in prefills + decodes})
+        self.last_batch_size = len({id(s) for s in prefills + decodes + riders})
         self.last_step_seconds = time.perf_counter() - t0
         if self.steps <= 3 or self.last_step_seconds > SLOW_STEP_SECONDS:
             log.info("[%s] step %d: %d prefill + %d decode in %.1f ms", self.name, self.steps, len(prefills),
                      len(decodes), self.last_step_seconds * 1e3)  # fmt: skip
 
-    def _run_phase(self, phase: str, seqs: list[Sequence]) -> None:
-        """Runs a phase and hands its results on."""
+    def _run_phase(self, phase: str, seqs: list[Sequence], riders: list[Sequence] = ()) -> None:
+        """Runs a phase and hands its results on; riders: pieces of long prompts in the decode's forward."""
         t_phase = time.perf_counter()
-        if phase == "prefill":
-            first = [s for s in seqs if s.first_piece]  # their prompt's first piece (or all of it)
-            self.prefilled_rows += len(first)
-            self.queue_seconds += sum(t_phase - s.added_at for s in first)
         failed: list[tuple[Sequence, Exception]] = []  # a failed step fails its sequences, not the engine
         retry = phase == "prefill" and len(seqs) > 1
         before = [(s.num_generated, list(s.generated), s.state) for s in seqs] if retry else []
         try:
-            results = getattr(self.runner, phase)(seqs)
+            results = self.runner.decode(seqs, riders) if riders else getattr(self.runner, phase)(seqs)
         except Exception as e:
             log.error("[%s] %s of %d failed: %s", self.name, phase, len(seqs), traceback.format_exc())
             if retry:
                 results, failed = self._prefill_alone(seqs, before)
             else:
-                results, failed = [], [(seq, e) for seq in seqs]
+                results, failed = [], [(seq, e) for seq in [*seqs, *riders]]
         finally:
             self.phase_seconds[phase] += time.perf_counter() - t_phase
         for seq, e in failed:

@@ -81,6 +81,23 @@ class ChunkPrefill:
         positions: a row's own MRoPE positions [3, T_i] (host), None for a text row; deepstack: a row's
         deepstack rows (InputRows.deepstack) or None. Returns the normed hidden state at each suffix's last
         token, [n, D] (a static buffer's view); spans.accept_out[i] holds row i's accept-layer rows."""
+        n, shape = self._load(embeds, slots, starts, rope_offsets, positions, deepstack)
+        self.bank.run(shape, lambda: self._run(*shape))
+        return self.hidden_out[:n]
+
+    def run_beside(self, beside: tuple[torch.Tensor, dict], embeds: list[torch.Tensor], slots: list[int],
+                   starts: list[int], positions: list[torch.Tensor | None] | None = None,
+                   deepstack: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """run() with another batch in the same forward (LayerSpans.run_beside: beside is its hidden [B, T, D]
+        and attention kwargs), eagerly: a graph per pair of shapes would multiply the buckets, and such a step
+        is long enough on the device to hide its launches. Returns run()'s result and the other batch's
+        output [B, T, D], not normed."""
+        n, shape = self._load(embeds, slots, starts, None, positions, deepstack)
+        other = self._run(*shape, beside=beside)
+        return self.hidden_out[:n], other
+
+    def _load(self, embeds, slots, starts, rope_offsets, positions, deepstack) -> tuple[int, tuple[int, int, int]]:
+        """The rows into the static buffers; returns their number and the (rows, tokens, kv_len) shape."""
         n, lengths = len(embeds), [e.shape[0] for e in embeds]
         for slot, start, length in zip(slots, starts, lengths):
             self.cache.grow(slot, start + length)
@@ -99,8 +116,7 @@ class ChunkPrefill:
         self.spans.load_deepstack(deepstack + deepstack[:1] * pad)
         index = [slots + slots[:1] * pad, starts + starts[:1] * pad, [x - 1 for x in lengths + lengths[:1] * pad]]
         self.index[:, :rows].copy_(to_device(index, self.index.device))
-        self.bank.run((rows, tokens, kv_len), lambda: self._run(rows, tokens, kv_len))
-        return self.hidden_out[:n]
+        return n, (rows, tokens, kv_len)
 
     def capture_all(self) -> None:
         """Captures every bucket while no slot is in use (they write into the null block)."""
@@ -112,15 +128,21 @@ class ChunkPrefill:
                 if t <= k and (self.max_attended is None or r * k <= self.max_attended)]  # fmt: skip
         self.bank.capture_all(keys, lambda key: lambda: self._run(*key))
 
-    def _run(self, rows: int, tokens: int, kv_len: int) -> None:
+    def _run(self, rows: int, tokens: int, kv_len: int, beside: tuple[torch.Tensor, dict] | None = None
+             ) -> torch.Tensor | None:  # fmt: skip
         embeds = self.embeds[:rows, :tokens]
         slots, starts, last = (self.index[i, :rows] for i in range(3))
         position_embeddings = self.text_model.rotary_emb(embeds, self.positions[:, :rows, :tokens])
         mask, writer = attend_after_prefix(self.cache, slots, starts, tokens, kv_len)
-        hidden = self.spans.run(embeds, attention_mask=mask, position_embeddings=position_embeddings,
-                                past_key_values=writer)  # fmt: skip
+        kwargs = dict(attention_mask=mask, position_embeddings=position_embeddings, past_key_values=writer)
+        other = None
+        if beside is None:
+            hidden = self.spans.run(embeds, **kwargs)
+        else:
+            hidden, other = self.spans.run_beside(embeds, beside, **kwargs)
         last_hidden = hidden[torch.arange(rows, device=hidden.device), last]  # [rows, D]
         self.hidden_out[:rows].copy_(self.text_model.norm(last_hidden))
+        return other
 
 
 def attend_after_prefix(cache: PagedKVCache, slots: torch.Tensor, starts: torch.Tensor, tokens: int,

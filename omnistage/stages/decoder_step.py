@@ -18,6 +18,14 @@ def decode_step(
     rope_deltas: torch.Tensor,  # [rows] long: MRoPE offset of each row (0 for text-only prompts)
     kv_len: int,  # positions a gathered attention reads (> every row's position); a host int, so no device sync
 ) -> torch.Tensor:
+    kwargs = decode_kwargs(text_model, cache, inputs_embeds, positions, rope_deltas, kv_len)
+    hidden = run_layers(text_model.layers, inputs_embeds, text_model.norm, **kwargs)
+    return hidden[:, 0]  # [rows, D]
+
+
+def decode_kwargs(text_model, cache: PagedKVCache, inputs_embeds: torch.Tensor, positions: torch.Tensor,
+                  rope_deltas: torch.Tensor, kv_len: int) -> dict:  # fmt: skip
+    """The attention kwargs of a decode step's layers (decode_step's arguments)."""
     rows = inputs_embeds.shape[0]
     kv_len = blocks_for(kv_len) * BLOCK  # a gather reads whole blocks
     # [rows, 1, 1, kv_len]: each row attends to its own prefix and the new token (the paged kernel, where it
@@ -27,6 +35,4 @@ def decode_step(
     rope_positions = (positions + rope_deltas).view(1, rows, 1).expand(3, rows, 1)
     position_embeddings = text_model.rotary_emb(inputs_embeds, rope_positions)
     step_cache = cache.step_view(rows, positions, kv_len, mask)
-    hidden = run_layers(text_model.layers, inputs_embeds, text_model.norm, attention_mask=mask,
-                        position_embeddings=position_embeddings, past_key_values=step_cache)  # fmt: skip
-    return hidden[:, 0]  # [rows, D]
+    return dict(attention_mask=mask, position_embeddings=position_embeddings, past_key_values=step_cache)

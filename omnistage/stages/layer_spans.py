@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..models.layer_stack import run_layers
+from ..models.layer_stack import run_joint, run_layers
 from .host_copy import to_device
 
 
@@ -61,3 +61,20 @@ class LayerSpans:
             if end <= self.deepstack_count:
                 hidden = hidden + self.deepstack[end - 1, :rows, :tokens]
         return hidden
+
+    def run_beside(self, hidden: torch.Tensor, beside: tuple[torch.Tensor, dict], **attention_kwargs
+                   ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """run() with another batch (its hidden [B, T, D] and attention kwargs) in the same forward
+        (layer_stack.run_joint); the stream is touched at these rows only. Returns both outputs, not
+        normed: (this batch's [rows, tokens, D], the other's [B, T, D])."""
+        rows, tokens = hidden.shape[:2]
+        other, other_kwargs = beside
+        for start, end in self.spans:
+            if start == self.accept_layer:
+                self.accept_out[:rows, :tokens].copy_(hidden)
+            flat = run_joint(self.layers[start:end], [(other, other_kwargs), (hidden, attention_kwargs)])
+            split = other.shape[0] * other.shape[1]
+            other, hidden = flat[:split].view(other.shape), flat[split:].view(hidden.shape)
+            if end <= self.deepstack_count:
+                hidden = hidden + self.deepstack[end - 1, :rows, :tokens]
+        return hidden, other

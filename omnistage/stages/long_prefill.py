@@ -47,10 +47,14 @@ class LongPrefill:
                                  kv_buckets=kv_buckets, max_attended=MAX_ATTENDED, deepstack=deepstack,
                                  accept_layer=accept_layer)  # fmt: skip
 
-    def run(self, pieces: list[tuple[InputRows, int, int]]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    def run(self, pieces: list[tuple[InputRows, int, int]], beside: tuple[torch.Tensor, dict] | None = None
+            ) -> tuple[torch.Tensor, list[torch.Tensor | None], torch.Tensor | None]:  # fmt: skip
         """pieces: per prompt (its piece's rows, embeddings on the device; its slot; where the piece starts in
-        the slot). Returns the normed hidden state at each piece's last token, [n, D], and each piece's
-        accept-layer rows at its media rows ([m, D], None without media rows or an accept layer)."""
+        the slot); beside: another batch (hidden [B, T, D], attention kwargs: a decode step's) that goes
+        through the layers in the first forward of the pieces' rows (ChunkPrefill.run_beside). Returns the
+        normed hidden state at each piece's last token, [n, D], each piece's accept-layer rows at its media
+        rows ([m, D], None without media rows or an accept layer), and the other batch's output [B, T, D]
+        (not normed; None without one)."""
         rows = []  # (piece, rows [<= CHUNK_TOKENS], slot, start)
         for i, (piece, slot, start) in enumerate(pieces):
             starts = range(0, piece.embeds.shape[0], CHUNK_TOKENS)
@@ -61,16 +65,20 @@ class LongPrefill:
                            device=self.rows.hidden_out.device)  # fmt: skip
         accepted: list[list[torch.Tensor]] = [[] for _ in pieces]
         keep = self.rows.spans.accept_layer is not None
+        other = None
         for group in self._groups(rows):  # a prompt's rows stay in order
-            hidden = self.rows.run([r[1].embeds for r in group], [r[2] for r in group], [r[3] for r in group],
-                                   positions=[r[1].positions for r in group],
-                                   deepstack=[r[1].deepstack for r in group])  # fmt: skip
+            args = ([r[1].embeds for r in group], [r[2] for r in group], [r[3] for r in group])
+            kwargs = dict(positions=[r[1].positions for r in group], deepstack=[r[1].deepstack for r in group])
+            if beside is not None and other is None:
+                hidden, other = self.rows.run_beside(beside, *args, **kwargs)
+            else:
+                hidden = self.rows.run(*args, **kwargs)
             for j, (i, part, *_) in enumerate(group):
                 last[i] = hidden[j]  # a piece's later rows overwrite its earlier ones: its last row stays
                 if keep and part.media is not None and part.media.numel():
                     where = to_device(part.media, hidden.device)
                     accepted[i].append(self.rows.spans.accept_out[j].index_select(0, where))
-        return last, [torch.cat(a) if a else None for a in accepted]
+        return last, [torch.cat(a) if a else None for a in accepted], other
 
     def _groups(self, rows: list[tuple]) -> list[list[tuple]]:
         """Consecutive rows cut into forwards of one token bucket that fit the ChunkPrefill (rows, attended

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 
 from .cuda_graphs import GraphBank, batch_buckets, bucket_for, length_buckets
-from .decoder_step import decode_step
+from .decoder_step import decode_kwargs, decode_step
 from .host_copy import to_device
 from ..models import fused_ops
 from .paged_kv import PagedKVCache
@@ -57,13 +57,31 @@ class StaticDecoder:
         positions/deltas cover every occupied slot up to the highest one (a row that is not stepping writes
         at its next free position, which its next real step overwrites); padding rows up to the bucket
         are free slots and write at position 0."""
+        rows, kv_len = self._load(positions, deltas, ids)
+        self.bank.run((rows, kv_len), lambda: self._run(rows, kv_len))
+        return rows, kv_len
+
+    def batch(self, positions: list[int], deltas: list[int], ids: list[int] | None = None
+              ) -> tuple[torch.Tensor, dict]:  # fmt: skip
+        """step()'s rows for a forward that another batch runs them in (a long prompt's piece: LongPrefill.run's
+        beside), eagerly (see ChunkPrefill.run_beside): their input rows [rows, 1, D] and attention kwargs.
+        That forward's output for them goes to finish()."""
+        rows, kv_len = self._load(positions, deltas, ids)
+        embeds, positions_, deltas_ = self._inputs(rows)
+        return embeds, decode_kwargs(self.text_model, self.cache, embeds, positions_, deltas_, kv_len)
+
+    def finish(self, out: torch.Tensor) -> None:
+        """The output [rows, 1, D] (not normed) of batch()'s rows into hidden_out and logits_out, as step()
+        leaves them."""
+        self._head(self.text_model.norm(out[:, 0]), out.shape[0])
+
+    def _load(self, positions: list[int], deltas: list[int], ids: list[int] | None) -> tuple[int, int]:
         rows, kv_len = self.shape_for(len(positions), max(positions) + 1)
         pad = rows - len(positions)
         self.index[:, :rows].copy_(to_device([positions + [0] * pad, deltas + [0] * pad], self.index.device))
         if ids is not None:
             self.ids[:rows].copy_(to_device(ids + [0] * pad, self.ids.device))
         self.cache.sync()
-        self.bank.run((rows, kv_len), lambda: self._run(rows, kv_len))
         return rows, kv_len
 
     def capture_all(self) -> None:
@@ -76,8 +94,14 @@ class StaticDecoder:
         self.bank.capture_all(keys, lambda key: lambda: self._run(*key))
 
     def _run(self, rows: int, kv_len: int) -> None:
+        self._head(decode_step(self.text_model, self.cache, *self._inputs(rows), kv_len), rows)
+
+    def _inputs(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The loaded rows' input embeddings [rows, 1, D], positions and rope deltas [rows]."""
         embeds = self.embed(self.ids[:rows])[:, None] if self.embed is not None else self.embeds[:rows]
-        positions, deltas = self.index[0, :rows], self.index[1, :rows]
-        hidden = decode_step(self.text_model, self.cache, embeds, positions, deltas, kv_len)
+        return embeds, self.index[0, :rows], self.index[1, :rows]
+
+    def _head(self, hidden: torch.Tensor, rows: int) -> None:
+        """The step's normed output [rows, D] into hidden_out and its head's logits into logits_out."""
         self.hidden_out[:rows].copy_(hidden)
         self.logits_out[:rows].copy_(self.head(hidden))

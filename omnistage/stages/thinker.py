@@ -13,7 +13,7 @@ from ..core.errors import BadRequestError
 from ..core.scheduler import Sequence
 from .chunk_prefill import ChunkPrefill
 from .conditioning import TalkerConditioning, user_positions
-from .host_copy import to_device, to_host
+from .host_copy import outputs_to_host, to_device, to_host
 from .media_prefill import MediaPrefill
 from .media_prefix_cache import MediaPrefixCache
 from .media_rows import MediaInputs
@@ -169,13 +169,30 @@ class ThinkerRunner(ThinkerPrefill, DecoderRunner):
         return {"prefix_hit_tokens": p.hit_tokens if p else 0, "prefix_prompt_tokens": p.prompt_tokens if p else 0}
 
     @torch.inference_mode()
-    def decode(self, seqs: list[Sequence]) -> list[StepResult]:
+    def decode(self, seqs: list[Sequence], riders: list[Sequence] = ()) -> list[StepResult]:
+        """One decode step of seqs; riders (rides_decode): long prompts' pieces of this step, run in the same
+        forward (LongPrefill.run's beside), answered as prefill() answers them."""
         # every occupied slot up to the highest takes part (a just-prefilled one too), see StaticDecoder.step
         for seq in seqs:
             self.cache.grow(seq.slot, self.slots[seq.slot].length + 1)
+        if riders:
+            self._start(riders)
+            pieces, spans = self._long_pieces(riders)
         states = self._step_states()
-        self.decoder.step([s.length if s else 0 for s in states], [s.rope_delta if s else 0 for s in states],
-                          [s.last_token if s else 0 for s in states])  # fmt: skip
+        rows = ([s.length if s else 0 for s in states], [s.rope_delta if s else 0 for s in states],
+                [s.last_token if s else 0 for s in states])  # fmt: skip
+        if not riders:
+            self.decoder.step(*rows)
+            return self._decoded(seqs)
+        last, accepted, out = self.long_prefill.run(pieces, beside=self.decoder.batch(*rows))
+        self.decoder.finish(out)
+        results = self._decoded(seqs)
+        ridden = self._long_results(riders, spans, last, accepted)
+        outputs_to_host([r.output for r in ridden if r.output is not None], self.device)
+        return results + ridden
+
+    def _decoded(self, seqs: list[Sequence]) -> list[StepResult]:
+        """The decode step's results: each sequence's token picked from the step's logits."""
         slots = to_device([s.slot for s in seqs], self.device)
         tokens = self._sample(self.decoder.logits_out[slots], seqs)
         rows = self._text_rows(tokens, seqs)

@@ -42,15 +42,7 @@ class ThinkerPrefill:
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> list[StepResult]:
         """Every prompt of a step, or this step's piece of it (see the header)."""
-        taken = {}
-        for seq in seqs:  # a prompt's first piece starts its slot afresh (resumed ones from their generated tokens)
-            if seq.first_piece:
-                self.cache.release(seq.slot)
-                self.long_media.pop(seq.slot, None)
-                if seq.num_generated:
-                    self._resume(seq)
-                if seq.prefix:
-                    taken[id(seq)] = self._take_prefix(seq)
+        taken = self._start(seqs)
         whole = [s for s in seqs if not self._in_chunks(s)]
         text = [s for s in whole if s.payload.is_text_only]
         media = [s for s in whole if not s.payload.is_text_only]
@@ -82,17 +74,23 @@ class ThinkerPrefill:
         results = self._prefill_after_prefix(hits, found | covered) if hits else []
         results += self._prefill_static(fresh) if fresh else []
         results += self._prefill_media(ran, starts, encoded[: len(ran)], kept) if ran else []
-        results += (long_results := self._prefill_long(long) if long else [])
         for seq in text:  # keep the blocks worth keeping (copied in stream order: after the prefill)
             if id(seq) in found:
                 self.prefix.store(seq.slot, found[id(seq)])
-        for r in long_results if self.prefix else []:  # a long text prompt's blocks, kept for the next turn
-            if r.output is not None and r.seq.payload.is_text_only:  # its last piece ran
-                match = self.prefix.peek(r.seq.payload.input_ids.tolist())
-                self.prefix.store(r.seq.slot, match, first_sighting=True)
+        if long:
+            pieces, spans = self._long_pieces(long)
+            last, accepted, _ = self.long_prefill.run(pieces)
+            results += self._long_results(long, spans, last, accepted)
         # the talker's conditioning was gathered after the tokens' sync: one more sync (none on the CPU)
         outputs_to_host([r.output for r in results if r.output is not None], self.device)
         return results
+
+    def rides_decode(self, seq: Sequence) -> bool:
+        """Whether this step's piece of seq can go through the step's decode forward (decode()'s riders): a
+        long prompt's piece whose rows need no encoder this step (a text prompt's, or a media prompt's after
+        its first piece). One forward then reads the experts' weights for both (layer_stack.run_joint)."""
+        encoded = seq.payload.is_text_only or (seq.slot in self.long_media and not seq.first_piece)
+        return encoded and self._in_chunks(seq)
 
     def prefix_blocks(self, seq: Sequence) -> list[int]:
         """The kept prefix a waiting prompt in chunks starts with (core/scheduler.py): its pool blocks, cut
@@ -223,12 +221,26 @@ class ThinkerPrefill:
                                                 cached=start))
         return results
 
-    def _prefill_long(self, seqs: list[Sequence]) -> list[StepResult]:
-        """This step's piece of each prompt (Sequence.piece) through the LongPrefill: a text prompt's rows
-        embedded now, a media prompt's cut from those kept since its first piece. A piece that ends its
-        prompt picks the first token (and keeps a media prompt's blocks); the slot of one that does not
-        holds a stand-in state whose length is the piece's end, so that decode steps meanwhile write their
-        unused row there, where the next piece writes first (see StaticDecoder.step)."""
+    def _start(self, seqs: list[Sequence]) -> dict:
+        """A prompt's first piece starts its slot afresh (a resumed one from its generated tokens, one with a
+        kept prefix from that prefix). Returns the prefix matches taken, by id(seq)."""
+        taken = {}
+        for seq in seqs:
+            if seq.first_piece:
+                self.cache.release(seq.slot)
+                self.long_media.pop(seq.slot, None)
+                if seq.num_generated:
+                    self._resume(seq)
+                if seq.prefix:
+                    taken[id(seq)] = self._take_prefix(seq)
+        return taken
+
+    def _long_pieces(self, seqs: list[Sequence]) -> tuple[list[tuple[InputRows, int, int]], list[tuple[int, int, int]]]:
+        """This step's piece of each prompt (Sequence.piece) for the LongPrefill: a text prompt's rows
+        embedded now, a media prompt's cut from those kept since its first piece. The slot of each holds a
+        stand-in state whose length is the piece's end, so that decode steps write their unused row there,
+        where the next piece writes first (see StaticDecoder.step). Returns the pieces and their spans
+        (start, end, prompt length)."""
         pieces, spans = [], []
         for s in seqs:
             n = self.prompt_tokens(s)
@@ -238,12 +250,18 @@ class ThinkerPrefill:
             rows = InputRows(self._embed(s.payload.input_ids[a:b])) if state is None else state.rows.cut(
                 a - state.start, b - state.start)  # fmt: skip
             pieces.append((rows, s.slot, a))
-        last, accepted = self.long_prefill.run(pieces)
+            self._pending(s, b)
+        return pieces, spans
+
+    def _long_results(self, seqs: list[Sequence], spans: list[tuple[int, int, int]], last: torch.Tensor,
+                      accepted: list[torch.Tensor | None]) -> list[StepResult]:  # fmt: skip
+        """After the LongPrefill ran the pieces: a piece that ends its prompt picks the first token (and keeps
+        the prompt's blocks: a media prompt's with its rows, a text prompt's on probation for the next turn);
+        one that does not answers without output."""
         results, ending = [], []
         for i, (s, (a, b, n)) in enumerate(zip(seqs, spans)):
             if accepted[i] is not None:
                 self.long_media[s.slot].accepted.append(accepted[i])
-            self._pending(s, b)
             results.append(StepResult(s, None))
             if b == n:
                 ending.append(i)
@@ -253,6 +271,9 @@ class ThinkerPrefill:
             text_rows = self._text_rows(tokens, done)
             for j, (i, token) in enumerate(zip(ending, tokens.tolist())):
                 results[i] = self._ended_long(seqs[i], token, text_rows, j)
+                if self.prefix and seqs[i].payload.is_text_only:  # kept for the next turn
+                    match = self.prefix.peek(seqs[i].payload.input_ids.tolist())
+                    self.prefix.store(seqs[i].slot, match, first_sighting=True)
         return results
 
     def _ended_long(self, seq: Sequence, token: int, text_rows, j: int) -> StepResult:

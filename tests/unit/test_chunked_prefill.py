@@ -34,12 +34,16 @@ class Steps:
             setattr(runner, phase, self._logged(phase, run, runner))
 
     def _logged(self, phase, run, runner):
-        def step(seqs):
-            lengths = {s.request_id: runner.prompt_tokens(s) for s in seqs}
-            pieces = {s.request_id: s.piece(lengths[s.request_id]) if phase == "prefill" else None for s in seqs}
-            self.log.append((phase, pieces))
-            results = run(seqs)
-            for s in seqs if phase == "prefill" else []:
+        def step(seqs, *riders):  # decode's riders: pieces in its forward, logged as a prefill before it
+            prefills = seqs if phase == "prefill" else [s for r in riders for s in r]
+            lengths = {s.request_id: runner.prompt_tokens(s) for s in prefills}
+            pieces = {s.request_id: s.piece(lengths[s.request_id]) for s in prefills}
+            if prefills:
+                self.log.append(("prefill", pieces))
+            if phase == "decode":
+                self.log.append(("decode", {s.request_id: None for s in seqs}))
+            results = run(seqs, *riders)
+            for s in prefills:
                 if pieces[s.request_id][1] == lengths[s.request_id]:
                     self.kv[s.request_id] = runner.cache.read(s.slot, lengths[s.request_id])
             return results
@@ -181,6 +185,31 @@ def test_beside_a_running_stream_a_long_prompt_goes_in_units_and_matches_generat
     assert_same_kv(steps.kv["long"], long_kv)
 
 
+def test_pieces_beside_decodes_go_through_the_decode_step_s_forward(hf_model, processor, long_inputs):
+    """While a short stream decodes, each piece of a long prompt goes through the decode step's forward: one
+    call of each layer's MLP (the experts) over the decode rows and the piece's tokens together, so that a
+    step reads the experts' weights once (layer_stack.run_joint), not once for the piece and once for the
+    decode."""
+    thinker = ThinkerRunner(hf_model.thinker, hf_model.config, **RUNNER)
+    mlp, calls, steps = thinker.model.model.layers[0].mlp, [], []
+    forward, decode = mlp.forward, thinker.decode
+    mlp.forward = lambda x: calls.append(x.numel() // x.shape[-1]) or forward(x)
+
+    def logged(seqs, *riders):
+        calls.clear()
+        out = decode(seqs, *riders)
+        steps.append((sum(len(r) for r in riders), list(calls)))
+        return out
+
+    thinker.decode = logged
+    short = prepare_inputs(processor, oracle.messages("text"))["input_ids"][0]
+    serve(thinker, 4 * CHUNK_TOKENS, [("short", SamplingParams(max_tokens=64, ignore_eos=True), ThinkerPrompt(short))],
+          later=[("long", SamplingParams(max_tokens=2, ignore_eos=True), ThinkerPrompt(long_inputs["input_ids"][0]))],
+          piece_tokens=PIECE_TOKENS, attended_beside_decodes=PIECE_TOKENS * PIECE_TOKENS)  # fmt: skip
+    ridden = [tokens for riders, tokens in steps if riders]
+    assert len(ridden) >= 2 and all(len(t) == 1 for t in ridden) and max(t[0] for t in ridden) > PIECE_TOKENS
+
+
 @torch.inference_mode()
 def test_short_rows_go_after_every_piece_s_chunks(hf_model, long_inputs, long_kv):
     """Two long prompts in one step, one whose rest after its chunks fits a unit's bucket (76 tokens) and one
@@ -247,6 +276,20 @@ def test_long_prefill_graphs_in_pieces_equal_one_eager_pass_on_cuda(tiny_checkpo
     assert_same_pick_in_bf16(graphs, eager, result, whole)
 
 
+@pytest.mark.gpu
+@torch.inference_mode()
+def test_long_pieces_beside_a_decode_on_cuda_equal_one_eager_pass(tiny_checkpoint, processor, long_inputs):
+    """As served on CUDA (bf16, the fused kernels, graphs captured): a long prompt's pieces that ride a short
+    stream's decode steps (one eager forward with its rows padded to the decode's bucket) leave the K/V and
+    the logits of the prompt prefilled whole, within bf16 rounding."""
+    prompt = ThinkerPrompt(long_inputs["input_ids"][0])
+    short = ThinkerPrompt(prepare_inputs(processor, oracle.messages("text"))["input_ids"][0])
+    result, whole, graphs, eager = pieces_as_graphs_and_whole_eager_on_cuda(tiny_checkpoint, prompt, beside=short)
+    n = prompt.input_ids.numel()
+    assert_close_in_bf16(slot_kv(graphs.cache, 1, n), slot_kv(eager.cache, 1, n))
+    assert_same_pick_in_bf16(graphs, eager, result, whole)
+
+
 def assert_close_in_bf16(got: torch.Tensor, want: torch.Tensor, tol: float = 0.05) -> None:
     """Equal within bf16 rounding, but for at most one element in a thousand: two passes that cut a prompt
     differently round their products differently, and where a token's router scores nearly tie, one pass
@@ -295,10 +338,11 @@ def test_a_paged_prefill_refuses_an_attention_that_would_read_it_without_its_cau
         thinker.prefill([seq])
 
 
-def pieces_as_graphs_and_whole_eager_on_cuda(tiny_checkpoint, prompt: ThinkerPrompt) -> tuple:
+def pieces_as_graphs_and_whole_eager_on_cuda(tiny_checkpoint, prompt: ThinkerPrompt, beside=None) -> tuple:
     """A long prompt prefilled in slot 1 of two bf16 thinker runners on CUDA: one replaying graphs, in pieces
     as the scheduler hands them over (a unit beside decodes, a chunk off the chunk grid, then the rest), one
-    eager at exact sizes, whole.
+    eager at exact sizes, whole. beside: a prompt prefilled in slot 0 first, whose decode steps the pieces
+    then ride (ThinkerRunner.decode's riders).
     Returns the last piece's and the whole prefill's StepResult, and the two runners (graphed, eager)."""
     from omnistage.models.checkpoint import load_config, load_stage
 
@@ -314,9 +358,17 @@ def pieces_as_graphs_and_whole_eager_on_cuda(tiny_checkpoint, prompt: ThinkerPro
     graphs.validate(pieced)
     eager.validate(whole)
     pieced.prompt_len = n
+    if beside is not None:
+        short = Sequence("s", SamplingParams(max_tokens=64, ignore_eos=True), beside, slot=0)
+        graphs.validate(short)
+        graphs.prefill([short])
     for end in sorted({PIECE_TOKENS, min(PIECE_TOKENS + CHUNK_TOKENS, n), n}):  # no empty piece
         pieced.chunk, pieced.prefilled = end - pieced.prefilled, end
-        [result] = graphs.prefill([pieced])
+        if beside is None:
+            [result] = graphs.prefill([pieced])
+        else:
+            decoded, result = graphs.decode([short], [pieced])
+            assert decoded.seq is short and decoded.output is not None
         assert (result.output is None) == (end < n)
     [want] = eager.prefill([whole])
     return result, want, graphs, eager

@@ -31,7 +31,7 @@ def runners(hf_model, monkeypatch):
         return run(prompts, slots, starts)
 
     monkeypatch.setattr(cached.media_prefill, "run", record)
-    monkeypatch.setattr(cached, "_prefill_long", lambda *a: pytest.fail("a media prompt prefilled in chunks"))
+    monkeypatch.setattr(cached, "_long_pieces", lambda *a: pytest.fail("a media prompt prefilled in chunks"))
     plain = ThinkerRunner(hf_model.thinker, hf_model.config, **KW)
     return cached, plain, TalkerRunner(hf_model.talker, hf_model.config, hf_model.thinker.get_input_embeddings().weight, **KW)
 

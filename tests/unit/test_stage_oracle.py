@@ -212,7 +212,7 @@ def test_thinker_prefills_text_audio_and_image_prompts_in_one_batched_forward(hf
     """One thinker prefill of text, audio and image prompts (clips of different lengths), none through the
     per-request eager forward, then their decode steps together and the talker on each: every prompt gets
     the text tokens and codec codes generate() gives it alone."""
-    monkeypatch.setattr(ThinkerRunner, "_prefill_long", lambda self, seqs: pytest.fail("a prompt prefilled in chunks"))
+    monkeypatch.setattr(ThinkerRunner, "_long_pieces", lambda self, seqs: pytest.fail("a prompt prefilled in chunks"))
     longer_clip = {"type": "input_audio", "input_audio": {"data": oracle.wav_base64(seconds=2.3, seed=5), "format": "wav"}}
     conversations = [oracle.messages("text"), oracle.messages("audio"), oracle.messages("image"),
                      [oracle.SYSTEM, {"role": "user", "content": [longer_clip, {"type": "text", "text": "And this one?"}]}]]  # fmt: skip

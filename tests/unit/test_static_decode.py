@@ -34,7 +34,7 @@ def test_padded_static_path_matches_generate(hf_model, processor):
     thinker = ThinkerRunner(hf_model.thinker, hf_model.config, **kw)
     pad_to_buckets(thinker.decoder, [4, 8], [256, 512])  # slot 2 runs as 4 rows reading 256 positions
     thinker.static_prefill.row_buckets, thinker.static_prefill.token_buckets = [2], [64, 512]  # 2 rows x 512
-    thinker._prefill_long = None  # a text prompt must take the static prefill
+    thinker._long_pieces = None  # a text prompt must take the static prefill
     prompt = ThinkerPrompt(inputs["input_ids"][0], export_talker=True)
     out, _ = run_thinker(thinker, running("t", SamplingParams(max_tokens=REPLY), prompt, slot=2))
     assert out.token_ids == want_text

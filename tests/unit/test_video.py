@@ -195,7 +195,7 @@ def test_videos_with_and_without_their_audio_prefill_in_one_step_with_audio_and_
     for name in ("audio", "vision"):
         encoder = getattr(thinker.media, name)
         monkeypatch.setattr(thinker.media, name, lambda *a, _e=encoder, _n=name: calls.update({_n: calls[_n] + 1}) or _e(*a))
-    monkeypatch.setattr(thinker, "_prefill_long", lambda seqs: pytest.fail("a prompt prefilled in chunks"))
+    monkeypatch.setattr(thinker, "_long_pieces", lambda seqs: pytest.fail("a prompt prefilled in chunks"))
     seqs = [running(f"t{i}", SamplingParams(max_tokens=REPLY), _thinker_prompt(x, a), slot=i + 1)
             for i, (x, a) in enumerate(cases)]  # fmt: skip
     for s in seqs:
