@@ -266,9 +266,10 @@ def profile_pieces(runner, seq, decodes, long_tokens: int, measure) -> dict:
     out["thinker_decode_beside"] = measure(lambda: runner.decode(decodes))
     out["thinker_piece_128_then_decode"] = measure(lambda: (unit(), runner.decode(decodes)))
     # the same piece as served: through the decode step's forward (ThinkerRunner.decode's riders)
-    rider = Sequence("rider", seq.params, seq.payload, slot=seq.slot)
-    rider.prompt_len, rider.prefilled, rider.chunk = long_tokens, long_tokens - 1, 128
-    out["thinker_decode_with_piece_128"] = measure(lambda: runner.decode(decodes, [rider]))
+    for n, end in ((128, long_tokens - 1), (512, long_tokens // 8 + 512)):
+        rider = Sequence("rider", seq.params, seq.payload, slot=seq.slot)
+        rider.prompt_len, rider.prefilled, rider.chunk = long_tokens, end, n
+        out[f"thinker_decode_with_piece_{n}_at_{end - n}"] = measure(lambda rider=rider: runner.decode(decodes, [rider]))
     return out
 
 

@@ -235,12 +235,18 @@ def prefill_parts(programs: int, device: torch.device) -> int:
     return 1 if programs >= target else min(PREFILL_PARTS, -(-target // programs))
 
 
+# the prefill kernel's launch: positions per inner step, warps, software-pipeline stages
+PREFILL_LAUNCH = {"tile": TILE, "num_warps": 8, "num_stages": 3}
+
+
 def prefill(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-            slots: torch.Tensor, starts: torch.Tensor, scaling: float, parts: int | None = None
-            ) -> torch.Tensor:  # fmt: skip
+            slots: torch.Tensor, starts: torch.Tensor, scaling: float, parts: int | None = None,
+            launch: dict | None = None) -> torch.Tensor:  # fmt: skip
     """query [R, H, T, D]: row r's T new tokens at positions starts[r].. of slot slots[r], whose K/V are in the
     pools already; each attends causally to its slot's positions up to its own, through table [slots,
-    max_blocks] int32. parts: splits of each program's positions (default: prefill_parts()). -> [R, T, H, D]."""
+    max_blocks] int32. parts: splits of each program's positions (default: prefill_parts()); launch: the
+    kernel's launch settings (default PREFILL_LAUNCH; perf/paged_prefill_bench.py --sweep tries others).
+    -> [R, T, H, D]."""
     from ..core.block_pool import BLOCK
 
     rows, heads, tokens, dim = query.shape
@@ -254,13 +260,14 @@ def prefill(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tab
     assert slots.is_contiguous() and starts.is_contiguous()  # the kernel reads row r at offset r
     tiles = triton.cdiv(tokens, bq)
     parts = parts or prefill_parts(rows * heads_k * tiles, query.device)
+    launch = launch or PREFILL_LAUNCH
     states = (rows, heads_k, tiles, parts, m)
     ml = [torch.empty(states if parts > 1 else 0, dtype=torch.float32, device=query.device) for _ in range(2)]
     acc = torch.empty((*states, dim) if parts > 1 else 0, dtype=torch.float32, device=query.device)
     _prefill_kernel[(rows, heads_k, tiles * parts)](
         q, k_pool, v_pool, table, slots, starts, out, *ml, acc, scaling, table.shape[1], k_pool.stride(0),
-        k_pool.stride(1), tokens, heads, G=group, BQ=bq, M=m, D=dim, BLOCK=BLOCK, TILE=TILE, PARTS=parts,
-        num_warps=8)  # fmt: skip
+        k_pool.stride(1), tokens, heads, G=group, BQ=bq, M=m, D=dim, BLOCK=BLOCK, TILE=launch["tile"], PARTS=parts,
+        num_warps=launch["num_warps"], num_stages=launch["num_stages"])  # fmt: skip
     if parts > 1:
         _prefill_merge_kernel[(rows, heads_k, tiles)](*ml, acc, out, tokens, heads, G=group, BQ=bq, M=m, D=dim,
                                                       PARTS=parts, num_warps=8)  # fmt: skip

@@ -47,14 +47,13 @@ class LongPrefill:
                                  kv_buckets=kv_buckets, max_attended=MAX_ATTENDED, deepstack=deepstack,
                                  accept_layer=accept_layer)  # fmt: skip
 
-    def run(self, pieces: list[tuple[InputRows, int, int]], beside: tuple[torch.Tensor, dict] | None = None
-            ) -> tuple[torch.Tensor, list[torch.Tensor | None], torch.Tensor | None]:  # fmt: skip
+    def run(self, pieces: list[tuple[InputRows, int, int]], beside: tuple | None = None
+            ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:  # fmt: skip
         """pieces: per prompt (its piece's rows, embeddings on the device; its slot; where the piece starts in
-        the slot); beside: another batch (hidden [B, T, D], attention kwargs: a decode step's) that goes
-        through the layers in the first forward of the pieces' rows (ChunkPrefill.run_beside). Returns the
-        normed hidden state at each piece's last token, [n, D], each piece's accept-layer rows at its media
-        rows ([m, D], None without media rows or an accept layer), and the other batch's output [B, T, D]
-        (not normed; None without one)."""
+        the slot); beside: (a StaticDecoder, its step()'s arguments), a decode step run in the pieces' first
+        forward (ChunkPrefill.run_beside; see joins()). Returns the normed hidden state at each piece's last
+        token, [n, D], and each piece's accept-layer rows at its media rows ([m, D], None without media rows
+        or an accept layer)."""
         rows = []  # (piece, rows [<= CHUNK_TOKENS], slot, start)
         for i, (piece, slot, start) in enumerate(pieces):
             starts = range(0, piece.embeds.shape[0], CHUNK_TOKENS)
@@ -65,12 +64,12 @@ class LongPrefill:
                            device=self.rows.hidden_out.device)  # fmt: skip
         accepted: list[list[torch.Tensor]] = [[] for _ in pieces]
         keep = self.rows.spans.accept_layer is not None
-        other = None
         for group in self._groups(rows):  # a prompt's rows stay in order
             args = ([r[1].embeds for r in group], [r[2] for r in group], [r[3] for r in group])
             kwargs = dict(positions=[r[1].positions for r in group], deepstack=[r[1].deepstack for r in group])
-            if beside is not None and other is None:
-                hidden, other = self.rows.run_beside(beside, *args, **kwargs)
+            if beside is not None:
+                hidden = self.rows.run_beside(*beside, *args, **kwargs)
+                beside = None
             else:
                 hidden = self.rows.run(*args, **kwargs)
             for j, (i, part, *_) in enumerate(group):
@@ -78,7 +77,17 @@ class LongPrefill:
                 if keep and part.media is not None and part.media.numel():
                     where = to_device(part.media, hidden.device)
                     accepted[i].append(self.rows.spans.accept_out[j].index_select(0, where))
-        return last, [torch.cat(a) if a else None for a in accepted], other
+        return last, [torch.cat(a) if a else None for a in accepted]
+
+    def joins(self, pieces: list[tuple[InputRows, int, int]]) -> bool:
+        """Whether run() can take a decode step beside these pieces: any where graphs are off; on CUDA a lone
+        piece of one row in a shape whose graphs are captured beside the decoder's (a unit's or a chunk's
+        bucket: a piece deep in a long prompt, where a step's attention budget leaves a unit or a few)."""
+        if not self.rows.joint.enabled:
+            return True
+        piece, _, start = pieces[0]
+        tokens = piece.embeds.shape[0]
+        return len(pieces) == 1 and tokens <= CHUNK_TOKENS and self.rows.joins(1, tokens, start)
 
     def _groups(self, rows: list[tuple]) -> list[list[tuple]]:
         """Consecutive rows cut into forwards of one token bucket that fit the ChunkPrefill (rows, attended
@@ -96,8 +105,13 @@ class LongPrefill:
 
     def capture_all(self, pool) -> None:
         """Captures every bucket into the graph memory pool `pool` (shared with the static prefill's)."""
-        self.rows.bank.pool = pool
+        self.rows.bank.pool = self.rows.joint.pool = pool
         self.rows.capture_all()
+
+    def capture_beside(self, decoder) -> None:
+        """Captures one row of a unit's and of a chunk's bucket beside each of the decoder's steps (run()'s
+        beside), into the same pool."""
+        self.rows.capture_beside(decoder, (PIECE_TOKENS, CHUNK_TOKENS))
 
 
 def _length(row: tuple) -> int:

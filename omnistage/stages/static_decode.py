@@ -57,25 +57,14 @@ class StaticDecoder:
         positions/deltas cover every occupied slot up to the highest one (a row that is not stepping writes
         at its next free position, which its next real step overwrites); padding rows up to the bucket
         are free slots and write at position 0."""
-        rows, kv_len = self._load(positions, deltas, ids)
+        rows, kv_len = self.load(positions, deltas, ids)
         self.bank.run((rows, kv_len), lambda: self._run(rows, kv_len))
         return rows, kv_len
 
-    def batch(self, positions: list[int], deltas: list[int], ids: list[int] | None = None
-              ) -> tuple[torch.Tensor, dict]:  # fmt: skip
-        """step()'s rows for a forward that another batch runs them in (a long prompt's piece: LongPrefill.run's
-        beside), eagerly (see ChunkPrefill.run_beside): their input rows [rows, 1, D] and attention kwargs.
-        That forward's output for them goes to finish()."""
-        rows, kv_len = self._load(positions, deltas, ids)
-        embeds, positions_, deltas_ = self._inputs(rows)
-        return embeds, decode_kwargs(self.text_model, self.cache, embeds, positions_, deltas_, kv_len)
-
-    def finish(self, out: torch.Tensor) -> None:
-        """The output [rows, 1, D] (not normed) of batch()'s rows into hidden_out and logits_out, as step()
-        leaves them."""
-        self._head(self.text_model.norm(out[:, 0]), out.shape[0])
-
-    def _load(self, positions: list[int], deltas: list[int], ids: list[int] | None) -> tuple[int, int]:
+    def load(self, positions: list[int], deltas: list[int], ids: list[int] | None = None) -> tuple[int, int]:
+        """step()'s rows into the static buffers, for a forward that another batch runs them in (a long
+        prompt's piece: ChunkPrefill.run_beside, which calls inputs() and finish()); returns the (rows,
+        kv_len) shape."""
         rows, kv_len = self.shape_for(len(positions), max(positions) + 1)
         pad = rows - len(positions)
         self.index[:, :rows].copy_(to_device([positions + [0] * pad, deltas + [0] * pad], self.index.device))
@@ -84,14 +73,27 @@ class StaticDecoder:
         self.cache.sync()
         return rows, kv_len
 
+    def inputs(self, rows: int, kv_len: int) -> tuple[torch.Tensor, dict]:
+        """The loaded rows as a batch of that forward: input rows [rows, 1, D] and attention kwargs."""
+        embeds, positions, deltas = self._inputs(rows)
+        return embeds, decode_kwargs(self.text_model, self.cache, embeds, positions, deltas, kv_len)
+
+    def finish(self, out: torch.Tensor) -> None:
+        """That forward's output [rows, 1, D] (not normed) for the loaded rows into hidden_out and logits_out,
+        as step() leaves them."""
+        self._head(self.text_model.norm(out[:, 0]), out.shape[0])
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """The (rows, kv_len) shapes of captured steps ([] without graphs)."""
+        return [(r, k) for r in self.row_buckets for k in self.kv_buckets] if self.bank.enabled else []
+
     def capture_all(self) -> None:
         """Captures every (rows, kv) bucket while no slot is in use (padding rows write position 0)."""
         if not self.bank.enabled:
             return
         self.index.zero_()
         self.cache.sync()
-        keys = [(r, k) for r in self.row_buckets for k in self.kv_buckets]
-        self.bank.capture_all(keys, lambda key: lambda: self._run(*key))
+        self.bank.capture_all(self.shapes(), lambda key: lambda: self._run(*key))
 
     def _run(self, rows: int, kv_len: int) -> None:
         self._head(decode_step(self.text_model, self.cache, *self._inputs(rows), kv_len), rows)

@@ -220,7 +220,7 @@ class TalkerRunner(DecoderRunner):
         pieces = [s.piece(p.embeds.shape[0]) for s, p in zip(seqs, prompts)]
         rows = [InputRows(p.embeds[a:b], None if p.text_only else p.positions[:, a:b])
                 for p, (a, b) in zip(prompts, pieces)]
-        last, _, _ = self.long_prefill.run([(r, s.slot, a) for r, s, (a, _) in zip(rows, seqs, pieces)])
+        last, _ = self.long_prefill.run([(r, s.slot, a) for r, s, (a, _) in zip(rows, seqs, pieces)])
         ending = [i for i, (p, (_, b)) in enumerate(zip(prompts, pieces)) if b == p.embeds.shape[0]]
         pending = []
         for s, p, (_, b) in zip(seqs, prompts, pieces):

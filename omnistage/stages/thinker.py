@@ -161,6 +161,7 @@ class ThinkerRunner(ThinkerPrefill, DecoderRunner):
         # outside the pool, so they can share one pool of intermediates instead of holding two
         self.media_prefill.bank.pool = self.static_prefill.bank.pool
         self.media_prefill.capture_all()
+        self.long_prefill.capture_beside(self.decoder)  # the pieces that ride decode steps (rides_decode)
         if self.chunk_prefill is not None:
             self.chunk_prefill.capture_all()
 
@@ -171,7 +172,7 @@ class ThinkerRunner(ThinkerPrefill, DecoderRunner):
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence], riders: list[Sequence] = ()) -> list[StepResult]:
         """One decode step of seqs; riders (rides_decode): long prompts' pieces of this step, run in the same
-        forward (LongPrefill.run's beside), answered as prefill() answers them."""
+        forward where LongPrefill.joins them (its run's beside), answered as prefill() answers them."""
         # every occupied slot up to the highest takes part (a just-prefilled one too), see StaticDecoder.step
         for seq in seqs:
             self.cache.grow(seq.slot, self.slots[seq.slot].length + 1)
@@ -184,8 +185,11 @@ class ThinkerRunner(ThinkerPrefill, DecoderRunner):
         if not riders:
             self.decoder.step(*rows)
             return self._decoded(seqs)
-        last, accepted, out = self.long_prefill.run(pieces, beside=self.decoder.batch(*rows))
-        self.decoder.finish(out)
+        if self.long_prefill.joins(pieces):
+            last, accepted = self.long_prefill.run(pieces, beside=(self.decoder, rows))
+        else:  # no graph for this shape beside a decode step: one forward each
+            last, accepted = self.long_prefill.run(pieces)
+            self.decoder.step(*rows)
         results = self._decoded(seqs)
         ridden = self._long_results(riders, spans, last, accepted)
         outputs_to_host([r.output for r in ridden if r.output is not None], self.device)

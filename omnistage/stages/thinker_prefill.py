@@ -79,7 +79,7 @@ class ThinkerPrefill:
                 self.prefix.store(seq.slot, found[id(seq)])
         if long:
             pieces, spans = self._long_pieces(long)
-            last, accepted, _ = self.long_prefill.run(pieces)
+            last, accepted = self.long_prefill.run(pieces)
             results += self._long_results(long, spans, last, accepted)
         # the talker's conditioning was gathered after the tokens' sync: one more sync (none on the CPU)
         outputs_to_host([r.output for r in results if r.output is not None], self.device)
