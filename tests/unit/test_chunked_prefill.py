@@ -161,14 +161,17 @@ def test_a_long_prompt_prefilled_in_pieces_beside_a_running_stream_matches_gener
     assert torch.equal(codes["long"].codes, want_codes)
 
 
+@pytest.mark.parametrize("joined", [True, False], ids=["in_the_decode_forward", "forward_of_its_own"])
 def test_beside_a_running_stream_a_long_prompt_goes_in_units_and_matches_generate(hf_model, processor, long_inputs,
-                                                                                  long_want, long_kv):  # fmt: skip
+                                                                                  long_want, long_kv, joined):  # fmt: skip
     """With a bound on what pieces attend beside decodes that leaves room for one unit at the prompt's
     start and none beyond what a step must give: while the short stream decodes, the long prompt goes
     PIECE_TOKENS at a time, its last piece the rest (test_scheduler.py has the chunks that follow once
-    nothing decodes). Its reply and K/V are generate()'s."""
+    nothing decodes). Its reply and K/V are generate()'s, whether its pieces run in the decode step's
+    forward or, where no graph of their shape is captured beside it (LongPrefill.joins), in their own."""
     short_inputs = prepare_inputs(processor, oracle.messages("text"))
     thinker = ThinkerRunner(hf_model.thinker, hf_model.config, **RUNNER)
+    thinker.long_prefill.joins = lambda pieces: joined
     n = long_inputs["input_ids"].shape[1]
     short = ("short", SamplingParams(max_tokens=64, ignore_eos=True), ThinkerPrompt(short_inputs["input_ids"][0]))
     long = ("long", SamplingParams(max_tokens=REPLY, ignore_eos=True), ThinkerPrompt(long_inputs["input_ids"][0]))
