@@ -93,6 +93,7 @@ class ThinkerRunner(ThinkerPrefill, DecoderRunner):
                                           max_tokens=self.static_prefill.max_tokens, deepstack=deepstack,
                                           accept_layer=accept_layer, cuda_graphs=cuda_graphs)  # fmt: skip
         self.long_media: dict = {}  # slot -> its media prompt's rows, while prefilled in pieces (LongMedia)
+        self.pieces_in_decode = 0  # long prompts' pieces run in a decode step's forward (decode()'s riders)
         # text-only prompts that start like earlier ones take the kept prefix's K/V and prefill only the rest
         self.prefix = PrefixCache(self.cache, prefix_cache_bytes) if prefix_cache_bytes else None
         self.chunk_prefill = (ChunkPrefill("thinker", model.model, self.cache, max_rows=min(max_prefills, max_slots),
@@ -167,7 +168,8 @@ class ThinkerRunner(ThinkerPrefill, DecoderRunner):
 
     def stats(self) -> dict:
         p = self.prefix
-        return {"prefix_hit_tokens": p.hit_tokens if p else 0, "prefix_prompt_tokens": p.prompt_tokens if p else 0}
+        return {"prefix_hit_tokens": p.hit_tokens if p else 0, "prefix_prompt_tokens": p.prompt_tokens if p else 0,
+                "pieces_in_decode": self.pieces_in_decode}
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence], riders: list[Sequence] = ()) -> list[StepResult]:
@@ -187,6 +189,7 @@ class ThinkerRunner(ThinkerPrefill, DecoderRunner):
             return self._decoded(seqs)
         if self.long_prefill.joins(pieces):
             last, accepted = self.long_prefill.run(pieces, beside=(self.decoder, rows))
+            self.pieces_in_decode += len(pieces)
         else:  # no graph for this shape beside a decode step: one forward each
             last, accepted = self.long_prefill.run(pieces)
             self.decoder.step(*rows)

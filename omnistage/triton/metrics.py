@@ -142,6 +142,8 @@ _STAGE_COUNTERS = {
 _THINKER_COUNTERS = {  # the thinker's runner stats (ThinkerRunner.stats)
     "prefix_cache_prompt_tokens_total": "prompt tokens of text-only prompts looked up in the prefix cache",
     "prefix_cache_hit_tokens_total": "prompt tokens whose K/V came from the prefix cache instead of a prefill",
+    "pieces_in_decode_total": "long prompts' pieces run in a decode step's forward (one read of the experts for "
+                              "both) rather than in their own",
 }
 
 
@@ -194,6 +196,7 @@ class StageMetrics(MetricsPublisher):
         if "prefix_cache_hit_tokens_total" in self.counters:
             values["prefix_cache_prompt_tokens_total"] = s["prefix_prompt_tokens"]
             values["prefix_cache_hit_tokens_total"] = s["prefix_hit_tokens"]
+            values["pieces_in_decode_total"] = s["pieces_in_decode"]
         return [(f"omni_{self.stage}_{name}", {}, value) for name, value in values.items()]
 
     def _peak_gpu_bytes(self) -> int:

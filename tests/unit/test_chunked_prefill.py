@@ -211,6 +211,7 @@ def test_pieces_beside_decodes_go_through_the_decode_step_s_forward(hf_model, pr
           piece_tokens=PIECE_TOKENS, attended_beside_decodes=PIECE_TOKENS * PIECE_TOKENS)  # fmt: skip
     ridden = [tokens for riders, tokens in steps if riders]
     assert len(ridden) >= 2 and all(len(t) == 1 for t in ridden) and max(t[0] for t in ridden) > PIECE_TOKENS
+    assert thinker.stats()["pieces_in_decode"] == len(ridden)
 
 
 @torch.inference_mode()
