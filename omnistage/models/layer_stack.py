@@ -16,10 +16,14 @@ def run_layers(layers, hidden: torch.Tensor, final_norm: torch.nn.Module | None 
     """hidden [B, T, D] through every layer; returns final_norm(output), or without final_norm the output
     itself. attention_kwargs go to each layer's attention (attention_mask, position_embeddings,
     past_key_values), as the decoder layer passes them."""
+    return _stack(layers, hidden, final_norm, lambda layer, x: layer.self_attn(hidden_states=x, **attention_kwargs)[0])
+
+
+def _stack(layers, hidden: torch.Tensor, final_norm, attend):
+    """The layer loop of run_layers and run_joint; attend(layer, normed) is a layer's attention output."""
     residual, normed = hidden, layers[0].input_layernorm(hidden)
     for i, layer in enumerate(layers):
-        attended, _ = layer.self_attn(hidden_states=normed, **attention_kwargs)
-        residual, normed = add_norm(residual, attended, layer.post_attention_layernorm)
+        residual, normed = add_norm(residual, attend(layer, normed), layer.post_attention_layernorm)
         out = layer.mlp(normed)
         after = layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm
         if after is None:
@@ -43,23 +47,18 @@ def run_joint(layers, parts: list[tuple[torch.Tensor, dict]], final_norm: torch.
     attention_kwargs) attends on its own (its rows, positions, cache writer), while the norms and the MLP
     run once over every part's tokens. A MoE layer then reads its experts' weights once for all of them:
     the thinker's experts are ~1.2 GB a layer, of which a forward of many tokens reads nearly all (64
-    decode rows: 12 ms of an H200 for 48 layers), so a decode step and a long prompt's piece in one forward
-    save a second such read a step. Returns the parts' outputs flat, [sum B_i * T_i, D] in part order, as run_layers returns one
-    part's (normed with final_norm, else the last layer's output)."""
+    decode rows: 12 ms of an H200 for 48 layers), so a decode step and a long prompt's piece in one
+    forward save a second such read a step. Returns the parts' outputs flat, [sum B_i * T_i, D] in part
+    order, as run_layers returns one part's (normed with final_norm, else the last layer's output)."""
     if len(parts) == 1:
         hidden, kwargs = parts[0]
         return run_layers(layers, hidden, final_norm, **kwargs).flatten(0, 1)
     shapes = [h.shape[:2] for h, _ in parts]
     sizes = [b * t for b, t in shapes]
+
+    def attend(layer, normed: torch.Tensor) -> torch.Tensor:  # each part's rows through its own attention
+        return torch.cat([layer.self_attn(hidden_states=x.view(*shape, -1), **kwargs)[0].flatten(0, 1)
+                          for x, shape, (_, kwargs) in zip(normed[0].split(sizes), shapes, parts)])[None]  # fmt: skip
+
     flat = torch.cat([h.flatten(0, 1) for h, _ in parts])[None]  # [1, N, D]
-    residual, normed = flat, layers[0].input_layernorm(flat)
-    for i, layer in enumerate(layers):
-        attended = torch.cat([layer.self_attn(hidden_states=x.view(*shape, -1), **kwargs)[0].flatten(0, 1)
-                              for x, shape, (_, kwargs) in zip(normed[0].split(sizes), shapes, parts)])[None]  # fmt: skip
-        residual, normed = add_norm(residual, attended, layer.post_attention_layernorm)
-        out = layer.mlp(normed)
-        after = layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm
-        if after is None:
-            return (residual + out)[0]
-        residual, normed = add_norm(residual, out, after)
-    return normed[0]
+    return _stack(layers, flat, final_norm, attend)[0]
