@@ -237,7 +237,7 @@ def prefill_parts(programs: int, device: torch.device) -> int:
 
 # The prefill kernel's launch: positions per inner step, warps, software-pipeline stages. On an H200 a tile of
 # 32 positions beat 64 by 19% for a 128-token unit at 30,000 positions (0.240 against 0.297 ms a layer) and by
-# 15% for a step of W2 rows, of 18 settings (perf/results/2026-12-06-h200-joint-step.json.gz, sweep).
+# 15% for a step of W2 rows, of 18 settings (perf/paged_prefill_bench.py --sweep; perf/README.md).
 PREFILL_LAUNCH = {"tile": 32, "num_warps": 8, "num_stages": 3}
 
 
