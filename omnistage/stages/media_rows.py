@@ -8,7 +8,7 @@
 # the order their features come, and with use_audio_in_video a video's clip interleaves with its frames,
 # the two kinds' rows still each in order). A prompt's rows may start after a kept prefix: only the items
 # whose rows lie after it are encoded (an item never straddles the cut, see media_prefix_cache.py).
-# Positions come from transformers' get_rope_index of the whole prompt, derived at admission (rope_index).
+# Positions are get_rope_index's of the whole prompt (models/mrope.py), derived at admission (rope_index).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..core.errors import BadRequestError
+from ..models.mrope import MropeIndex
 from .audio_encoder import AudioEncoder, encoded_length
 from .host_copy import to_device
 
@@ -47,12 +48,13 @@ class MediaInputs:
     def __init__(self, thinker):
         from .vision_encoder import VisionEncoder  # transformers' vision helpers: imported with the runner
 
-        self.thinker = thinker  # transformers' thinker: its embedding, encoders' weights and get_rope_index
+        self.thinker = thinker  # transformers' thinker: its embedding and its encoders' weights
         self.audio, self.vision = AudioEncoder(thinker.audio_tower), VisionEncoder(thinker.visual)
         self.n_window, self.merge = thinker.audio_tower.config.n_window, thinker.visual.spatial_merge_size
         c = thinker.config
         self.audio_id, self.image_id, self.video_id = c.audio_token_id, c.image_token_id, c.video_token_id
         self.mm_ids = torch.tensor([self.audio_id, self.image_id, self.video_id])
+        self.mrope = MropeIndex(thinker, self.n_window)
 
     def validate(self, p) -> None:
         """A prompt whose placeholder counts differ from its media's token counts is the client's error (the
@@ -66,19 +68,16 @@ class MediaInputs:
                 raise BadRequestError(f"prompt has {have} {what} placeholder tokens for {want} {what} tokens")
 
     def rope_index(self, p) -> tuple[torch.Tensor, int]:
-        """MRoPE positions [3, L] and rope delta of one prompt, as transformers' forward computes them (for a
-        text-only prompt 0..L-1 on every section, delta 0, without its per-token host loop); the prompt's
-        own when its admission derived them."""
+        """MRoPE positions [3, L] and rope delta of one prompt, as transformers' forward computes them
+        (models/mrope.py; for a text-only prompt 0..L-1 on every section, delta 0); the prompt's own when its
+        admission derived them."""
         if p.is_text_only:
             return torch.arange(p.input_ids.numel()).expand(3, -1), 0
         if p.rope is not None:
             return p.rope
-        ids = p.input_ids[None].cpu()
         lengths = p.feature_attention_mask.cpu().sum(-1) if p.feature_attention_mask is not None else None
-        pos, delta = self.thinker.get_rope_index(ids, _host(p.image_grid_thw), _host(p.video_grid_thw),
-                                                 torch.ones_like(ids), p.use_audio_in_video, lengths,
-                                                 _host(p.video_second_per_grid))  # fmt: skip
-        return pos[:, 0], int(delta.reshape(-1)[0])
+        return self.mrope(p.input_ids.cpu(), _host(p.image_grid_thw), _host(p.video_grid_thw), p.use_audio_in_video,
+                          lengths, _host(p.video_second_per_grid))  # fmt: skip
 
     @torch.inference_mode()
     def rows(self, prompts: list, starts: list[int]) -> list[InputRows]:

@@ -56,9 +56,6 @@ class TalkerRunner(DecoderRunner):
         super().__init__(model, config, text, max_slots=max_slots, max_seq_len=max_seq_len, device=device,
                          dtype=dtype, seed=seed, cuda_graphs=cuda_graphs, max_prefills=max_prefills,
                          head=model.codec_head, embed=None, kv_cache_bytes=kv_cache_bytes)  # fmt: skip
-        # transformers' talker reads config.audio_config for audio prompts' MRoPE, which only the thinker has
-        if not hasattr(model.config, "audio_config"):
-            model.config.audio_config = config.thinker_config.audio_config
         self.hidden = torch.zeros(max_slots, text.hidden_size, dtype=dtype, device=self.device)  # last normed hidden
         self.codec_sums = torch.zeros_like(self.hidden)  # each unfed frame's summed codebook embeddings
         self.c0 = torch.zeros(max_slots, dtype=torch.long, device=self.device)  # next frame's codebook 0

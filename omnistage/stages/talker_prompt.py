@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core.scheduler import Sequence
+from ..models.mrope import MropeIndex
 from .conditioning import ASSISTANT_ROWS, TalkerConditioning
 from .host_copy import to_device
 
@@ -25,7 +26,7 @@ class TalkerPrompt:
     video_grid_thw: torch.Tensor | None = None
     video_second_per_grid: torch.Tensor | None = None
     # MRoPE positions [3, L] and rope delta of a media prompt, derived at admission (PromptBuilder.rope_index,
-    # on the caller's thread) so that the engine's steps do not walk get_rope_index's host loops while others wait
+    # on the caller's thread) so that the engine's steps do not derive them while others wait
     rope: tuple[torch.Tensor, int] | None = None
 
     @property
@@ -61,18 +62,15 @@ class PromptBuilder:
         self.codec_suffix = [tc.codec_pad_id, tc.codec_bos_id]
         self.tts_pad_id = config.tts_pad_token_id
         self.positions = torch.arange(max_seq_len)  # host: a text-only prompt's are a prefix
+        self.mrope = MropeIndex(model, config.thinker_config.audio_config.n_window)
 
     def rope_index(self, p: TalkerPrompt) -> tuple[torch.Tensor, int]:
         """MRoPE positions [3, L] and rope delta of a media prompt's rows (user turn and the 9 assistant rows).
         generate() hands the talker the grids but not use_audio_in_video: its positions count video and audio
-        rows apart even where the thinker's interleave them. On the host, as the ids and grids are: its loops
-        read values one by one."""
-        ids = torch.cat([p.cond.user_ids.cpu(), torch.full((ASSISTANT_ROWS,), self.tts_pad_id)])[None]
-        positions, deltas = self.model.get_rope_index(
-            ids, _host(p.image_grid_thw), _host(p.video_grid_thw), torch.ones_like(ids), False,
-            _host(p.audio_feature_lengths), _host(p.video_second_per_grid),
-        )  # fmt: skip
-        return positions[:, 0], int(deltas.reshape(-1)[0])
+        rows apart even where the thinker's interleave them."""
+        ids = torch.cat([p.cond.user_ids.cpu(), torch.full((ASSISTANT_ROWS,), self.tts_pad_id)])
+        return self.mrope(ids, _host(p.image_grid_thw), _host(p.video_grid_thw), False,
+                          _host(p.audio_feature_lengths), _host(p.video_second_per_grid))  # fmt: skip
 
     def build(self, seqs: list[Sequence]) -> list[PromptRows]:
         """The talker prompt rows generate() builds (user turn: media rows through hidden_projection, the rest

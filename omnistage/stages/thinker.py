@@ -39,7 +39,7 @@ class ThinkerPrompt:
     # with the tokens it had generated, recomputed in its prefill); 0: a first prefill
     resumed_from: int = 0
     # derived from the media at admission (ThinkerRunner.validate, on the caller's thread), so that the
-    # engine's steps do not hash a picture's patches or walk get_rope_index's host loops while others wait
+    # engine's steps do not hash a picture's patches or derive its positions while others wait
     salts: dict[int, bytes] | None = None  # the media's content digests by block (MediaPrefixCache.salts)
     rope: tuple[torch.Tensor, int] | None = None  # MRoPE positions [3, L] and rope delta (MediaInputs.rope_index)
 
