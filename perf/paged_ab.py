@@ -33,6 +33,26 @@ LONG_REPLY = 900
 ALONE_REPLY = 64
 
 
+def by_window(short: list[dict], longs: list[dict], width: float = 10.0) -> list[dict]:
+    """The short requests that completed, grouped by when they started (windows of `width` s from the first
+    long request's start): their mean TTFP and RTF, and the long requests' first tokens and ends that fall in
+    each window, so that a window tells whether a long prompt was prefilling, decoding or done.
+    Requests as the level's JSON records them (MetricsRecord.to_json())."""
+    t0 = min(r["start"] for r in longs)
+    done = [r for r in short if r["status"] == "ok" and r["rtf"] is not None]
+    windows = []
+    for k in range(int(max((r["start"] - t0 for r in done), default=-1) // width) + 1):
+        lo, hi = k * width, (k + 1) * width
+        rs = [r for r in done if lo <= r["start"] - t0 < hi]
+        marks = lambda key: sorted(round(r["start"] - t0 + r[key], 1) for r in longs  # noqa: E731
+                                   if r.get(key) is not None and lo <= r["start"] - t0 + r[key] < hi)
+        windows.append({"from_s": lo, "requests": len(rs),
+                        "ttfp_ms": round(1e3 * sum(r["ttfp"] for r in rs) / len(rs)) if rs else None,
+                        "rtf": round(sum(r["rtf"] for r in rs) / len(rs), 3) if rs else None,
+                        "long_first_tokens_s": marks("ttft"), "long_ends_s": marks("e2e")})  # fmt: skip
+    return windows
+
+
 def level(url: str, workload, concurrency: int, prompts: int, limit: float, offset: int = 0):
     return loadgen.run_level(url, workload, concurrency, prompts, offset=offset, timeout_s=limit)
 
@@ -122,6 +142,9 @@ class PagedAB:
         self.report["health_before_mixed"] = self.healthy()
         before = self.metrics()
         self.record("mixed", asyncio.run(mixed()), before)
+        entry = self.report["levels"]["mixed"]
+        entry["w1_by_window"] = by_window(entry["w1"]["requests"], entry["long"]["requests"])
+        self.save()
         self.report["health_before_alone"] = self.healthy()
         before = self.metrics()
         self.record("alone", {"long": asyncio.run(level(url, alone, 1, 1, max(30, self.left() - 20)))}, before)
