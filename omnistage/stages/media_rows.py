@@ -8,7 +8,7 @@
 # the order their features come, and with use_audio_in_video a video's clip interleaves with its frames,
 # the two kinds' rows still each in order). A prompt's rows may start after a kept prefix: only the items
 # whose rows lie after it are encoded (an item never straddles the cut, see media_prefix_cache.py).
-# Positions are get_rope_index's of the whole prompt (models/mrope.py), derived at admission (rope_index).
+# Positions are get_rope_index's of the whole prompt (mrope.py), derived at admission (rope_index).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -16,9 +16,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..core.errors import BadRequestError
-from ..models.mrope import MropeIndex
 from .audio_encoder import AudioEncoder, encoded_length
 from .host_copy import to_device
+from .mrope import MropeIndex
 
 
 @dataclass
@@ -69,7 +69,7 @@ class MediaInputs:
 
     def rope_index(self, p) -> tuple[torch.Tensor, int]:
         """MRoPE positions [3, L] and rope delta of one prompt, as transformers' forward computes them
-        (models/mrope.py; for a text-only prompt 0..L-1 on every section, delta 0); the prompt's own when its
+        (mrope.py; for a text-only prompt 0..L-1 on every section, delta 0); the prompt's own when its
         admission derived them."""
         if p.is_text_only:
             return torch.arange(p.input_ids.numel()).expand(3, -1), 0

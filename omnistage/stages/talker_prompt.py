@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core.scheduler import Sequence
-from ..models.mrope import MropeIndex
 from .conditioning import ASSISTANT_ROWS, TalkerConditioning
 from .host_copy import to_device
+from .mrope import MropeIndex
 
 
 @dataclass

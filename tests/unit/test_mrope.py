@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from omnistage.models.hf_compat import talker_audio_config_patch
-from omnistage.models.mrope import MropeIndex
+from omnistage.stages.mrope import MropeIndex
 from omnistage.models.processor import prepare_inputs
 
 from .. import oracle
@@ -70,8 +70,8 @@ def test_positions_equal_get_rope_index(hf_model, case, stage):
     n_window = hf_model.config.thinker_config.audio_config.n_window
     lengths = inputs["feature_attention_mask"].sum(-1) if "feature_attention_mask" in inputs else None
     got, delta = MropeIndex(model, n_window)(inputs["input_ids"].reshape(-1), inputs.get("image_grid_thw"),
-                                   inputs.get("video_grid_thw"), use_audio_in_video, lengths,
-                                   inputs.get("video_second_per_grid"))  # fmt: skip
+                                             inputs.get("video_grid_thw"), use_audio_in_video, lengths,
+                                             inputs.get("video_second_per_grid"))  # fmt: skip
     assert got.dtype == want.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert delta == want_delta
@@ -81,8 +81,9 @@ def test_a_clip_and_its_frames_interleave_by_time(hf_model, processor):
     # the case the merge replaces get_rope_index's loop for: rows of both kinds, neither block at one end
     inputs = prepare_inputs(processor, [{"role": "user", "content": [_video(4.0, 10)]}], use_audio_in_video=True)
     ids = inputs["input_ids"].reshape(-1)
-    positions, _ = MropeIndex(hf_model.thinker, hf_model.thinker.audio_tower.config.n_window)(ids, None, inputs["video_grid_thw"], True,
-                                                inputs["feature_attention_mask"].sum(-1), inputs["video_second_per_grid"])  # fmt: skip
+    mrope = MropeIndex(hf_model.thinker, hf_model.thinker.audio_tower.config.n_window)
+    positions, _ = mrope(ids, None, inputs["video_grid_thw"], True, inputs["feature_attention_mask"].sum(-1),
+                         inputs["video_second_per_grid"])
     c = hf_model.thinker.config
     kinds = ids[torch.isin(ids, torch.tensor([c.video_token_id, c.audio_token_id]))]
     runs = int((kinds[1:] != kinds[:-1]).sum()) + 1

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from .audio_encoder import encoded_length
+
 
 class MropeIndex:
     def __init__(self, model, n_window: int):
@@ -51,7 +53,7 @@ class MropeIndex:
             pieces.append(_line(edge) + st_idx)
             st_idx += edge
             if at == audio_at:
-                n = self._audio_tokens(int(audio_lengths[audio_idx]))
+                n = encoded_length(int(audio_lengths[audio_idx]), self.n_window)
                 pieces.append(_line(n) + st_idx)
                 st += text_len + edge + n + edge
                 audio_idx, audios = audio_idx + 1, audios - 1
@@ -66,7 +68,7 @@ class MropeIndex:
                 st += text_len + edge + self._vision_tokens(video_grid_thw[video_idx]) + edge
                 video_idx, videos = video_idx + 1, videos - 1
             elif both:
-                n = self._audio_tokens(int(audio_lengths[audio_idx]))
+                n = encoded_length(int(audio_lengths[audio_idx]), self.n_window)
                 audio = _line(n) + st_idx
                 video = self._vision(video_grid_thw, video_idx, self._video_times(video_grid_thw, second_per_grid,
                                                                                   video_idx), st_idx)  # fmt: skip
@@ -82,12 +84,6 @@ class MropeIndex:
         return positions, int(positions.max() + 1 - len(tokens))
 
     # ---- internals ----------------------------------------------------------------------------------------
-    def _audio_tokens(self, frames: int) -> int:
-        """Audio tokens of a clip of `frames` mel frames: transformers' _get_feat_extract_output_lengths."""
-        chunk = self.n_window * 2
-        feat = (frames % chunk - 1) // 2 + 1
-        return ((feat - 1) // 2 + 1 - 1) // 2 + 1 + (frames // chunk) * 13
-
     def _vision_tokens(self, grid: torch.Tensor) -> int:
         return int(grid.prod() // self.merge**2)
 
