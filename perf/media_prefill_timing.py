@@ -18,13 +18,16 @@ from omnistage.core.sampling import SamplingParams
 from omnistage.core.scheduler import SeqStatus, Sequence
 from omnistage.models.checkpoint import load_config, load_stage
 from omnistage.models.fused import install as fused_install
-from omnistage.models.processor import load_processor, prepare_inputs
+from omnistage.models.pixels import scale_pixels
+from omnistage.models.processor import load_pixel_table, load_processor, prepare_inputs
 from omnistage.stages.audio_encoder import AudioEncoder
 from omnistage.stages.thinker import ThinkerPrompt, ThinkerRunner
 from omnistage.stages.vision_encoder import VisionEncoder
 from perf.media_workloads import image_prompts, voice_chat_prompts
 
 COUNTS = (1, 4, 16)
+
+PIXEL_TABLE = load_pixel_table("dummy:")  # transformers' forward takes the processor's floats
 
 
 def timed(fn, device, repeat=3) -> float:
@@ -65,7 +68,8 @@ def transformers_first_token(thinker, p: ThinkerPrompt, device) -> int:
     dtype = thinker.dtype
     move = lambda t, cast=False: None if t is None else t.to(device, dtype) if cast else t.to(device)  # noqa: E731
     ids = move(p.input_ids)[None]
-    logits = thinker(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=move(p.pixel_values, True),
+    pixels = None if p.pixel_values is None else scale_pixels(p.pixel_values, PIXEL_TABLE)
+    logits = thinker(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=move(pixels, True),
                      image_grid_thw=move(p.image_grid_thw), input_features=move(p.input_features, True),
                      feature_attention_mask=move(p.feature_attention_mask)).logits  # fmt: skip
     return int(logits[0, -1].argmax())
@@ -81,10 +85,10 @@ def encoder_times(report: dict, name: str, thinker, inputs: list[dict], device) 
         report[f"{name}_encoder_batched_ms"] = timed(lambda: batched(clips), device)
     else:
         images = [(x["pixel_values"], x["image_grid_thw"]) for x in inputs]
-        batched = VisionEncoder(thinker.visual)
+        batched = VisionEncoder(thinker.visual, PIXEL_TABLE)
         pixels, grids = torch.cat([p for p, _ in images]), torch.cat([g for _, g in images])
         dtype = thinker.visual.patch_embed.proj.weight.dtype
-        per_item = [(p.to(device, dtype), g.to(device)) for p, g in images]
+        per_item = [(scale_pixels(p, PIXEL_TABLE).to(device, dtype), g.to(device)) for p, g in images]
         report[f"{name}_encoder_per_item_ms"] = timed(lambda: [thinker.visual(p, grid_thw=g) for p, g in per_item], device)
         report[f"{name}_encoder_batched_ms"] = timed(lambda: batched(pixels, grids), device)
 

@@ -13,9 +13,15 @@ import torch
 from PIL import Image
 
 from omnistage.models.hf_compat import talker_audio_config_patch
+from omnistage.models.pixels import scale_pixels
+from omnistage.models.processor import load_pixel_table
 
 
 def generate(model, inputs: dict, reply_tokens: int, frames: int, speaker="ethan", repetition_penalty=1.05):
+    """inputs: prepare_inputs()'s; its pixel bytes go to generate() as the image processor's floats (equal to
+    them exactly: test_processor.py)."""
+    table = load_pixel_table("dummy:")
+    inputs = {k: scale_pixels(v, table) if k in ("pixel_values", "pixel_values_videos") else v for k, v in inputs.items()}
     captured = {}
     original = model.talker.generate
 

@@ -66,11 +66,11 @@ THINKER = ModelContract(
     inputs=(
         # optional only so that `action=abort` requests, which carry no tensors, pass Triton's input check
         TensorSpec("input_ids", "TYPE_INT64", (-1,), optional=True),
-        TensorSpec("pixel_values", "TYPE_FP32", (-1, -1), optional=True),  # [patches, C*T*P*P]
+        TensorSpec("pixel_values", "TYPE_UINT8", (-1, -1), optional=True),  # [patches, C*T*P*P] (models/pixels.py)
         TensorSpec("image_grid_thw", "TYPE_INT64", (-1, 3), optional=True),  # [images, 3]
         TensorSpec("input_features", "TYPE_FP32", (-1, -1, -1), optional=True),  # [audios, mels, frames]
         TensorSpec("feature_attention_mask", "TYPE_INT64", (-1, -1), optional=True),  # [audios, frames]
-        TensorSpec("pixel_values_videos", "TYPE_FP32", (-1, -1), optional=True),  # [patches, C*T*P*P]
+        TensorSpec("pixel_values_videos", "TYPE_UINT8", (-1, -1), optional=True),  # [patches, C*T*P*P]
         TensorSpec("video_grid_thw", "TYPE_INT64", (-1, 3), optional=True),  # [videos, 3]
         TensorSpec("video_second_per_grid", "TYPE_FP32", (-1,), optional=True),  # [videos] seconds per grid step
     ),

@@ -1,5 +1,5 @@
-# Offline Qwen3OmniMoeProcessor (tokenizer + Whisper features + PIL image patches + video patches) and the
-# conversion of OpenAI-style chat messages into thinker inputs.
+# Offline Qwen3OmniMoeProcessor (tokenizer + Whisper features + PIL image patches + video patches, the
+# patches as bytes: models/pixels.py) and the conversion of OpenAI-style chat messages into thinker inputs.
 import contextlib
 import dataclasses
 import json
@@ -11,6 +11,7 @@ import torch
 
 from omnistage.core.errors import BadRequestError
 from omnistage.models import media, video
+from omnistage.models.pixels import pixel_table
 
 # The released preprocessor_config.json (one merged file for audio and image); used where a
 # checkpoint has none.
@@ -27,43 +28,61 @@ _OUTPUT_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw",
                 "feature_attention_mask", "pixel_values_videos", "video_grid_thw", "video_second_per_grid")
 
 
+def patches(frames: np.ndarray, patch_size: int, merge_size: int, temporal_patch_size: int) -> tuple[torch.Tensor, list[int]]:
+    """frames [T, H, W, C] uint8 -> ([grid_t * grid_h * grid_w, C * temporal_patch * patch * patch] uint8, the
+    grid): padded to whole temporal patches by repeating the last frame, cut into rows in merge order, as
+    transformers' Qwen2-VL processors lay them out (models/pixels.py scales them on the encoder's device)."""
+    tp, ps, ms = temporal_patch_size, patch_size, merge_size
+    if frames.shape[0] % tp:
+        frames = np.concatenate([frames, np.repeat(frames[-1:], tp - frames.shape[0] % tp, axis=0)])
+    t, h, w, c = frames.shape
+    gt, gh, gw = t // tp, h // ps, w // ps
+    x = torch.from_numpy(frames).reshape(gt, tp, gh // ms, ms, ps, gw // ms, ms, ps, c)
+    return x.permute(0, 2, 5, 3, 6, 8, 1, 4, 7).reshape(gt * gh * gw, c * tp * ps * ps), [gt, gh, gw]
+
+
 class VideoProcessor:
-    """Sampled, resized frames (models/video.py) -> the vision encoder's patches, as transformers'
-    Qwen2VLVideoProcessor lays them out (which needs torchvision): scaled to [-1, 1] by the image mean and
-    std, padded to whole temporal patches by repeating the last frame, and cut into
-    [grid_t * grid_h * grid_w, C * temporal_patch * patch * patch] rows in merge order."""
+    """Sampled, resized frames (models/video.py) -> the vision encoder's patches, laid out as transformers'
+    Qwen2VLVideoProcessor lays them out (which needs torchvision), as bytes."""
 
     model_input_names = ["pixel_values_videos", "video_grid_thw"]
 
-    def __init__(self, patch_size: int, merge_size: int, temporal_patch_size: int, mean, std):
+    def __init__(self, patch_size: int, merge_size: int, temporal_patch_size: int):
         self.patch_size, self.merge_size, self.temporal_patch_size = patch_size, merge_size, temporal_patch_size
-        self.mean = np.asarray(mean, np.float32)
-        self.std = np.asarray(std, np.float32)
 
     def __call__(self, videos, **_):
-        import torch
         from transformers import BatchFeature
 
-        rows, grids = [], []
-        tp, ps, ms = self.temporal_patch_size, self.patch_size, self.merge_size
-        mean, std = torch.from_numpy(self.mean)[:, None], torch.from_numpy(self.std)[:, None]
-        for frames in videos:  # [T, H, W, 3] uint8
-            if frames.shape[0] % tp:
-                frames = np.concatenate([frames, np.repeat(frames[-1:], tp - frames.shape[0] % tp, axis=0)])
-            t, h, w, c = frames.shape
-            gt, gh, gw = t // tp, h // ps, w // ps
-            # cut into patches while still uint8 (a quarter of float32's bytes to move), then scale each
-            # channel in place: the same float32 operations on every value as the image processor's
-            x = torch.from_numpy(frames).reshape(gt, tp, gh // ms, ms, ps, gw // ms, ms, ps, c)
-            x = x.permute(0, 2, 5, 3, 6, 8, 1, 4, 7).reshape(gt * gh * gw, c, tp * ps * ps).to(torch.float32)
-            x /= 255.0
-            x -= mean
-            x /= std
-            rows.append(x.reshape(gt * gh * gw, c * tp * ps * ps))
-            grids.append([gt, gh, gw])
-        # one video per request (processor.py's check): no copy of its tens of MB into a new tensor
+        cut = [patches(frames, self.patch_size, self.merge_size, self.temporal_patch_size) for frames in videos]
+        # one video per request (processor.py's check): no copy of its patches into a new tensor
+        rows = [x for x, _ in cut]
         return BatchFeature({"pixel_values_videos": torch.cat(rows) if len(rows) > 1 else rows[0],
-                             "video_grid_thw": torch.tensor(grids, dtype=torch.long)})  # fmt: skip
+                             "video_grid_thw": torch.tensor([g for _, g in cut], dtype=torch.long)})  # fmt: skip
+
+
+def image_processor(cfg: dict):
+    """transformers' PIL image processor (smart_resize, bicubic) with the preprocessor config's settings, its
+    patches left as bytes: do_rescale and do_normalize off, and cut without its float32 cast. Its rescale
+    factor, mean and std stay set: pixels.pixel_table reads them."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    class ImageProcessor(Qwen2VLImageProcessorPil):
+        def patchify(self, image: np.ndarray, patch_size: int, merge_size: int, temporal_patch_size: int):
+            # an image is a video of one frame: [C, H, W] -> that frame repeated to a temporal patch
+            frame = np.ascontiguousarray(image.transpose(1, 2, 0))[None]
+            x, (_, gh, gw) = patches(frame, patch_size, merge_size, temporal_patch_size)
+            return x.numpy(), gh, gw
+
+    # Pass `size` as a fresh dict: given min_pixels/max_pixels, 5.17 mutates the class-level default.
+    return ImageProcessor(size={"shortest_edge": cfg["min_pixels"], "longest_edge": cfg["max_pixels"]},
+                          patch_size=cfg["patch_size"], merge_size=cfg["merge_size"],
+                          temporal_patch_size=cfg["temporal_patch_size"], image_mean=cfg["image_mean"],
+                          image_std=cfg["image_std"], do_rescale=False, do_normalize=False)  # fmt: skip
+
+
+def load_pixel_table(source) -> torch.Tensor:
+    """The [C, 256] table that scales the pixel bytes of `source`'s processor (models/pixels.py)."""
+    return pixel_table(image_processor(_read_preprocessor_config(_checkpoint_dir(source))))
 
 
 @contextlib.contextmanager
@@ -115,28 +134,25 @@ def _load_tokenizer(directory: Path | None):
     return tokenizer
 
 
-def load_processor(source):
-    """source: a checkpoint directory, or a `dummy:` source (built-in tokenizer, released defaults)."""
-    from transformers import Qwen2VLImageProcessorPil, Qwen3OmniMoeProcessor, WhisperFeatureExtractor
-
+def _checkpoint_dir(source) -> Path | None:
     directory = None if str(source).startswith("dummy:") else Path(source)
     if directory is not None and not directory.is_dir():
         raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
+    return directory
+
+
+def load_processor(source):
+    """source: a checkpoint directory, or a `dummy:` source (built-in tokenizer, released defaults)."""
+    from transformers import Qwen3OmniMoeProcessor, WhisperFeatureExtractor
+
+    directory = _checkpoint_dir(source)
     cfg = _read_preprocessor_config(directory)
     feature_extractor = WhisperFeatureExtractor(**{k: cfg[k] for k in _FEATURE_KEYS})
-    # Pass `size` as a fresh dict: given min_pixels/max_pixels, 5.17 mutates the class-level default.
-    image_processor = Qwen2VLImageProcessorPil(
-        size={"shortest_edge": cfg["min_pixels"], "longest_edge": cfg["max_pixels"]},
-        patch_size=cfg["patch_size"], merge_size=cfg["merge_size"],
-        temporal_patch_size=cfg["temporal_patch_size"],
-        image_mean=cfg["image_mean"], image_std=cfg["image_std"],
-    )
     tokenizer = _load_tokenizer(directory)
-    video_processor = VideoProcessor(cfg["patch_size"], cfg["merge_size"], cfg["temporal_patch_size"],
-                                     cfg["image_mean"], cfg["image_std"])  # fmt: skip
+    video_processor = VideoProcessor(cfg["patch_size"], cfg["merge_size"], cfg["temporal_patch_size"])
     with _allow_video_processor():
         processor = Qwen3OmniMoeProcessor(
-            image_processor=image_processor, video_processor=video_processor,
+            image_processor=image_processor(cfg), video_processor=video_processor,
             feature_extractor=feature_extractor, tokenizer=tokenizer, chat_template=tokenizer.chat_template,
         )
     processor.max_token_chars = max_token_chars(tokenizer)  # prepare_inputs' bound on a text's tokens
@@ -305,8 +321,8 @@ def max_token_chars(tokenizer) -> int:
 
 def prepare_inputs(processor, messages: list[dict], use_audio_in_video: bool = False) -> dict:
     """OpenAI chat messages -> {input_ids [1, L], attention_mask [1, L], and when present pixel_values
-    [patches, C*T*P*P], image_grid_thw [n_img, 3], input_features [n_audio, 128, frames],
-    feature_attention_mask [n_audio, frames], pixel_values_videos [patches, C*T*P*P], video_grid_thw [1, 3],
+    [patches, C*T*P*P] uint8, image_grid_thw [n_img, 3], input_features [n_audio, 128, frames],
+    feature_attention_mask [n_audio, frames], pixel_values_videos [patches, C*T*P*P] uint8, video_grid_thw [1, 3],
     video_second_per_grid [1]} as torch tensors, ready for the thinker. use_audio_in_video: a video's audio
     track is interleaved with its frames (as the processor and get_rope_index define).
     Before anything is decoded or tokenized in full: media headers are checked against the limits, text that

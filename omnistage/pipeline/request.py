@@ -33,11 +33,11 @@ THREADS = DaemonPool("omni-request")  # the talker and code2wav threads of reque
 
 
 _THINKER_INPUTS = {  # processor output -> thinker input, with the wire dtype
-    "pixel_values": torch.float32,
+    "pixel_values": torch.uint8,
     "image_grid_thw": torch.int64,
     "input_features": torch.float32,
     "feature_attention_mask": torch.int64,
-    "pixel_values_videos": torch.float32,
+    "pixel_values_videos": torch.uint8,
     "video_grid_thw": torch.int64,
     "video_second_per_grid": torch.float32,
 }

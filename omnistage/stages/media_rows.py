@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..core.errors import BadRequestError
+from ..models.processor import load_pixel_table
 from .audio_encoder import AudioEncoder, encoded_length
 from .host_copy import to_device
 from .mrope import MropeIndex
@@ -45,11 +46,15 @@ class InputRows:
 
 
 class MediaInputs:
-    def __init__(self, thinker):
+    def __init__(self, thinker, pixel_table: torch.Tensor | None = None):
+        """pixel_table: what the processor's pixel bytes stand for (models/processor.load_pixel_table); the
+        released preprocessor settings' when not given."""
         from .vision_encoder import VisionEncoder  # transformers' vision helpers: imported with the runner
 
+        if pixel_table is None:
+            pixel_table = load_pixel_table("dummy:")
         self.thinker = thinker  # transformers' thinker: its embedding and its encoders' weights
-        self.audio, self.vision = AudioEncoder(thinker.audio_tower), VisionEncoder(thinker.visual)
+        self.audio, self.vision = AudioEncoder(thinker.audio_tower), VisionEncoder(thinker.visual, pixel_table)
         self.n_window, self.merge = thinker.audio_tower.config.n_window, thinker.visual.spatial_merge_size
         c = thinker.config
         self.audio_id, self.image_id, self.video_id = c.audio_token_id, c.image_token_id, c.video_token_id

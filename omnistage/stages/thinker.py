@@ -26,12 +26,12 @@ from .warm_up import warm_up_turns
 @dataclass
 class ThinkerPrompt:
     input_ids: torch.Tensor  # [L] long
-    pixel_values: torch.Tensor | None = None
+    pixel_values: torch.Tensor | None = None  # [patches, C*T*P*P] uint8 (models/pixels.py)
     image_grid_thw: torch.Tensor | None = None
     input_features: torch.Tensor | None = None
     feature_attention_mask: torch.Tensor | None = None
     export_talker: bool = False  # also produce what the talker needs
-    pixel_values_videos: torch.Tensor | None = None
+    pixel_values_videos: torch.Tensor | None = None  # [patches, C*T*P*P] uint8
     video_grid_thw: torch.Tensor | None = None
     video_second_per_grid: torch.Tensor | None = None  # [videos] seconds of video per temporal grid step
     use_audio_in_video: bool = False  # the videos' audio tracks are interleaved with their frames
@@ -80,14 +80,14 @@ class ThinkerRunner(ThinkerPrefill, DecoderRunner):
 
     def __init__(self, model, config, *, max_slots: int, max_seq_len: int, device, dtype, seed: int = 0,
                  cuda_graphs: bool = False, max_prefills: int = 16, prefix_cache_bytes: int = 0,
-                 kv_cache_bytes: int | None = None):  # fmt: skip
+                 kv_cache_bytes: int | None = None, pixel_table: torch.Tensor | None = None):  # fmt: skip
         accept_layer = config.talker_config.accept_hidden_layer
         deepstack = len(config.thinker_config.vision_config.deepstack_visual_indexes)
         super().__init__(model, config, config.thinker_config.text_config, max_slots=max_slots,
                          max_seq_len=max_seq_len, device=device, dtype=dtype, seed=seed, cuda_graphs=cuda_graphs,
                          max_prefills=max_prefills, head=model.lm_head, embed=model.get_input_embeddings(),
                          kv_cache_bytes=kv_cache_bytes, deepstack=deepstack, accept_layer=accept_layer)  # fmt: skip
-        self.media = MediaInputs(model)  # the media encoders, over all media of a step at once
+        self.media = MediaInputs(model, pixel_table)  # the media encoders, over all media of a step at once
         # prompts with media rows prefill batched, with the step's other fresh prompts
         self.media_prefill = MediaPrefill(self.STAGE, model.model, self.cache, max_rows=self.static_prefill.max_rows,
                                           max_tokens=self.static_prefill.max_tokens, deepstack=deepstack,

@@ -10,19 +10,21 @@ import torch
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rotary_pos_emb_vision
 from transformers.vision_utils import get_vision_interpolation_indices_and_weights, get_vision_position_ids
 
+from ..models.pixels import scale_pixels
 from .host_copy import to_device
 from .packed_attention import Segments, attend
 
 
 class VisionEncoder:
-    def __init__(self, visual):
+    def __init__(self, visual, pixel_table: torch.Tensor):
         self.visual = visual  # transformers' Qwen3OmniMoeVisionEncoder
+        self.pixel_table = pixel_table.to(visual.patch_embed.proj.weight.device)  # models/pixels.py
         self.merge = visual.spatial_merge_size
         self.deepstack_layers = list(visual.config.deepstack_visual_indexes)
 
     @torch.inference_mode()
     def __call__(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], list[int]]:
-        """pixels [patches, C*T*P*P] of all images in order, grid_thw [images, 3] (host). Returns the image
+        """pixels [patches, C*T*P*P] uint8 of all images in order, grid_thw [images, 3] (host). Returns the image
         tokens packed in image order [sum n_i, out_hidden], the deepstack features (one [sum n_i, out_hidden]
         per deepstack layer) and n_i per image (patches / merge^2)."""
         v = self.visual
@@ -34,7 +36,7 @@ class VisionEncoder:
         positions = get_vision_position_ids(grid_thw, self.merge)  # [patches, 2]: row, column
         frames = Segments(torch.repeat_interleave(grid_thw[:, 1] * grid_thw[:, 2], grid_thw[:, 0]).tolist(), device)
 
-        hidden = v.patch_embed(to_device(pixels, device))  # [patches, hidden]
+        hidden = v.patch_embed(scale_pixels(to_device(pixels, device), self.pixel_table))  # [patches, hidden]
         taps, weights, positions = (to_device(t, device) for t in (taps, weights, positions))
         hidden = hidden + (v.pos_embed(taps) * weights[:, :, None]).sum(1).to(hidden.dtype)
         cos, sin = v.rotary_pos_emb(hidden, positions)

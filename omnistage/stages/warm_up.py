@@ -55,9 +55,9 @@ def warm_up_turns(config) -> list[WarmUpTurn]:
                    feature_attention_mask=torch.ones(1, AUDIO_FRAMES, dtype=torch.long)),
         WarmUpTurn(head + [t.vision_start_token_id] + [t.image_token_id] * image_tokens + [t.vision_end_token_id]
                    + words + tail + assistant,
-                   pixel_values=torch.zeros(patches, patch), image_grid_thw=torch.tensor([IMAGE_GRID])),
+                   pixel_values=torch.zeros(patches, patch, dtype=torch.uint8), image_grid_thw=torch.tensor([IMAGE_GRID])),
         WarmUpTurn(head + [t.vision_start_token_id] + [t.video_token_id] * (frames // v.spatial_merge_size**2)
                    + [t.vision_end_token_id] + words + tail + assistant,
-                   pixel_values_videos=torch.zeros(frames, patch), video_grid_thw=torch.tensor([VIDEO_GRID]),
+                   pixel_values_videos=torch.zeros(frames, patch, dtype=torch.uint8), video_grid_thw=torch.tensor([VIDEO_GRID]),
                    video_second_per_grid=torch.tensor([VIDEO_SECONDS_PER_GRID])),
     ]  # fmt: skip

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ..core.protocol import THINKER
+from ..models.processor import load_pixel_table
 from ..stages.thinker import ThinkerRunner
 from ..stages.wire import thinker_defaults, thinker_response, thinker_sequence
 from .stage_model import StageModel
@@ -15,7 +16,8 @@ class ThinkerModel(StageModel):
         return ThinkerRunner(model, self.config, max_slots=self.max_slots, max_seq_len=self.max_seq_len,
                              device=self.device, dtype=self.dtype, cuda_graphs=self.cuda_graphs,
                              max_prefills=self.max_prefills, kv_cache_bytes=self.kv_cache_bytes,
-                             prefix_cache_bytes=int(self.params.get("prefix_cache_bytes") or 0))  # fmt: skip
+                             prefix_cache_bytes=int(self.params.get("prefix_cache_bytes") or 0),
+                             pixel_table=load_pixel_table(self.params["model_path"]))  # fmt: skip
 
     def sequence_from(self, request, params: dict, request_id: str):
         inputs = input_tensors(request, THINKER)

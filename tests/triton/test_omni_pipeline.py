@@ -167,10 +167,11 @@ def test_stage_models_serve_generates_codec_codes(kind, triton_server, hf_model,
     inputs = prepare_inputs(processor, oracle.messages(kind))
     want_text, want_codes, _ = oracle.generate(hf_model, inputs, REPLY, FRAMES)
     thinker_inputs = {"input_ids": inputs["input_ids"][0].numpy()}
-    for name in ("pixel_values", "image_grid_thw", "input_features", "feature_attention_mask"):
+    wire = {"pixel_values": np.uint8, "image_grid_thw": np.int64, "input_features": np.float32,
+            "feature_attention_mask": np.int64}  # fmt: skip
+    for name, dtype in wire.items():
         if name in inputs:
-            floats = name in ("pixel_values", "input_features")
-            thinker_inputs[name] = inputs[name].numpy().astype(np.float32 if floats else np.int64)
+            thinker_inputs[name] = inputs[name].numpy().astype(dtype)
     thinker = _stage(triton_server.grpc_url, "thinker", thinker_inputs,
                      {"max_tokens": REPLY, "temperature": "0", "export_talker": True})  # fmt: skip
     tokens = [int(t) for r in thinker for t in (r.get("token_ids") if r.get("token_ids") is not None else [])]

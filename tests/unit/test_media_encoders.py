@@ -4,6 +4,8 @@
 import pytest
 import torch
 
+from omnistage.models.pixels import scale_pixels
+from omnistage.models.processor import load_pixel_table
 from omnistage.stages.audio_encoder import AudioEncoder, encoded_length
 from omnistage.stages.vision_encoder import VisionEncoder
 
@@ -14,6 +16,7 @@ from .. import oracle
 CLIP_FRAMES = [37, 100, 250, 1001, 64]
 # (t, h, w) in patches: h and w multiples of the spatial merge size; t = 2 is a two-frame clip
 GRIDS = [(1, 4, 4), (1, 6, 8), (1, 2, 2), (2, 4, 6)]
+TABLE = load_pixel_table("dummy:")
 
 
 def _clips(mels: int) -> list[torch.Tensor]:
@@ -22,9 +25,10 @@ def _clips(mels: int) -> list[torch.Tensor]:
 
 
 def _images(channels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Patch bytes [patches, channels] uint8 (models/pixels.py) of images of GRIDS."""
     g = torch.Generator().manual_seed(2)
     grid = torch.tensor(GRIDS)
-    return torch.randn(int(grid.prod(-1).sum()), channels, generator=g), grid
+    return torch.randint(0, 256, (int(grid.prod(-1).sum()), channels), generator=g, dtype=torch.uint8), grid
 
 
 @pytest.fixture(scope="module")
@@ -66,12 +70,12 @@ def test_audio_encoder_output_does_not_depend_on_the_batch(audio_tower):
 def test_vision_encoder_batch_equals_each_image_alone(hf_model):
     visual = hf_model.thinker.visual
     pixels, grid = _images(visual.patch_embed.proj.weight[0].numel())
-    got, deepstack, counts = VisionEncoder(visual)(pixels, grid)
+    got, deepstack, counts = VisionEncoder(visual, TABLE)(pixels, grid)
     assert len(deepstack) == len(visual.config.deepstack_visual_indexes)
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), grid.prod(-1).cumsum(0)]).tolist()
     for i, (start, end) in enumerate(zip(offsets, offsets[1:])):
         with torch.no_grad():
-            want = visual(pixels[start:end], grid_thw=grid[i : i + 1])
+            want = visual(scale_pixels(pixels[start:end], TABLE), grid_thw=grid[i : i + 1])
         assert counts[i] == want.pooler_output.shape[0]
         assert oracle.rel_error(got.split(counts)[i], want.pooler_output) < 1e-5
         for mine, theirs in zip(deepstack, want.deepstack_features):
@@ -89,6 +93,6 @@ def test_encoders_on_cuda_in_bf16_match_fp32_on_cpu(hf_model):
     got, _ = AudioEncoder(thinker.audio_tower)(clips)
     assert oracle.rel_error(got.float().cpu(), want) < 5e-2
     pixels, grid = _images(thinker.visual.patch_embed.proj.weight[0].numel())
-    want, _, _ = VisionEncoder(hf_model.thinker.visual)(pixels, grid)
-    got, _, _ = VisionEncoder(thinker.visual)(pixels, grid)
+    want, _, _ = VisionEncoder(hf_model.thinker.visual, TABLE)(pixels, grid)
+    got, _, _ = VisionEncoder(thinker.visual, TABLE)(pixels, grid)
     assert oracle.rel_error(got.float().cpu(), want) < 5e-2

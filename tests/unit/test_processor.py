@@ -9,7 +9,8 @@ import torch
 
 from omnistage.core.errors import BadRequestError
 from omnistage.models import media
-from omnistage.models.processor import load_processor, prepare_inputs
+from omnistage.models.pixels import pixel_table, scale_pixels
+from omnistage.models.processor import DEFAULT_PREPROCESSOR, image_processor, load_processor, prepare_inputs
 
 from .media_limits import limits  # noqa: F401  (fixture)
 
@@ -82,9 +83,30 @@ def test_text_and_image(processor):
         {"type": "image_url", "image_url": {"url": "data:image/png;base64," + _png()}}, _text("What is it?")))
     grid = out["image_grid_thw"]
     assert grid.shape == (1, 3) and grid[0, 0] == 1
-    assert out["pixel_values"].shape == (int(grid.prod()), 3 * 2 * 16 * 16)
+    assert out["pixel_values"].shape == (int(grid.prod()), 3 * 2 * 16 * 16) and out["pixel_values"].dtype == torch.uint8
     assert int((out["input_ids"] == IMAGE_PAD).sum()) == int(grid.prod()) // 4  # 2x2 patch merge
     assert "<|vision_start|><|image_pad|>" in processor.tokenizer.decode(out["input_ids"][0])
+
+
+@pytest.mark.parametrize("mean, std", [([0.5, 0.5, 0.5], [0.5, 0.5, 0.5]),
+                                       ([0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711])])
+@pytest.mark.parametrize("size", [(48, 64), (301, 457), (1000, 90)])
+def test_image_bytes_scaled_by_the_table_are_transformers_floats(size, mean, std):
+    """The patches travel as bytes (models/pixels.py); scaled on the thinker's side they are exactly what
+    transformers' image processor gives, for the released mean and std and for CLIP's (per channel)."""
+    from PIL import Image
+    from transformers import Qwen2VLImageProcessorPil
+
+    cfg = dict(DEFAULT_PREPROCESSOR, image_mean=mean, image_std=std, max_pixels=262144)
+    image = Image.fromarray(np.random.default_rng(3).integers(0, 256, (*size, 3), dtype=np.uint8))
+    ours = image_processor(cfg)(images=[image], return_tensors="pt")
+    hf = Qwen2VLImageProcessorPil(size={"shortest_edge": cfg["min_pixels"], "longest_edge": cfg["max_pixels"]},
+                                  patch_size=16, merge_size=2, temporal_patch_size=2, image_mean=mean,
+                                  image_std=std)(images=[image], return_tensors="pt")  # fmt: skip
+    assert ours["pixel_values"].dtype == torch.uint8
+    assert ours["image_grid_thw"].tolist() == hf["image_grid_thw"].tolist()
+    table = pixel_table(image_processor(cfg))
+    torch.testing.assert_close(scale_pixels(ours["pixel_values"], table), hf["pixel_values"], rtol=0, atol=0)
 
 
 def test_text_and_audio(processor):

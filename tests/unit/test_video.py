@@ -9,7 +9,8 @@ import torch
 from omnistage.core.errors import BadRequestError
 from omnistage.core.sampling import SamplingParams
 from omnistage.models import media, video
-from omnistage.models.processor import prepare_inputs
+from omnistage.models.pixels import scale_pixels
+from omnistage.models.processor import load_pixel_table, prepare_inputs
 from omnistage.stages.talker import TalkerPrompt, TalkerRunner
 from omnistage.stages.thinker import ThinkerPrompt, ThinkerRunner
 
@@ -46,15 +47,23 @@ def test_frames_are_sampled_and_sized_by_qwens_rules(clip):
 
 
 def test_video_patches_have_the_image_processors_layout(processor):
-    # a still video of two identical frames is what the image processor makes of that frame
+    # a still video of two identical frames is what transformers' image processor makes of that frame, once
+    # the thinker scales its bytes
+    from PIL import Image
+    from transformers import Qwen2VLImageProcessorPil
+
     rng = np.random.default_rng(1)
     frame = rng.integers(0, 255, (64, 96, 3), dtype=np.uint8)
     out = processor.video_processor([np.stack([frame, frame])])
-    from PIL import Image
-
-    want = processor.image_processor(images=[Image.fromarray(frame)], return_tensors="pt")
+    assert out["pixel_values_videos"].dtype == torch.uint8
+    ip = processor.image_processor
+    hf = Qwen2VLImageProcessorPil(size=dict(ip.size), patch_size=ip.patch_size, merge_size=ip.merge_size,
+                                  temporal_patch_size=ip.temporal_patch_size, image_mean=ip.image_mean,
+                                  image_std=ip.image_std)  # fmt: skip
+    want = hf(images=[Image.fromarray(frame)], return_tensors="pt")
     assert out["video_grid_thw"].tolist() == want["image_grid_thw"].tolist() == [[1, 4, 6]]
-    torch.testing.assert_close(out["pixel_values_videos"], want["pixel_values"], rtol=0, atol=1e-6)
+    got = scale_pixels(out["pixel_values_videos"], load_pixel_table("dummy:"))
+    torch.testing.assert_close(got, want["pixel_values"], rtol=0, atol=0)
 
 
 def test_video_patches_follow_time_then_merge_order(processor):
@@ -64,8 +73,7 @@ def test_video_patches_follow_time_then_merge_order(processor):
     tp, ps, ms = vp.temporal_patch_size, vp.patch_size, vp.merge_size
     frames = np.random.default_rng(2).integers(0, 256, (3, 2 * ms * ps, 3 * ms * ps, 3), dtype=np.uint8)
     out = vp([frames])
-    padded = np.concatenate([frames, frames[-1:]]).astype(np.float32) / 255.0
-    scaled = (padded - vp.mean) / vp.std
+    padded = np.concatenate([frames, frames[-1:]])
     want = []
     for g in range(2):
         for by in range(2):
@@ -73,7 +81,7 @@ def test_video_patches_follow_time_then_merge_order(processor):
                 for iy in range(ms):
                     for ix in range(ms):
                         y, x = (by * ms + iy) * ps, (bx * ms + ix) * ps
-                        patch = scaled[g * tp:(g + 1) * tp, y:y + ps, x:x + ps]  # [tp, P, P, C]
+                        patch = padded[g * tp:(g + 1) * tp, y:y + ps, x:x + ps]  # [tp, P, P, C]
                         want.append(patch.transpose(3, 0, 1, 2).reshape(-1))
     assert out["video_grid_thw"].tolist() == [[2, 2 * ms, 3 * ms]]
     torch.testing.assert_close(out["pixel_values_videos"], torch.from_numpy(np.stack(want)), rtol=0, atol=0)
