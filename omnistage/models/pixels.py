@@ -25,6 +25,7 @@ def scale_pixels(pixels: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     device of `pixels`; table: pixel_table's, on that device."""
     n, width = pixels.shape
     channels = table.shape[0]
-    offsets = torch.arange(0, 256 * channels, 256, device=pixels.device)[:, None]  # channel c's row of the table
-    index = pixels.view(n, channels, width // channels).long() + offsets
-    return table.view(-1)[index].view(n, width)
+    # channel c's row of the table; int32 indices: half the bytes of int64 (index_select takes either)
+    offsets = torch.arange(0, 256 * channels, 256, device=pixels.device, dtype=torch.int32)[:, None]
+    index = pixels.view(n, channels, width // channels).int() + offsets
+    return table.view(-1).index_select(0, index.view(-1)).view(n, width)

@@ -18,7 +18,7 @@ from .packed_attention import Segments, attend
 class VisionEncoder:
     def __init__(self, visual, pixel_table: torch.Tensor):
         self.visual = visual  # transformers' Qwen3OmniMoeVisionEncoder
-        self.pixel_table = pixel_table.to(visual.patch_embed.proj.weight.device)  # models/pixels.py
+        self.pixel_table = pixel_table  # models/pixels.py; moved to the encoder's device on first use
         self.merge = visual.spatial_merge_size
         self.deepstack_layers = list(visual.config.deepstack_visual_indexes)
 
@@ -36,6 +36,7 @@ class VisionEncoder:
         positions = get_vision_position_ids(grid_thw, self.merge)  # [patches, 2]: row, column
         frames = Segments(torch.repeat_interleave(grid_thw[:, 1] * grid_thw[:, 2], grid_thw[:, 0]).tolist(), device)
 
+        self.pixel_table = self.pixel_table.to(device)
         hidden = v.patch_embed(scale_pixels(to_device(pixels, device), self.pixel_table))  # [patches, hidden]
         taps, weights, positions = (to_device(t, device) for t in (taps, weights, positions))
         hidden = hidden + (v.pos_embed(taps) * weights[:, :, None]).sum(1).to(hidden.dtype)
