@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 import tritonclient.grpc as grpcclient
+from tritonclient.utils import np_to_triton_dtype
 
 from omnistage.launch.render import default_spec
 from omnistage.launch.triton_env import REPO_ROOT
@@ -125,8 +126,7 @@ def _stage_stream(url, model, inputs: dict, parameters: dict) -> tuple[list[dict
     tensors = []
     for name, value in inputs.items():
         value = np.ascontiguousarray(value)
-        dtype = {np.dtype(np.bool_): "BOOL", np.dtype(np.int64): "INT64", np.dtype(np.float32): "FP32"}[value.dtype]
-        t = grpcclient.InferInput(name, list(value.shape), dtype)
+        t = grpcclient.InferInput(name, list(value.shape), np_to_triton_dtype(value.dtype))
         t.set_data_from_numpy(value)
         tensors.append(t)
     client.async_stream_infer(model, tensors, parameters=parameters, enable_empty_final_response=True)
