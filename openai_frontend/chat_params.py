@@ -15,7 +15,7 @@ from openai_frontend.media_inputs import prepare_messages
 from openai_frontend.openai_voices import openai_voice
 from openai_frontend.schemas import ChatCompletionRequest, ChatMessage, NamedToolChoice, Sampling
 from openai_frontend.settings import FrontendSettings
-from openai_frontend.tool_calls import prompt_messages
+from openai_frontend.tool_calls import offered_tools, prompt_messages
 
 _SAMPLING_FIELDS = tuple(Sampling.model_fields)
 _STAGE_PREFIX = ("", "talker_")  # sampling_params_list index -> OMNI parameter prefix; code2wav has none
@@ -89,14 +89,10 @@ def _voice(req: ChatCompletionRequest, settings: FrontendSettings) -> str:
 
 
 def _offered_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
-    # "none": the prompt offers no tools (so the model writes no calls); a named choice offers that one only.
-    # The model is asked, not forced: with "required" or a named choice a reply may still be plain text.
-    if not req.tools or req.tool_choice == "none":
-        return None
-    tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    tools = [t.model_dump(exclude_none=True) for t in req.tools or ()]
     if isinstance(req.tool_choice, NamedToolChoice):
-        tools = [t for t in tools if t["function"]["name"] == req.tool_choice.function.name]
-    return tools
+        return offered_tools(tools, None, req.tool_choice.function.name)
+    return offered_tools(tools, req.tool_choice)
 
 
 def _resolve_audio(messages: list[ChatMessage], audio: AudioStore | None) -> list[dict[str, Any]]:

@@ -72,6 +72,18 @@ def prompt_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] 
     return out
 
 
+def offered_tools(tools: list[dict[str, Any]], choice: str | None, function: str | None = None
+                  ) -> list[dict[str, Any]] | None:  # fmt: skip
+    """The tools (chat format) the prompt offers for a tool_choice: "none" offers none, so the model writes no
+    calls; a named `function` offers that one only; "auto", "required" or None offer them all. The model is
+    asked, not forced: with "required" or a named function a reply may still be plain text."""
+    if not tools or choice == "none":
+        return None
+    if function is not None:
+        return [t for t in tools if t["function"]["name"] == function]
+    return tools
+
+
 def tool_call(name: str, arguments: Any, index: int) -> dict[str, Any]:
     return {"index": index, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": name, "arguments": arguments if isinstance(arguments, str) else _json(arguments)}}
