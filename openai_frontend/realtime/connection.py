@@ -19,7 +19,7 @@ from typing import Any
 from openai_frontend.metrics import FrontendMetrics, RequestMeter
 from openai_frontend.omni_client import OmniClient
 from openai_frontend.realtime import events as ev
-from openai_frontend.realtime.conversation import Conversation, Item, audio_item, item_from_client
+from openai_frontend.realtime.conversation import AnyItem, Conversation, Item, audio_item, item_from_client
 from openai_frontend.realtime.events import EventError, error_event, field as get, new_id
 from openai_frontend.realtime.input_buffer import SAMPLES_PER_MS, InputBuffer
 from openai_frontend.realtime.response import Response, ResponsePlan
@@ -155,9 +155,10 @@ class RealtimeConnection:
         await self.send({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": audio_end_ms, "item_id": item_id})
         await self._commit(self.input.take_until(audio_end_ms), item_id)
         if self.config.turn_detection["create_response"] and self.response is None:
-            await self.start_response(ResponsePlan(self._messages(), self.config, conversation_id=self.conversation.id))
+            messages = self.conversation.messages(self.config.instructions, self.config.prompt_tools)
+            await self.start_response(ResponsePlan(messages, self.config, conversation_id=self.conversation.id))
 
-    def _room_for(self, item: Item) -> None:
+    def _room_for(self, item: AnyItem) -> None:
         limit = self.limits.max_conversation_mb * 2**20
         if self.conversation.nbytes + item.nbytes > limit:
             raise EventError(f"the conversation would hold {(self.conversation.nbytes + item.nbytes) / 2**20:.1f} MiB "
@@ -201,9 +202,8 @@ class RealtimeConnection:
 
     async def on_conversation_item_delete(self, event: dict[str, Any]) -> None:
         item_id = get(event, "item_id", str)
-        self.conversation.index(item_id, code="item_delete_invalid_item_id")
-        if self.response is not None and self.response.item.id == item_id:
-            await self.cancel_response("client_cancelled")
+        if self.conversation.get(item_id, code="item_delete_invalid_item_id").status == "in_progress":
+            await self.cancel_response("client_cancelled")  # the conversation's response is generating it
         self.conversation.delete(item_id)
         await self.send({"type": "conversation.item.deleted", "item_id": item_id})
 
@@ -212,9 +212,9 @@ class RealtimeConnection:
         if get(event, "content_index", int, required=False) not in (None, 0):
             raise EventError("an assistant item has one content part: content_index must be 0", param="content_index")
         item = self.conversation.get(item_id, code="item_truncate_invalid_item_id")
-        if item.role != "assistant" or not item.audio_out:
+        if not isinstance(item, Item) or item.role != "assistant" or not item.audio_out:
             raise EventError("only assistant audio items can be truncated", param="item_id")
-        if self.response is not None and self.response.item is item:
+        if item.status == "in_progress":
             await self.cancel_response("client_cancelled")  # the listener stopped: generating more is waste
         if not 0 <= end_ms <= item.audio_ms + 1:
             raise EventError(f"audio_end_ms {end_ms} is outside the item's {item.audio_ms:.0f} ms of audio",
@@ -222,9 +222,6 @@ class RealtimeConnection:
         item.truncate(end_ms)
         await self.send({"type": "conversation.item.truncated", "item_id": item_id, "content_index": 0,
                          "audio_end_ms": end_ms})  # fmt: skip
-
-    def _messages(self, config: SessionConfig | None = None) -> list[dict[str, Any]]:
-        return self.conversation.messages((config or self.config).instructions)
 
     # ---- responses -------------------------------------------------------------------------------------
     async def on_response_create(self, event: dict[str, Any]) -> None:
@@ -248,7 +245,7 @@ class RealtimeConnection:
         response.task = asyncio.create_task(self._respond(response))
 
     async def _respond(self, response: Response) -> None:
-        async def add_item(item: Item) -> None:
+        async def add_item(item: AnyItem) -> None:
             if response.plan.into_conversation:
                 previous = self.conversation.add(item)
                 await self.send({"type": "conversation.item.added", "previous_item_id": previous, "item": item.public()})

@@ -1,5 +1,6 @@
 # A session's conversation: its items in order (user audio and text, assistant transcript or text,
-# system text), what events show of them, and the `omni_ensemble` messages they make as a prompt.
+# system text, function calls and their outputs), what events show of them, and the `omni_ensemble`
+# messages they make as a prompt (tool_calls.py renders the tools and calls as the chat path does).
 # User audio is kept as the model hears it (16 kHz pcm16); an assistant item keeps its transcript piece
 # by piece with the token count at each piece, so a truncation at audio_end_ms keeps the text that was
 # spoken by then (the talker speaks one reply token per codec frame).
@@ -14,6 +15,7 @@ import numpy as np
 
 from openai_frontend.realtime.audio import InputAudio, model_input_to_format
 from openai_frontend.realtime.events import EventError, field as get, new_id
+from openai_frontend.tool_calls import prompt_messages
 
 FRAME_MS = 80  # one codec frame (12.5 Hz): the talker's time for one reply token
 ITEM_BYTES = 1024  # what an item holds besides its content (its objects and id), for the conversation's size
@@ -91,24 +93,85 @@ class Item:
         return {"role": "user", "content": parts}
 
 
+@dataclass
+class FunctionCall:
+    """The assistant's call of a function: the model's, or one a client replays into the history."""
+
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+    call_id: str = field(default_factory=lambda: new_id("call"))
+    id: str = field(default_factory=lambda: new_id("item"))
+    status: str = "completed"
+
+    @property
+    def nbytes(self) -> int:
+        return ITEM_BYTES + len(self.name) + len(self.arguments) + len(self.call_id)
+
+    def public(self, audio_format: str | None = None) -> dict[str, Any]:
+        # while in progress the arguments are still to come, in response.function_call_arguments.delta
+        return {"id": self.id, "object": "realtime.item", "type": "function_call", "status": self.status,
+                "call_id": self.call_id, "name": self.name,
+                "arguments": "" if self.status == "in_progress" else self.arguments}  # fmt: skip
+
+    def message(self) -> dict[str, Any]:
+        call = {"id": self.call_id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return {"role": "assistant", "content": None, "tool_calls": [call]}
+
+
+@dataclass
+class FunctionCallOutput:
+    """The client's result of a function call, for the model to read in its next response."""
+
+    call_id: str
+    output: str
+    id: str = field(default_factory=lambda: new_id("item"))
+    status: str = "completed"
+
+    @property
+    def nbytes(self) -> int:
+        return ITEM_BYTES + len(self.call_id) + len(self.output)
+
+    def public(self, audio_format: str | None = None) -> dict[str, Any]:
+        return {"id": self.id, "object": "realtime.item", "type": "function_call_output", "status": self.status,
+                "call_id": self.call_id, "output": self.output}  # fmt: skip
+
+    def message(self) -> dict[str, Any]:
+        return {"role": "tool", "tool_call_id": self.call_id, "content": self.output}
+
+
+AnyItem = Item | FunctionCall | FunctionCallOutput
+
+
 def audio_item(pcm16_16k: bytes) -> Item:
     return Item(role="user", audios=[pcm16_16k], order=["input_audio"])
 
 
-def item_from_client(item: Any, input_format: str) -> Item:
-    """conversation.item.create's `item` as an Item; EventError names the bad field."""
+def item_from_client(item: Any, input_format: str) -> AnyItem:
+    """conversation.item.create's `item`; EventError names the bad field."""
     if not isinstance(item, dict):
         raise EventError("'item' must be an object", code="invalid_type", param="item")
-    if item.get("type", "message") != "message":
-        raise EventError("only message items are supported (no function calls)", code="unsupported",
-                         param="item.type")  # fmt: skip
+    kind = item.get("type", "message")
+    if kind == "function_call":
+        out: AnyItem = FunctionCall(get(item, "name", str, where="item."), get(item, "arguments", str, where="item."))
+        out.call_id = get(item, "call_id", str, required=False, where="item.") or out.call_id
+    elif kind == "function_call_output":
+        out = FunctionCallOutput(get(item, "call_id", str, where="item."), get(item, "output", str, where="item."))
+    elif kind == "message":
+        out = _message(item, input_format)
+    else:
+        raise EventError(f"item.type {kind!r} is not supported: message, function_call and function_call_output "
+                         "items are", code="unsupported", param="item.type")  # fmt: skip
+    if isinstance(item.get("id"), str) and item["id"]:
+        out.id = item["id"][:64]
+    return out
+
+
+def _message(item: dict[str, Any], input_format: str) -> Item:
     role = item.get("role")
     if role not in ("user", "assistant", "system"):
         raise EventError("item.role must be user, assistant or system", param="item.role")
     content = get(item, "content", list, where="item.")
     out = Item(role=role, status="completed")
-    if isinstance(item.get("id"), str) and item["id"]:
-        out.id = item["id"][:64]
     allowed = {"user": ("input_text", "input_audio", "input_image"), "system": ("input_text",),
                "assistant": ("output_text", "output_audio", "text")}[role]  # fmt: skip
     for i, part in enumerate(content):
@@ -149,13 +212,13 @@ def _client_audio(data: str, input_format: str, param: str) -> bytes:
 class Conversation:
     def __init__(self) -> None:
         self.id = new_id("conv")
-        self.items: list[Item] = []
+        self.items: list[AnyItem] = []
         # the items' nbytes as each was added (a reply grows after that, bounded by the token limit), as a
         # running sum: the limit is checked on every item a client adds
         self.nbytes = 0
         self._counted: dict[str, int] = {}
 
-    def add(self, item: Item, previous_item_id: str | None = None) -> str | None:
+    def add(self, item: AnyItem, previous_item_id: str | None = None) -> str | None:
         """Insert after previous_item_id (at the end when None); returns the id of the item before it."""
         if any(i.id == item.id for i in self.items):
             raise EventError(f"item id {item.id!r} already exists", code="item_exists", param="item.id")
@@ -178,14 +241,22 @@ class Conversation:
                 return i
         raise EventError(f"no item with id {item_id!r}", code=code, param=param)
 
-    def get(self, item_id: str, param: str = "item_id", code: str = "item_not_found") -> Item:
+    def get(self, item_id: str, param: str = "item_id", code: str = "item_not_found") -> AnyItem:
         return self.items[self.index(item_id, param, code)]
 
     def delete(self, item_id: str) -> None:
         del self.items[self.index(item_id)]
         self.nbytes -= self._counted.pop(item_id, 0)
 
-    def messages(self, instructions: str) -> list[dict[str, Any]]:
+    def messages(self, instructions: str, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+        """The prompt: the instructions (with the tools offered, chat format) and the items."""
         out = [{"role": "system", "content": instructions}] if instructions else []
-        out += [m for m in (item.message() for item in self.items) if m is not None]
-        return out
+        for message in (item.message() for item in self.items):
+            if message is None:
+                continue
+            if message.get("tool_calls") and out and out[-1]["role"] == "assistant":
+                # a reply's calls follow its text: one assistant turn, as the model wrote it
+                out[-1] = {**out[-1], "tool_calls": [*out[-1].get("tool_calls", ()), *message["tool_calls"]]}
+            else:
+                out.append(message)
+        return prompt_messages(out, tools)

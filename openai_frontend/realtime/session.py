@@ -14,6 +14,7 @@ from omnistage.core.voices import normalize_voice
 from openai_frontend.openai_voices import openai_voice
 from openai_frontend.realtime.audio import FORMAT_RATES
 from openai_frontend.realtime.events import EventError, field as get
+from openai_frontend.realtime.tools import check_choice, function_tools, prompt_tools, tool_choice
 from openai_frontend.schemas import StageSampling
 from openai_frontend.settings import FrontendSettings
 
@@ -29,10 +30,11 @@ EAGERNESS_SILENCE_MS = {"low": 1000, "medium": 500, "auto": 500, "high": 300}
 # accepted and shown as off: clients (voice-agent frameworks) send them by default, and the model has no
 # separate transcriber or denoiser to honour them
 ACCEPTED_OFF = {"transcription", "noise_reduction"}
-# no effect on this model; echoed as given, as GA clients send them in every update
-_IGNORED = {"tool_choice", "tracing", "truncation", "include", "prompt", "parallel_tool_calls", "reasoning"}
+# no effect on this model; echoed as given, as GA clients send them in every update (parallel_tool_calls: the
+# model may write several calls, and every one is returned)
+_IGNORED = {"tracing", "truncation", "include", "prompt", "parallel_tool_calls", "reasoning"}
 _SESSION_KEYS = {"type", "model", "instructions", "output_modalities", "audio", "max_output_tokens", "tools",
-                 "sampling_params_list", *_IGNORED}  # fmt: skip
+                 "tool_choice", "sampling_params_list", *_IGNORED}  # fmt: skip
 
 
 @dataclass
@@ -47,6 +49,8 @@ class SessionConfig:
     turn_detection: dict[str, Any] | None = field(default_factory=lambda: dict(SERVER_VAD_DEFAULTS))
     max_output_tokens: int | str = "inf"
     sampling_params_list: list[dict[str, Any] | None] | None = None
+    tools: list[dict[str, Any]] = field(default_factory=list)  # function tools as the client gave them (tools.py)
+    tool_choice: str | dict[str, str] = "auto"
     echoed: dict[str, Any] = field(default_factory=dict)  # _IGNORED fields as the client set them
 
     @classmethod
@@ -56,6 +60,11 @@ class SessionConfig:
     @property
     def audio_out(self) -> bool:
         return "audio" in self.output_modalities
+
+    @property
+    def prompt_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the prompt offers (chat format); with any, the reply's <tool_call> blocks become calls."""
+        return prompt_tools(self.tools, self.tool_choice)
 
     def updated(self, session: Any, settings: FrontendSettings) -> SessionConfig:
         """A copy with `session` (the event's object) applied; EventError names the first bad field."""
@@ -75,9 +84,11 @@ class SessionConfig:
             new.instructions = get(session, "instructions", str, required=False, where="session.") or ""
         if "output_modalities" in session:
             new.output_modalities = _modalities(session["output_modalities"])
-        if session.get("tools"):
-            raise EventError("tools are not supported by this server's realtime sessions", code="unsupported",
-                             param="session.tools")  # fmt: skip
+        if session.get("tools") is not None:
+            new.tools = function_tools(session["tools"], "session.tools")
+        if session.get("tool_choice") is not None:
+            new.tool_choice = tool_choice(session["tool_choice"], "session.tool_choice")
+        check_choice(new.tools, new.tool_choice, "session.tool_choice")
         if "max_output_tokens" in session:
             new.max_output_tokens = max_output_tokens(session["max_output_tokens"], "session.max_output_tokens")
         if "sampling_params_list" in session:
@@ -102,7 +113,8 @@ class SessionConfig:
                           "transcription": None, "noise_reduction": None},
                 "output": {"format": audio_format(self.output_format), "voice": self.voice, "speed": 1.0},
             },
-            "max_output_tokens": self.max_output_tokens, "tools": [], "tool_choice": "auto", "tracing": None,
+            "max_output_tokens": self.max_output_tokens, "tools": copy.deepcopy(self.tools),
+            "tool_choice": copy.deepcopy(self.tool_choice), "tracing": None,
             "truncation": "disabled", "expires_at": 0, "sampling_params_list": self.sampling_params_list,
             **self.echoed,
         }  # fmt: skip

@@ -2,7 +2,7 @@
 # `python -m openai_frontend`), driven by the openai SDK's realtime client: a voice-agent framework's
 # session (LiveKit / Pipecat: one full session.update with manual turns, then append, commit, create),
 # item retrieval with its audio, truncation and deletion, an out-of-band response with per-response
-# overrides beside the conversation's own, and response.cancel with and without a response id.
+# overrides beside the conversation's own, response.cancel with and without a response id, and a tool turn.
 import asyncio
 import base64
 import time
@@ -81,6 +81,31 @@ async def test_agent_framework_session_with_manual_turns(frontend):
         await conn.conversation.item.retrieve(item_id=committed.item_id, event_id="evt_gone")
         error = (await until(conn, "error")).error
         assert (error.code, error.param, error.event_id) == ("item_retrieve_invalid_item_id", "item_id", "evt_gone")
+
+
+async def test_a_tool_turn_renders_and_is_answered(frontend):
+    """Tools in the session and a call's output in the conversation reach the model as a prompt it reads: the
+    tiny checkpoint writes no call itself, so the client replays one (as frameworks replay history)."""
+    weather = {"type": "function", "name": "get_weather", "description": "Current weather of a city",
+               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}  # fmt: skip
+    items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": '{"sky": "sunny"}'}]  # fmt: skip
+    async with sdk(frontend.url).realtime.connect(model="qwen3-omni") as conn:
+        await until(conn, "session.created")
+        await conn.session.update(session={**AGENT_SESSION, "tools": [weather], "output_modalities": ["text"]})
+        assert (await until(conn, "session.updated")).session.tools[0].name == "get_weather"
+        for item in items:
+            await conn.conversation.item.create(item=item)
+            await until(conn, "conversation.item.done")
+        await conn.response.create(response={"conversation": "none", "tool_choice": "none"})
+        untooled = (await until(conn, "response.done", timeout=TURN_S)).response
+        await conn.response.create()
+        answer = (await until(conn, "response.done", timeout=TURN_S)).response
+    assert answer.status == untooled.status == "completed", answer.status_details
+    assert answer.usage.output_token_details.text_tokens == 4
+    # the same conversation, with the tools' block in its system turn
+    assert answer.usage.input_tokens > untooled.usage.input_tokens + 50
 
 
 async def endless_session(conn, text: str):
