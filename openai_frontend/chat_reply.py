@@ -35,11 +35,12 @@ async def reply_pieces(client: OmniClient, plan: ChatPlan, request_id: str, mete
 
     A stop string ends the reply with finish_reason "stop": the backend request is cancelled, so the audio
     ends where it had got to (speech lags the text, so it may stop short of the stop string).
-    With tools, audio ends where the first <tool_call> begins: a call is returned, never spoken.
+    With tools, the <tool_call> blocks are split off the text. A call is never spoken: omni_ensemble ends the
+    talker's utterance where the thinker opens one (tests/unit/test_tool_call_unspoken.py), so every audio chunk,
+    also one that comes after the call began (speech lags the text), is speech of the text before it.
     """
     stops = StopMatcher(list(plan.stop))
     calls = ToolCallSplitter() if plan.tools else None
-    called = False
     meter.start()
     try:
         async with aclosing(client.stream(plan.messages, plan.parameters, request_id=request_id)) as chunks:
@@ -56,12 +57,9 @@ async def reply_pieces(client: OmniClient, plan: ChatPlan, request_id: str, mete
                     piece.usage = _usage(chunk.usage, tokens)
                 if calls is not None:
                     piece.text, piece.tool_calls = calls.feed(piece.text)
-                    called = called or calls.in_call or bool(piece.tool_calls)
                     if piece.is_final:
                         piece.text += calls.flush()
                         piece.finish_reason = "tool_calls" if calls.calls else piece.finish_reason
-                    if called:
-                        piece.pcm16 = b""
                 meter.audio(len(piece.pcm16) // 2)
                 if piece.is_final:
                     meter.finish(piece.usage)
