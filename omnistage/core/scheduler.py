@@ -88,7 +88,7 @@ class Batch:
 
 # Prompts prefilled in one engine step. Closed-loop clients come back in cohorts: with 32 a cohort of 64 W1
 # streams waits two prefill steps, not four (H200: 40.7 -> 46.0 req/s against 16,
-# perf/results/2026-12-04-h200-variants-3.json).
+# perf/results/h200-trace-variants.json).
 MAX_PREFILLS_PER_STEP = 32
 # Prompt tokens prefilled in one step: 32 prompts of 2500 tokens in one forward (80k tokens of W2) ran the
 # H200 out of memory. Also what a step of prefill can hold the decode of every running stream back by.

@@ -1,7 +1,7 @@
 # "omni_sdpa": transformers' sdpa attention, except for grouped-query decode steps with a mask.
 # With a mask, transformers' sdpa path cannot use SDPA's enable_gqa and copies K and V once per query head
 # (repeat_kv): x8 of the whole attended cache per layer for the thinker (32 query / 4 KV heads), which on
-# the H200 cost 8 of the 35 ms of a 64-row decode step (perf/results/2026-12-03-h200-static-prefill.json). A one-token
+# the H200 cost 8 of the 35 ms of a 64-row decode step (perf/results/h200-static-prefill.json). A one-token
 # step needs no copy: the G query heads that share a KV head are G queries of that head, all with the same
 # mask, so one SDPA call over the KV heads computes exactly the same attention from the cache in place.
 from __future__ import annotations

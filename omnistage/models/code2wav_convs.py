@@ -1,7 +1,7 @@
 # Code2Wav's causal convolutions without their copies. transformers pads each causal conv's input with
 # F.pad (a full copy of the activation) and crops each transposed conv's output with a slice made
 # contiguous (another copy); at 64 streams of a 25-frame chunk those copies were 29 of the stack's 126 ms
-# of kernels on the H200 (perf/results/2026-12-03-h200-streams.json). The same results come from the
+# of kernels on the H200 (perf/results/h200-step-streams.json). The same results come from the
 # convolutions' own padding:
 # - a causal conv (stride 1) pads both sides by its reach inside cuDNN and drops the extra outputs at the
 #   end (a view: the next op reads it in place);

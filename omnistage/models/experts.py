@@ -7,7 +7,7 @@
 # The same ops on the same values in the same order: the same output bit for bit with transformers' two ops
 # for the gate, within a bf16 rounding of silu's exp with the fused kernel (tests/unit/test_experts.py).
 # On the H200 a thinker chunk prefill of 16 W1 suffixes spent ~13 of its 43 ms of kernels in those
-# elementwise passes (perf/results/2026-12-04-h200-variants-2.json).
+# elementwise passes (perf/results/h200-chunk-prefill-profiles.json).
 #
 # "gather_or_grouped": for decode steps of any size. A step of one or two tokens needs only their top-k
 # experts' weights. For few (token, expert) pairs the weights of exactly those pairs are gathered and
@@ -15,7 +15,7 @@
 # epilogues); beyond GATHER_MAX_PAIRS lean_grouped_mm runs. The choice depends on shapes only, so each
 # CUDA-graph bucket captures one path. On the H200 a lone talker frame (20 MoE layers, 6 of 128 experts of
 # 2.4 MB each) went from 4.0 to 3.2 ms for its LM step: ~200 fewer kernels than grouped_mm's sort,
-# histogram, scan and grouped-GEMM setup (perf/results/2026-12-04-h200-lone-steps.json).
+# histogram, scan and grouped-GEMM setup (perf/results/h200-lone-steps.json).
 from __future__ import annotations
 
 import torch

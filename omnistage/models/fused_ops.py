@@ -1,7 +1,7 @@
 # Triton kernels for the two most frequent small ops of a decode step, RMSNorm and the rotary embedding of
 # q and k, each one kernel where transformers runs 6-10. A talker frame (talker step + 15 code-predictor
 # sub-steps) ran ~7000 kernels on the H200, 396 RMSNorms among them, at ~2 us each: kernel count, not
-# bandwidth, set its time (perf/results/2026-12-03-h200-static-prefill.json). Both kernels round like transformers'
+# bandwidth, set its time (perf/results/h200-static-prefill.json). Both kernels round like transformers'
 # bf16 code (to the input dtype before the weight; each product rounded before the sum), so they
 # replace it without changing results beyond the last bit of rsqrt. bf16 rounding is done by hand
 # (_rounded): Triton's float32 -> bf16 cast truncated, which left 2/3 of the values a step towards 0.

@@ -3,7 +3,7 @@
 # Transformers runs those as 3 GEMMs + 3 kernels (with fused_ops' norm and rope) and 2 GEMMs + 2
 # elementwise kernels. A talker frame (20 talker layers, then 15 code-predictor sub-steps of 5 layers) is
 # bound by its ~3100 small kernels, not by their work: this removes 565 of them, 2545 left
-# (perf/results/2026-12-03-h200-streams.json).
+# (perf/results/h200-step-streams.json).
 #
 # The merged weights are views of one tensor that the original q/k/v (gate/up) parameters now also view,
 # so memory does not grow. The kernels round as transformers' bf16 ops do (each op's result rounded to

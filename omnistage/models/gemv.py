@@ -1,6 +1,6 @@
 # One-row matmuls (a lone request's decode step) as one Triton kernel that streams the weight once. cuBLAS
 # runs them as GEMMs tiled for many rows: on the H200 a lone talker frame's 336 such projections ran at
-# ~1-1.6 TB/s, two thirds of the frame's kernel time (perf/results/2026-12-04-h200-lone-steps.json). With
+# ~1-1.6 TB/s, two thirds of the frame's kernel time (perf/results/h200-lone-steps.json). With
 # expert ids, each row reads its own expert's weight in place, where the gathered path
 # (experts.py) first copies the picked experts' weights and then multiplies them.
 #

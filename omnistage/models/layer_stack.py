@@ -4,7 +4,7 @@
 # next layer's input norm, or the stack's final norm. Where the norms are fused_ops' kernels (CUDA),
 # the add and the norm are one kernel that rounds as the two ops do; elsewhere the same
 # two ops run. A lone talker frame (20 talker layers, 75 code-predictor layer passes) ran ~190 such adds
-# at ~2-3 us each when the GPU was mostly idle between them (perf/results/2026-12-04-h200-lone-steps.json).
+# at ~2-3 us each when the GPU was mostly idle between them (perf/results/h200-lone-steps.json).
 from __future__ import annotations
 
 import torch

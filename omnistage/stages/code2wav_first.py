@@ -1,6 +1,6 @@
 # New streams' first Code2Wav chunks, the chunks a time to first audio waits for, decoded from static
 # buffers and replayed as one CUDA graph per batch bucket. Eager, a first chunk of 2-4 frames costs ~2 ms
-# of kernels but 15-30 ms of launches (~550 kernels; perf/results/2026-12-03-h200-streams.json), and in
+# of kernels but 15-30 ms of launches (~550 kernels; perf/results/h200-step-streams.json), and in
 # the served stage it also queued behind a forward of later chunks. A first chunk has no carried state, so
 # its shapes depend only on (streams, frames): a fixed set of graphs covers it.
 from __future__ import annotations

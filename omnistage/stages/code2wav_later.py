@@ -1,7 +1,7 @@
 # Streams' later Code2Wav chunks (those with carried state) decoded from static buffers and replayed as one
 # CUDA graph per (batch size, frames bucket). Eager, a chunk's forward is ~550 launch-bound kernels: on
 # the H200 a lone stream's 25-frame chunk took 28 ms where its kernels take a few
-# (perf/results/2026-12-04-h200-router-later-chunks.json), and its last chunk is on the way to the end of
+# (perf/results/h200-router-later-chunks.json), and its last chunk is on the way to the end of
 # every reply. Eager chunks also run one forward per distinct
 # (W, n, C') shape; here any later chunks share a forward. The shapes are made static by padding, exactly:
 # - K/V: right-aligned in W = window - 1 rows; a stream with fewer (position < W) has its rows before frame

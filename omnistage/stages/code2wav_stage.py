@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 # frames) as one forward padded to static shapes, replayed as a CUDA graph: a lone stream's eager 25-frame
 # chunk takes ~28 ms of launches for a few ms of kernels, and its last chunk is on the way to the end of the
 # reply; larger groups (at 64 streams few are this small) run eager. Measured on the H200:
-# perf/results/2026-12-04-h200-router-later-chunks.json
+# perf/results/h200-router-later-chunks.json
 LATER_CHUNK_BATCH = 4
 # Open sessions per stage instance: one per request speaking through it (omni_ensemble's max_inflight per
 # orchestrator bounds them well below this); a session holds its state on the device until it ends.

@@ -39,7 +39,7 @@ class DecoderRunner:
         kv_cache_bytes: the pool's budget (stages/kv_budget.py); deepstack / accept_layer: what long
         prompts' media rows touch in the layers (layer_spans.py), the thinker's."""
         self.model, self.config, self.device, self.dtype = model, config, torch.device(device), dtype
-        # on CUDA the fused kernels are the measured path (perf/results/2026-12-03-h200-static-prefill.json),
+        # on CUDA the fused kernels are the measured path (perf/results/h200-static-prefill.json),
         # and the paged prefill attention runs only through the fused attention: a runner installs them
         # itself, so that no CUDA runner reads a long prompt's K/V without its causal limit
         self.fused = fused.install(model) if self.device.type == "cuda" else {}

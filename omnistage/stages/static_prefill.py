@@ -1,6 +1,6 @@
 # Prefill of fresh slots from static buffers, replayed as a CUDA graph per (rows, tokens) bucket. An eager
 # prefill is host-bound on the GPU: the talker's ran ~1400 kernels in 5 ms of GPU time but took 74 ms
-# to launch them, one prompt or sixteen (perf/results/2026-12-03-h200-static-prefill.json), and at 64 concurrent W1
+# to launch them, one prompt or sixteen (perf/results/h200-static-prefill.json), and at 64 concurrent W1
 # requests the talker spent a third of its time there. A slot's prompt always starts at position 0 (no
 # prefix cache), so attention is causal self-attention over the new tokens alone: each layer writes its
 # K/V into the slots' blocks and attends to the tokens it was given. Rows are right-padded to the bucket's

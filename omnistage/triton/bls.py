@@ -45,7 +45,7 @@ def _read(response, outputs: dict[str, TensorSpec]) -> dict:
         # released later, on whichever thread let go of the view, outside that protocol. Stage outputs come in
         # host memory, so without the clone every frame and text row would be such a view; the server freeze
         # seen with them had omni_ensemble's threads stuck right here (the sweep that froze at 32 in
-        # perf/results/2026-12-03-h200-handoff-variants.json).
+        # perf/results/h200-handoff-variants.json).
         out[t.name()] = value.clone() if isinstance(value, torch.Tensor) else value
     return out
 

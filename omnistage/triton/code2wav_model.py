@@ -27,7 +27,7 @@ class Code2WavModel:
     def initialize(self, args) -> None:
         params, device, dtype = init_instance(args)
         module = load_stage(params["model_path"], "code2wav", dtype, device)
-        if device.type == "cuda":  # the measured path there (perf/results/2026-12-03-h200-streams.json)
+        if device.type == "cuda":  # the measured path there (perf/results/h200-step-streams.json)
             log.info("[code2wav] fused kernels installed: %s", fused.install(module))
         runner = Code2WavRunner(module, device, dtype)
         self.responders = {lane: Responder(f"code2wav-{lane}", self.encode, self._cancel) for lane in ("first", "main")}

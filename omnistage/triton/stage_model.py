@@ -57,7 +57,7 @@ def init_instance(args) -> tuple[dict[str, str], torch.device, torch.dtype]:
         # A GPU stage's host tensors are small, and torch's intra-op pool (a thread per core) mostly spun: on
         # the H200 host (16 cores) at 64 W1 streams the talker used 53 and Code2Wav 27 cpu-s of a 10 s level,
         # 8 and 6 with one thread (that call: 30.8 -> 37.5 req/s; calls differ by up to ~20%;
-        # perf/results/2026-12-03-h200-prefix-variants.json)
+        # perf/results/h200-prefix-variants.json)
         torch.set_num_threads(1)
         if params.get("memory_fraction"):  # a deploy profile's share of this GPU for this instance
             torch.cuda.set_per_process_memory_fraction(float(params["memory_fraction"]), device)
@@ -78,7 +78,7 @@ class StageModel:
         self.max_slots = int(self.params.get("max_batch_size", 8))
         self.kv_cache_bytes = kv_budget_bytes(self.params)
         # on CUDA the decode steps and the static prefills replay as graphs, over the fused kernels the runner
-        # installs: both are the measured path there (perf/results/2026-12-03-h200-static-prefill.json); the
+        # installs: both are the measured path there (perf/results/h200-static-prefill.json); the
         # CPU runs eager
         self.cuda_graphs = self.device.type == "cuda"
         self.max_prefills = min(MAX_PREFILLS_PER_STEP, self.max_slots)

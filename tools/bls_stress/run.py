@@ -1,6 +1,6 @@
 # A minimal stand-in for omni_ensemble's BLS traffic without any model, for the crash of Triton 2.51's
 # Python stub, which frees finished BLS response iterators off the GIL (omnistage/triton/iterator_reaper.py,
-# perf/results/2026-12-03-h200.json): rounds of CONCURRENCY streaming requests to `driver`; stops at the
+# perf/results/h200-graphs-bls-crash.json): rounds of CONCURRENCY streaming requests to `driver`; stops at the
 # first hang or error and prints any fatal stub stacks. --reaper holds finished iterators as omni_ensemble
 # does, which should never fault; --bf16-bytes sends host tensors the way our stages answer BLS.
 #
