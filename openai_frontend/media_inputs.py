@@ -21,13 +21,20 @@ PASSTHROUGH_AUDIO = {"wav", "pcm", "pcm16"}  # omni_ensemble reads these itself
 PASSTHROUGH_MIMES = {"audio/wav", "audio/x-wav", "audio/wave", "audio/vnd.wave", "audio/pcm", "audio/l16", "audio/pcm16"}
 TRANSCODED_AUDIO = ("mp3", "flac", "ogg", "opus", "aiff", "au")  # decoded by libsndfile
 DECODE_BLOCK_FRAMES = 1 << 16  # frames decoded per read while counting against the duration cap
+# Media that only needs its base64 checked is checked on the event loop up to this much payload (a 5 s clip is
+# ~210 kB: ~0.2 ms of checking): a hop to a worker thread costs a request tens of ms of waiting for the loop and
+# the GIL when many requests are in flight. Larger payloads, and any fetch or transcode, go to a thread.
+INLINE_PAYLOAD_CHARS = 1 << 20
 
 
 async def prepare_messages(messages: list[dict[str, Any]], settings: FrontendSettings) -> list[dict[str, Any]]:
     """The messages with every media part in a form the ensemble reads; the input is not modified."""
     fetched = await _fetch_remote(messages, settings)
-    if not fetched and not any(_media_parts(messages)):
+    parts = list(_media_parts(messages))
+    if not fetched and not parts:
         return messages
+    if not fetched and _passes_through(parts):
+        return _normalize(messages, fetched, settings.max_audio_seconds)
     return await asyncio.to_thread(_normalize, messages, fetched, settings.max_audio_seconds)
 
 
@@ -40,6 +47,24 @@ def _media_parts(messages):
                 kind = part.get("type")
                 if kind in ("image_url", "audio_url", "video_url", "input_audio"):
                     yield f"messages[{i}].content[{j}]", kind, part.get(kind)
+
+
+def _passes_through(parts) -> bool:
+    """Whether every media part goes to the ensemble as it is (only its base64 to check), within
+    INLINE_PAYLOAD_CHARS of payload in all."""
+    total = 0
+    for _, kind, payload in parts:
+        if kind == "input_audio":
+            fmt, data = (payload.get("format"), payload.get("data")) if isinstance(payload, dict) else (None, None)
+            if not isinstance(fmt, str) or fmt.lower() not in PASSTHROUGH_AUDIO:
+                return False
+        else:
+            data = _url(payload)
+            mime = data.partition(",")[0][5:].split(";")[0].strip().lower() if isinstance(data, str) else ""
+            if kind == "audio_url" and mime not in PASSTHROUGH_MIMES:
+                return False
+        total += len(data) if isinstance(data, str) else 0
+    return total <= INLINE_PAYLOAD_CHARS
 
 
 def _url(payload: Any) -> Any:

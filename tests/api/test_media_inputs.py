@@ -13,6 +13,7 @@ import pytest
 
 from openai_frontend.app import create_app
 from openai_frontend.audio_encoding import encode_audio, to_pcm16
+from openai_frontend.errors import FrontendError
 from openai_frontend.settings import FrontendSettings
 
 from .fake_omni import FakeOmniClient, tone
@@ -76,6 +77,36 @@ def test_multi_turn_with_system_keeps_order(http, fake):
                                              {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64(PNG)}"}}]}]  # fmt: skip
     assert http.post("/v1/chat/completions", json={"messages": messages}).status_code == 200
     assert fake.calls[0]["messages"] == messages
+
+
+@pytest.mark.parametrize("parts, on_thread", [
+    ([{"type": "input_audio", "input_audio": {"data": b64(encode_audio(to_pcm16(TONE), "wav")), "format": "wav"}},
+      {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64(PNG)}"}}], False),
+    ([{"type": "input_audio", "input_audio": {"data": b64(encode_audio(to_pcm16(TONE), "flac")), "format": "flac"}}], True),
+    ([{"type": "audio_url", "audio_url": {"url": f"data:audio/mpeg;base64,{b64(b'x' * 64)}"}}], True),
+    ([{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64(PNG * 30000)}"}}], True),
+], ids=["wav and png checked inline", "flac transcoded", "mp3 url transcoded", "payload over the inline bound"])  # fmt: skip
+def test_only_media_that_needs_work_goes_to_a_thread(parts, on_thread, monkeypatch):
+    """A worker thread costs a request tens of ms of waiting under load: only a transcode, a fetch or a large
+    payload takes one; media that only needs its base64 checked is checked on the event loop."""
+    import asyncio
+
+    from openai_frontend import media_inputs
+
+    hops = []
+    original = asyncio.to_thread
+
+    async def counted(fn, *args):
+        hops.append(fn)
+        return await original(fn, *args)
+
+    monkeypatch.setattr(media_inputs.asyncio, "to_thread", counted)
+    try:
+        asyncio.run(media_inputs.prepare_messages(user(*parts), FrontendSettings()))
+    except FrontendError:  # the 64 bytes of "mp3" fail their transcode, on its thread all the same
+        pass
+    assert bool(hops) == on_thread
+    assert len(b64(PNG * 30000)) > media_inputs.INLINE_PAYLOAD_CHARS
 
 
 BAD = {
