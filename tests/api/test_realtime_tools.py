@@ -174,11 +174,13 @@ async def test_the_round_trip_prompts_as_the_chat_api_does_and_waits_for_respons
 
     # the chat API, given the same conversation, sends the same prompt
     chat_tool = {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}
-    await sdk(server.url).chat.completions.create(model="qwen3-omni", tools=[chat_tool], modalities=["text"], messages=[
-        {"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": QUESTION}]},
-        {"role": "assistant", "content": "Let me check.", "tool_calls": [
-            {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
-        {"role": "tool", "tool_call_id": call.call_id, "content": '{"sky": "sunny"}'}])  # fmt: skip
+    # closed here: its HTTP connection is bound to this test's event loop, which ends with the test
+    async with sdk(server.url) as client:
+        await client.chat.completions.create(model="qwen3-omni", tools=[chat_tool], modalities=["text"], messages=[
+            {"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": QUESTION}]},
+            {"role": "assistant", "content": "Let me check.", "tool_calls": [
+                {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+            {"role": "tool", "tool_call_id": call.call_id, "content": '{"sky": "sunny"}'}])  # fmt: skip
     assert fake.calls[-1]["messages"] == prompt
 
 
