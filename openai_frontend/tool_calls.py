@@ -38,7 +38,12 @@ def _text(content: Any) -> str:
 def _call_block(call: dict[str, Any]) -> str:
     function = call.get("function", call)
     arguments = function.get("arguments", {})
-    arguments = arguments if isinstance(arguments, str) else _json(arguments)
+    # text as the client sent it (the template pastes a string as it is); blank text is an empty object, so the
+    # block stays JSON
+    if not isinstance(arguments, str):
+        arguments = _json(arguments)
+    elif not arguments.strip():
+        arguments = "{}"
     return f'{OPEN}\n{{"name": "{function["name"]}", "arguments": {arguments}}}\n{CLOSE}'
 
 

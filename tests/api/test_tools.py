@@ -104,3 +104,15 @@ def test_splitter(deltas, text, names):
     got += splitter.flush()
     assert got == text and [c["function"]["name"] for c in calls] == names
     assert [c["index"] for c in calls] == list(range(len(names)))
+
+
+@pytest.mark.parametrize("arguments", ["", "  "])
+def test_a_call_with_blank_arguments_renders_an_empty_object(openai_client, fake, arguments):
+    fake.script = Script(steps=[Step("Done.")])
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+    messages = [*USER, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "{}"}]
+    openai_client.chat.completions.create(model="qwen3-omni", messages=messages, tools=[WEATHER], modalities=["text"])
+    block = fake.calls[0]["messages"][2]["content"]
+    assert block == '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>'
+    json.loads(block.split("\n")[1])
