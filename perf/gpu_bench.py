@@ -103,14 +103,16 @@ def pack_stacks(stacks: Path, out: Path) -> None:
 
 
 def omni_metrics(url: str) -> dict:
-    """The stages' own gauges / counters (omni_<stage>_<what>) from Triton's metrics endpoint: name -> the
-    values of its series; a labelled series (histogram buckets aside) also as 'name{labels}' -> [value]."""
+    """The stages' own gauges / counters (omni_<stage>_<what>) and Triton's per-model request counters
+    (nv_inference_*: a request's wait in Triton's queue for its model's execute(), among others) from the
+    metrics endpoint: name -> the values of its series; a labelled series (histogram buckets aside) also as
+    'name{labels}' -> [value]."""
     try:
         text = urllib.request.urlopen(url, timeout=5).read().decode()
     except OSError as exc:
         return {"error": str(exc)}
     out: dict[str, list[float]] = {}
-    for name, labels, value in re.findall(r"^(omni_\w+)(\{[^}]*\})? (\S+)$", text, re.MULTILINE):
+    for name, labels, value in re.findall(r"^(omni_\w+|nv_inference_\w+)(\{[^}]*\})? (\S+)$", text, re.MULTILINE):
         out.setdefault(name, []).append(float(value))
         if labels and not name.endswith("_bucket"):
             out.setdefault(name + labels, []).append(float(value))

@@ -136,7 +136,8 @@ def test_omni_metrics_keeps_labelled_series_by_label(tmp_path):
     from perf.gpu_bench import omni_metrics
 
     (tmp_path / "metrics").write_text(
-        'nv_inference_count{model="x"} 3\n'
+        'nv_inference_queue_duration_us{model="thinker",version="1"} 1500\n'
+        'nv_gpu_utilization{gpu_uuid="GPU-0"} 0.5\n'
         "omni_talker_steps_total 12\n"
         'omni_milestone_seconds_sum{milestone="preprocessed"} 0.5\n'
         'omni_milestone_seconds_sum{milestone="end"} 9.25\n'
@@ -152,7 +153,8 @@ def test_omni_metrics_keeps_labelled_series_by_label(tmp_path):
     assert got["omni_talker_steps_total"] == [12.0]
     assert got["omni_milestone_seconds_sum"] == [0.5, 9.25]
     assert got['omni_milestone_seconds_sum{milestone="end"}'] == [9.25]
-    assert "nv_inference_count" not in got and not any(k.startswith("omni_milestone_seconds_bucket{") for k in got)
+    assert got['nv_inference_queue_duration_us{model="thinker",version="1"}'] == [1500.0]
+    assert "nv_gpu_utilization" not in got and not any(k.startswith("omni_milestone_seconds_bucket{") for k in got)
 
 
 def test_reader_on_a_recorded_export():
