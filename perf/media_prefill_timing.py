@@ -2,10 +2,14 @@
 # (no Triton), full-size config with dummy bf16 weights: each prompt alone through transformers' thinker
 # forward against one batched media prefill step (stages/media_prefill.py), eager and with CUDA graphs, at several prompt counts;
 # the encoders alone, transformers per item against one batched call; and whether the batched step picks
-# the per-request path's first tokens. Writes JSON to argv[1].
+# the per-request path's first tokens. With --w5: W5 prompts (a 10 s video with its audio track, ~1550
+# tokens, longer than a static prefill row) as the served thinker takes them whole in one step (graphs
+# captured): the step's encoders alone, the whole step, and the step's kernel time beside its wall time
+# (wall far above kernels: the step is host-bound). Writes JSON to argv[1].
 #
 #   source .carry/device/env.sh && python -m perf.media_prefill_timing $OUT/media_prefill.json
-#   python -m perf.media_prefill_timing /tmp/m.json --config tiny --device cpu   (a CPU check of the script)
+#   python -m perf.media_prefill_timing $OUT/w5_prefill.json --w5
+#   python -m perf.media_prefill_timing /tmp/m.json --config tiny --device cpu [--w5]   (a CPU check of the script)
 from __future__ import annotations
 
 import argparse
@@ -23,7 +27,7 @@ from omnistage.models.processor import load_pixel_table, load_processor, prepare
 from omnistage.stages.audio_encoder import AudioEncoder
 from omnistage.stages.thinker import ThinkerPrompt, ThinkerRunner
 from omnistage.stages.vision_encoder import VisionEncoder
-from perf.media_workloads import image_prompts, voice_chat_prompts
+from perf.media_workloads import image_prompts, video_prompts, voice_chat_prompts
 
 COUNTS = (1, 4, 16)
 
@@ -75,6 +79,39 @@ def transformers_first_token(thinker, p: ThinkerPrompt, device) -> int:
     return int(logits[0, -1].argmax())
 
 
+def thinker_prompt(x: dict, use_audio_in_video: bool = False) -> ThinkerPrompt:
+    return ThinkerPrompt(x["input_ids"][0], x.get("pixel_values"), x.get("image_grid_thw"), x.get("input_features"),
+                         x.get("feature_attention_mask"), export_talker=True,
+                         pixel_values_videos=x.get("pixel_values_videos"), video_grid_thw=x.get("video_grid_thw"),
+                         video_second_per_grid=x.get("video_second_per_grid"), use_audio_in_video=use_audio_in_video)  # fmt: skip
+
+
+def kernel_ms(fn, device) -> float:
+    """CUDA kernel time (ms, summed) of one fn() call after a warm-up call, under torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize(device)
+    return round(sum(e.self_device_time_total for e in prof.key_averages()) / 1e3, 3)
+
+
+def w5_times(report: dict, runner: ThinkerRunner, prompts: list[ThinkerPrompt], device) -> None:
+    """The served thinker's step over n whole W5 prompts (graphs captured): the encoders' part of it
+    (MediaInputs.rows), the whole step, and the step's kernel time."""
+    for n in COUNTS:
+        ps = prompts[:n]
+        for s in sequences(ps):
+            runner.validate(s)  # MRoPE positions and digests, as admission derives them
+        report[f"w5_encoders_ms_{n}"] = timed(lambda: runner.media.rows(ps, [0] * n), device)
+        report[f"w5_step_ms_{n}"] = timed(lambda: first_tokens(runner, ps, True), device)
+        if device.type == "cuda":
+            report[f"w5_step_kernel_ms_{n}"] = kernel_ms(lambda: first_tokens(runner, ps, True), device)
+        print(json.dumps(report), flush=True)
+
+
 def encoder_times(report: dict, name: str, thinker, inputs: list[dict], device) -> None:
     if "input_features" in inputs[0]:
         clips = [x["input_features"][0][:, : int(x["feature_attention_mask"].sum())] for x in inputs]
@@ -99,6 +136,7 @@ def main() -> None:
     ap.add_argument("--config", default="perf/qwen3_omni_30b_a3b_instruct.config.json", help="a config.json, or tiny")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--experts", default="gather_or_grouped", help="experts_implementation")
+    ap.add_argument("--w5", action="store_true", help="W5 alone: the served step over whole W5 prompts")
     args = ap.parse_args()
     source, device = f"dummy:{args.config}", torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -107,13 +145,23 @@ def main() -> None:
     report = {"weights": f"dummy random {dtype}", "config": args.config, "experts_implementation": args.experts,
               "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else None, "torch": torch.__version__}  # fmt: skip
     thinker = load_stage(source, "thinker", dtype, device, experts_implementation=args.experts)
+    if args.w5:
+        inputs = [prepare_inputs(processor, c, use_audio_in_video=True) for c in video_prompts(max(COUNTS))]
+        report["w5_prompt_tokens"] = int(inputs[0]["input_ids"].shape[1])
+        if device.type == "cuda":
+            fused_install(thinker)
+        runner = ThinkerRunner(thinker, config, max_slots=max(COUNTS), max_seq_len=2048, device=device, dtype=dtype,
+                               max_prefills=max(COUNTS), cuda_graphs=device.type == "cuda")  # fmt: skip
+        runner.capture_graphs()
+        w5_times(report, runner, [thinker_prompt(x, use_audio_in_video=True) for x in inputs], device)
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+        return
     prompts = {}
     for name, conversations in (("w3", voice_chat_prompts(max(COUNTS))), ("w4", image_prompts(max(COUNTS)))):
         inputs = [prepare_inputs(processor, c) for c in conversations]
         report[f"{name}_prompt_tokens"] = int(inputs[0]["input_ids"].shape[1])
-        prompts[name] = [ThinkerPrompt(x["input_ids"][0], x.get("pixel_values"), x.get("image_grid_thw"),
-                                       x.get("input_features"), x.get("feature_attention_mask"), export_talker=True)
-                         for x in inputs]  # fmt: skip
+        prompts[name] = [thinker_prompt(x) for x in inputs]
         encoder_times(report, name, thinker, inputs, device)
     kw = dict(max_slots=max(COUNTS), max_seq_len=1024, device=device, dtype=dtype, max_prefills=max(COUNTS))
     for graphs in (False, True):
