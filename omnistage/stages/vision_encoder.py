@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import torch
-from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rotary_pos_emb_vision
 from transformers.vision_utils import get_vision_interpolation_indices_and_weights, get_vision_position_ids
 
 from ..models.pixels import scale_pixels
@@ -52,6 +51,15 @@ class VisionEncoder:
 
     @staticmethod
     def _attention(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, frames: Segments) -> torch.Tensor:
-        q, k, v = attn.qkv(x).view(x.shape[0], 3, attn.num_heads, -1).unbind(1)  # [patches, H, hd] each
-        q, k = apply_rotary_pos_emb_vision(q, k, cos, sin)
-        return attn.proj(attend(q, k, v, frames, attn.scaling))
+        qkv = attn.qkv(x).view(x.shape[0], 3, attn.num_heads, -1)  # [patches, 3, H, hd]
+        q, k = rotate_qk(qkv[:, :2], cos, sin).unbind(1)
+        return attn.proj(attend(q, k, qkv[:, 2], frames, attn.scaling))
+
+
+def rotate_qk(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb_vision over q and k at once: qk [N, 2, H, hd], cos / sin [N, hd].
+    The same float32 operations on every element, in half the kernel launches."""
+    x, cos, sin = qk.float(), cos[:, None, None].float(), sin[:, None, None].float()
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return ((x * cos) + (rotated * sin)).to(qk.dtype)

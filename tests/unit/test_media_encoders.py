@@ -96,3 +96,52 @@ def test_encoders_on_cuda_in_bf16_match_fp32_on_cpu(hf_model):
     want, _, _ = VisionEncoder(hf_model.thinker.visual, TABLE)(pixels, grid)
     got, _, _ = VisionEncoder(thinker.visual, TABLE)(pixels, grid)
     assert oracle.rel_error(got.float().cpu(), want) < 5e-2
+
+
+def test_vision_encoder_over_frames_of_one_size_equals_each_item_alone(hf_model):
+    """A video's frames and images of one size are attended as views of the packed tokens (Segments.even):
+    each item still gets what transformers gives it alone."""
+    visual = hf_model.thinker.visual
+    grid = torch.tensor([(2, 4, 6), (1, 4, 6), (1, 4, 6)])
+    g = torch.Generator().manual_seed(4)
+    pixels = torch.randint(0, 256, (int(grid.prod(-1).sum()), visual.patch_embed.proj.weight[0].numel()),
+                           generator=g, dtype=torch.uint8)  # fmt: skip
+    got, deepstack, counts = VisionEncoder(visual, TABLE)(pixels, grid)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), grid.prod(-1).cumsum(0)]).tolist()
+    for i, (start, end) in enumerate(zip(offsets, offsets[1:])):
+        with torch.no_grad():
+            want = visual(scale_pixels(pixels[start:end], TABLE), grid_thw=grid[i : i + 1])
+        assert oracle.rel_error(got.split(counts)[i], want.pooler_output) < 1e-5
+        for mine, theirs in zip(deepstack, want.deepstack_features):
+            assert oracle.rel_error(mine.split(counts)[i], theirs) < 1e-5
+
+
+@pytest.mark.parametrize("lengths", [[6, 6, 6], [6, 2, 5]])
+def test_packed_attention_equals_attention_within_each_segment(lengths):
+    from omnistage.stages.packed_attention import Segments, attend
+
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(sum(lengths), 4, 8, generator=g) for _ in range(3))
+    segments = Segments(lengths, "cpu")
+    assert segments.even == (len(set(lengths)) == 1)
+    got = attend(q, k, v, segments, 0.3)
+    start = 0
+    for n in lengths:
+        part = slice(start, start + n)
+        want = torch.nn.functional.scaled_dot_product_attention(*(t[part].transpose(0, 1) for t in (q, k, v)), scale=0.3)
+        assert torch.allclose(got[part], want.transpose(0, 1).reshape(n, -1), atol=1e-6)
+        start += n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotate_qk_equals_transformers_rotary(dtype):
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rotary_pos_emb_vision
+
+    from omnistage.stages.vision_encoder import rotate_qk
+
+    g = torch.Generator().manual_seed(6)
+    qkv = torch.randn(10, 3, 4, 16, generator=g).to(dtype)
+    cos, sin = torch.randn(10, 16, generator=g), torch.randn(10, 16, generator=g)
+    want_q, want_k = apply_rotary_pos_emb_vision(qkv[:, 0], qkv[:, 1], cos, sin)
+    got_q, got_k = rotate_qk(qkv[:, :2], cos, sin).unbind(1)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
