@@ -504,6 +504,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--skip-w2", action="store_true", default=env("PERF_SKIP_W2") == "1")
     args = parse_model_args(ap, argv)
     args.stage_settings = by_model(args.stage_settings)
+    # the server's start gets what the budget leaves after the load phases and the reserve: a budget that
+    # leaves it less than --server-min-s would cut a full-size start mid-capture and measure nothing
+    start = args.budget_s - args.reserve_s - args.bench_min_s
+    if not args.skip_server and start < args.server_min_s:
+        ap.error(f"--budget-s {args.budget_s:g} leaves the server's start {start:g} s (after --bench-min-s "
+                 f"{args.bench_min_s:g} and --reserve-s {args.reserve_s:g}), under --server-min-s {args.server_min_s:g}")
     return args
 
 

@@ -173,3 +173,13 @@ def test_reader_on_a_recorded_export():
     (summary,) = summarize_export(doc)
     assert (summary["value"], summary["requests"], summary["answered"]) == (2, 4, 4)
     assert summary["ttfp_ms"]["n"] == 4 and summary["ttfp_ms"]["mean"] > 2 * summary["ttft_ms"]["mean"]
+
+
+def test_gpu_bench_refuses_a_budget_that_leaves_the_server_start_too_little():
+    from perf.gpu_bench import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--out", "/tmp/x", "--budget-s", "155", "--skip-baseline"])
+    args = parse_args(["--out", "/tmp/x", "--budget-s", "240", "--skip-baseline"])
+    assert args.budget_s == 240
+    assert parse_args(["--out", "/tmp/x", "--budget-s", "60", "--skip-server"]).skip_server
