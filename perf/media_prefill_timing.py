@@ -28,6 +28,7 @@ from omnistage.stages.audio_encoder import AudioEncoder
 from omnistage.stages.thinker import ThinkerPrompt, ThinkerRunner
 from omnistage.stages.vision_encoder import VisionEncoder
 from perf.media_workloads import image_prompts, video_prompts, voice_chat_prompts
+from perf.profile_steps import top_kernels
 
 COUNTS = (1, 4, 16)
 
@@ -86,21 +87,9 @@ def thinker_prompt(x: dict, use_audio_in_video: bool = False) -> ThinkerPrompt:
                          video_second_per_grid=x.get("video_second_per_grid"), use_audio_in_video=use_audio_in_video)  # fmt: skip
 
 
-def kernel_ms(fn, device) -> float:
-    """CUDA kernel time (ms, summed) of one fn() call after a warm-up call, under torch.profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize(device)
-    return round(sum(e.self_device_time_total for e in prof.key_averages()) / 1e3, 3)
-
-
 def w5_times(report: dict, runner: ThinkerRunner, prompts: list[ThinkerPrompt], device) -> None:
     """The served thinker's step over n whole W5 prompts (graphs captured): the encoders' part of it
-    (MediaInputs.rows), the whole step, and the step's kernel time."""
+    (MediaInputs.rows), the whole step, and the step's kernel time with its top kernels."""
     for n in COUNTS:
         ps = prompts[:n]
         for s in sequences(ps):
@@ -108,7 +97,8 @@ def w5_times(report: dict, runner: ThinkerRunner, prompts: list[ThinkerPrompt], 
         report[f"w5_encoders_ms_{n}"] = timed(lambda: runner.media.rows(ps, [0] * n), device)
         report[f"w5_step_ms_{n}"] = timed(lambda: first_tokens(runner, ps, True), device)
         if device.type == "cuda":
-            report[f"w5_step_kernel_ms_{n}"] = kernel_ms(lambda: first_tokens(runner, ps, True), device)
+            kernels = top_kernels(lambda: first_tokens(runner, ps, True), 10)
+            report[f"w5_step_kernel_ms_{n}"], report[f"w5_step_top_kernels_{n}"] = kernels["cuda_ms"], kernels["top"]
         print(json.dumps(report), flush=True)
 
 

@@ -4,8 +4,8 @@
 # are scattered into a grid [segments, width] (each segment left-aligned, its padding masked as keys),
 # attended in one call, and gathered back. The linear layers around it run on the packed tokens, so the
 # padding costs only attention. Where every segment has the same length (a video's frames, a lone image)
-# the packed tokens already are that grid: they are attended as views, with no scatter, gather or mask,
-# which were about a third of the vision encoder's GPU time over W5's video frames.
+# the packed tokens already are that grid: they are attended as views, with no scatter, gather or mask
+# (a fifth of the vision encoder's time over W5's videos on an H200, perf/README.md).
 from __future__ import annotations
 
 import torch
@@ -15,12 +15,16 @@ from .host_copy import to_device
 
 
 class Segments:
-    """Where each of N packed tokens sits in a [count, width] grid, and the grid's key mask."""
+    """Where each of N packed tokens sits in a [count, width] grid, and the grid's key mask (both None where
+    every segment fills the grid's width)."""
 
     def __init__(self, lengths: list[int], device, width: int | None = None):
-        lengths_t = torch.tensor(lengths, dtype=torch.long)
         self.count, self.width = len(lengths), width or max(lengths)
         self.even = all(n == self.width for n in lengths)  # the packed tokens are the grid itself
+        self.index = self.mask = None  # an even grid needs neither
+        if self.even:
+            return
+        lengths_t = torch.tensor(lengths, dtype=torch.long)
         starts = torch.cumsum(lengths_t, 0) - lengths_t
         owner = torch.repeat_interleave(torch.arange(self.count), lengths_t)  # [N] segment of each token
         index = owner * self.width + torch.arange(int(lengths_t.sum())) - starts[owner]

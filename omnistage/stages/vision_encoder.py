@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import torch
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import rotate_half
 from transformers.vision_utils import get_vision_interpolation_indices_and_weights, get_vision_position_ids
 
 from ..models.pixels import scale_pixels
@@ -60,6 +61,4 @@ def rotate_qk(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """transformers' apply_rotary_pos_emb_vision over q and k at once: qk [N, 2, H, hd], cos / sin [N, hd].
     The same float32 operations on every element, in half the kernel launches."""
     x, cos, sin = qk.float(), cos[:, None, None].float(), sin[:, None, None].float()
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return ((x * cos) + (rotated * sin)).to(qk.dtype)
+    return ((x * cos) + (rotate_half(x) * sin)).to(qk.dtype)
