@@ -78,7 +78,7 @@ def hardware() -> dict:
 
 def gpu_processes() -> list[dict] | str:
     """GPU memory held by each process on the GPU (nvidia-smi), with its command line: where memory goes,
-    beside the stages' own torch peaks and KV pool sizes (omni_metrics)."""
+    beside the stages' own torch peaks and KV pool sizes (served_metrics)."""
     try:
         out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=20, check=False).stdout  # fmt: skip
@@ -102,7 +102,7 @@ def pack_stacks(stacks: Path, out: Path) -> None:
         subprocess.run(["tar", "czf", str(out / "stacks.tar.gz"), "-C", str(stacks.parent), stacks.name], check=False)
 
 
-def omni_metrics(url: str) -> dict:
+def served_metrics(url: str) -> dict:
     """The stages' own gauges / counters (omni_<stage>_<what>) and Triton's per-model request counters
     (nv_inference_*: a request's wait in Triton's queue for its model's execute(), among others) from the
     metrics endpoint: name -> the values of its series; a labelled series (histogram buckets aside) also as
@@ -300,7 +300,7 @@ class Bench:
     def stage_metrics(self) -> dict:
         """Triton's metrics (the stages' omni_* counters) and the frontend's, as they are now."""
         frontend = self.server.api_url.rstrip("/") + "/metrics"
-        return {**omni_metrics(self.server.triton.metrics_url), **omni_metrics(frontend)}
+        return {**served_metrics(self.server.triton.metrics_url), **served_metrics(frontend)}
 
     def dump_stub_stacks(self) -> int:
         process = self.server.triton.process if self.server else None

@@ -21,7 +21,7 @@ from omnistage.launch.proc_stats import dump_stub_stacks
 from omnistage.launch.process import ProcessFailed
 from perf import loadgen, workloads
 from perf.bench_server import BenchServer
-from perf.gpu_bench import add_model_args, gpu_processes, hardware, omni_metrics, pack_stacks, parse_model_args, say
+from perf.gpu_bench import add_model_args, gpu_processes, hardware, served_metrics, pack_stacks, parse_model_args, say
 from perf.metrics import LevelResult
 
 LONG_TOKENS = 30000
@@ -87,7 +87,7 @@ class PagedAB:
         self.save()
 
     def metrics(self) -> dict:
-        return omni_metrics(self.server.triton.metrics_url)
+        return served_metrics(self.server.triton.metrics_url)
 
     def healthy(self, limit: float = 90.0) -> dict:
         """Waits (at most `limit` s) for the frontend's /health to say every stage serves, so that a level

@@ -133,7 +133,7 @@ def test_omni_metrics_keeps_labelled_series_by_label(tmp_path):
     import http.server
     import threading
 
-    from perf.gpu_bench import omni_metrics
+    from perf.gpu_bench import served_metrics
 
     (tmp_path / "metrics").write_text(
         'nv_inference_queue_duration_us{model="thinker",version="1"} 1500\n'
@@ -147,7 +147,7 @@ def test_omni_metrics_keeps_labelled_series_by_label(tmp_path):
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        got = omni_metrics(f"http://127.0.0.1:{server.server_address[1]}/metrics")
+        got = served_metrics(f"http://127.0.0.1:{server.server_address[1]}/metrics")
     finally:
         server.shutdown()
     assert got["omni_talker_steps_total"] == [12.0]
