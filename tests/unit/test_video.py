@@ -2,6 +2,8 @@
 # sized by Qwen's rules, patches laid out as transformers' Qwen2-VL processors lay them, and the thinker and
 # talker runners equal to generate() on the tiny checkpoint for a short synthetic clip, with and without its
 # audio track (use_audio_in_video interleaves the track's rows with the frames' rows).
+import io
+
 import numpy as np
 import pytest
 import torch
@@ -44,6 +46,25 @@ def test_frames_are_sampled_and_sized_by_qwens_rules(clip):
     frames = video.decode_frames(clip, plan, "v")
     assert frames.shape == (4, 320, 448, 3) and frames.dtype == np.uint8
     assert not np.array_equal(frames[0], frames[1])  # distinct frames, not one repeated
+
+
+def test_frames_are_resized_as_one_clip_by_torchvisions_kernel():
+    # qwen-omni-utils resizes all of a clip's uint8 frames in one call of torchvision's resize (bicubic,
+    # antialiased: torch's interpolate); decode_frames resizes them in groups as it decodes, to the same pixels,
+    # going down (antialiasing matters) as well as up
+    import av
+
+    for width, height in ((1280, 720), (96, 64)):
+        clip = make_video(seconds=6.0, fps=4, width=width, height=height, audio=False)
+        plan = video.plan(clip, "v", with_audio=False)
+        assert len(plan.indices) > video.RESIZE_GROUP  # more than one group
+        with av.open(io.BytesIO(clip)) as container:
+            decoded = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+        clip_frames = torch.from_numpy(np.stack([decoded[i] for i in plan.indices])).permute(0, 3, 1, 2)
+        want = torch.nn.functional.interpolate(clip_frames, size=plan.size, mode="bicubic", antialias=True)
+        got = video.decode_frames(clip, plan, "v")
+        assert (plan.size[0] < height) == (width == 1280)
+        np.testing.assert_array_equal(got, want.permute(0, 2, 3, 1).numpy())
 
 
 def test_video_patches_have_the_image_processors_layout(processor):
