@@ -10,6 +10,11 @@
 # five eager elementwise ops over tensors of up to 96 channels x 1920 samples per frame: ~11 passes over
 # memory where one read and one write do. The fused kernel rounds after each op as torch's bf16 ops do.
 #
+# The vision encoder's rotary embedding is float32 in transformers: q and k copied to float32, rotated in
+# five more passes, copied back. vision_rope reads q and k once and writes them once, with the same float32
+# rounding (no FMA contraction), bit for bit; the encoder over 16 W5 videos took 236 against 353 ms on an
+# H100 (perf/results/h100-vision-rope.json). stages/vision_encoder.py calls it for CUDA tensors.
+#
 # install(model) swaps the forward of the model's text RMSNorm and SnakeBeta modules and, once per
 # process, the modeling module's apply_rotary_pos_emb; all fall back to transformers' own code for CPU
 # tensors, so only CUDA steps change. Without the triton package, install() leaves everything as it is.
@@ -116,6 +121,28 @@ if triton is not None:
         tl.store(dst + offset + HALF + i, _cast(hi, dt))
 
     @triton.jit
+    def _vision_rope_kernel(qk_ptr, cos_ptr, sin_ptr, out_ptr, heads, s_n, s_j, s_h, cs_n,
+                            HALF: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+        # one program per patch: its q and k heads (rows j * heads + h) against the patch's float32 angles;
+        # x * cos + rotate_half(x) * sin in float32, each product and the sum rounded (launched without FMA
+        # contraction), then rounded to the output dtype: transformers' float32 vision rotary, bit for bit
+        n = tl.program_id(0).to(tl.int64)
+        r = tl.arange(0, ROWS)[:, None]
+        i = tl.arange(0, BLOCK)[None, :]
+        keep = (r < 2 * heads) & (i < HALF)
+        src = qk_ptr + n * s_n + (r // heads) * s_j + (r % heads) * s_h
+        x1 = tl.load(src + i, mask=keep, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF + i, mask=keep, other=0.0).to(tl.float32)
+        c1 = tl.load(cos_ptr + n * cs_n + i, mask=i < HALF, other=0.0).to(tl.float32)
+        c2 = tl.load(cos_ptr + n * cs_n + HALF + i, mask=i < HALF, other=0.0).to(tl.float32)
+        s1 = tl.load(sin_ptr + n * cs_n + i, mask=i < HALF, other=0.0).to(tl.float32)
+        s2 = tl.load(sin_ptr + n * cs_n + HALF + i, mask=i < HALF, other=0.0).to(tl.float32)
+        dt = out_ptr.dtype.element_ty
+        dst = out_ptr + n * (2 * heads * 2 * HALF) + r * (2 * HALF)
+        tl.store(dst + i, _cast(x1 * c1 + (-x2) * s1, dt), mask=keep)
+        tl.store(dst + HALF + i, _cast(x2 * c2 + x1 * s2, dt), mask=keep)
+
+    @triton.jit
     def _snake_kernel(x_ptr, alpha_ptr, inv_beta_ptr, out_ptr, channels, length, sx_b, sx_c,
                       BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):  # fmt: skip
         # grid (batch * channels, blocks of length): x [B, C, T] with a contiguous last dim (a view cut
@@ -189,6 +216,21 @@ def snake(x: torch.Tensor, alpha: torch.Tensor, inv_beta: torch.Tensor) -> torch
     block = min(1024, triton.next_power_of_2(length))
     _snake_kernel[(batch * channels, triton.cdiv(length, block))](
         x, alpha, inv_beta, out, channels, length, x.stride(0), x.stride(1), BLOCK=block, LIBDEVICE=has_libdevice())
+    return out
+
+
+def vision_rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' float32 vision rotary of q and k in one kernel: qk [N, 2, H, D] (a view cut from the
+    qkv projection is fine), cos / sin [N, D] float32; returns [N, 2, H, D] contiguous in qk's dtype."""
+    if qk.stride(-1) != 1:
+        qk = qk.contiguous()
+    patches, _, heads, dim = qk.shape
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty(qk.shape, dtype=qk.dtype, device=qk.device)
+    _vision_rope_kernel[(patches,)](
+        qk, cos, sin, out, heads, qk.stride(0), qk.stride(1), qk.stride(2), cos.stride(0), HALF=dim // 2,
+        ROWS=triton.next_power_of_2(2 * heads), BLOCK=triton.next_power_of_2(dim // 2), enable_fp_fusion=False,
+    )  # fmt: skip
     return out
 
 

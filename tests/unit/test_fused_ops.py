@@ -54,6 +54,23 @@ def test_rope_matches_transformers_on_transposed_heads(device, dtype, cos_batch)
     assert got_q.stride() == q.stride()  # the layout of the input, as transformers' elementwise ops keep it
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, dim", [(16, 72), (3, 16)])  # the encoder's 16 heads of 72; a head count not a power of 2
+def test_vision_rope_equals_transformers_vision_rotary(device, dtype, heads, dim):
+    # q and k cut from the qkv projection as the vision encoder cuts them; float32 angles per patch
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rotary_pos_emb_vision
+
+    g = torch.Generator().manual_seed(heads)
+    qkv = torch.randn(37, 3, heads, dim, generator=g).to(dtype).to(device)
+    cos, sin = (torch.randn(37, dim, generator=g).to(device) for _ in range(2))
+    want_q, want_k = apply_rotary_pos_emb_vision(qkv[:, 0], qkv[:, 1], cos, sin)
+    got = fused_ops.vision_rope(qkv[:, :2], cos, sin)
+    assert got.is_contiguous() and got.dtype == dtype
+    # launched without FMA contraction: every product and sum rounds as torch's float32 ops, on the GPU too
+    assert torch.equal(got[:, 0], want_q) and torch.equal(got[:, 1], want_k)
+
+
 def test_install_swaps_decoder_norms_and_rope_only_for_cuda_tensors(monkeypatch):
     monkeypatch.setattr(fused_ops.modeling, "apply_rotary_pos_emb", fused_ops._original_rope)
     talker = load_stage("dummy:tiny", "talker", dtype=torch.float32)
