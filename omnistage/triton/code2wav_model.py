@@ -55,6 +55,10 @@ class Code2WavModel:
                         .counter("omni_code2wav_first_chunks_total", "first chunks answered by the first lane")
                         .counter("omni_code2wav_first_chunk_seconds_total", "their seconds from execute() to the "
                                  "response sent")
+                        .counter("omni_code2wav_main_chunks_total", "chunks answered by the main lane (all but "
+                                 "new streams' first chunks)")
+                        .counter("omni_code2wav_main_chunk_seconds_total", "their seconds from execute() to the "
+                                 "response sent: a caller's round trip less this is the transport's")
                         .counter("omni_code2wav_later_chunks_total", "chunks with carried state decoded padded to "
                                  "static shapes (CUDA graphs)")
                         .counter("omni_code2wav_sessions_expired_total", "sessions closed after "
@@ -109,7 +113,7 @@ class Code2WavModel:
 
     def _sample(self):
         s = self.stage.stats()
-        first, responders = self.responders["first"], self.responders.values()
+        first, main, responders = self.responders["first"], self.responders["main"], self.responders.values()
         sending = sum(r.encode_seconds + r.send_seconds for r in responders)
         return [("omni_code2wav_sessions", {}, s["sessions"]), ("omni_code2wav_queue_depth", {}, s["queued"]),
                 ("omni_code2wav_batch_size", {}, s["last_group"]), ("omni_code2wav_chunks_total", {}, s["chunks"]),
@@ -119,6 +123,8 @@ class Code2WavModel:
                  s["first_lane_seconds"] + first.encode_seconds + first.send_seconds),
                 ("omni_code2wav_first_chunks_total", {}, s["first_chunks"]),
                 ("omni_code2wav_first_chunk_seconds_total", {}, first.first_response_seconds),
+                ("omni_code2wav_main_chunks_total", {}, main.first_responses),
+                ("omni_code2wav_main_chunk_seconds_total", {}, main.first_response_seconds),
                 ("omni_code2wav_later_chunks_total", {}, s["later_chunks"]),
                 ("omni_code2wav_sessions_expired_total", {}, s["sessions_expired"])]  # fmt: skip
 

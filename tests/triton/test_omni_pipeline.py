@@ -84,12 +84,16 @@ def test_first_chunks_take_code2wav_first_lane(triton_server, hf_model, processo
     _, _, want_wav = oracle.generate(hf_model, prepare_inputs(processor, msgs), REPLY, FRAMES)
     firsts = lambda: gauge(triton_server.metrics(), "omni_code2wav_first_chunks_total")  # noqa: E731
     chunks = lambda: gauge(triton_server.metrics(), "omni_code2wav_chunks_total")  # noqa: E731
-    first_before, chunks_before = firsts(), chunks()
+    mains = lambda: gauge(triton_server.metrics(), "omni_code2wav_main_chunks_total")  # noqa: E731
+    main_seconds = lambda: gauge(triton_server.metrics(), "omni_code2wav_main_chunk_seconds_total")  # noqa: E731
+    first_before, chunks_before, mains_before, seconds_before = firsts(), chunks(), mains(), main_seconds()
     r = omni(triton_server.grpc_url, msgs, dict(GREEDY, max_tokens=REPLY, talker_max_tokens=FRAMES))
     assert r.error is None, r.error
     assert oracle.rel_error(torch.from_numpy(r.waveform), want_wav) < 1e-4
     wait_for(lambda: chunks() >= chunks_before + 3, what="code2wav chunk counts")  # 4 + 25 + 11 frames
     assert firsts() == first_before + 1
+    wait_for(lambda: mains() == mains_before + 2, what="the main lane's chunk count")  # the 25 and the 11
+    assert main_seconds() > seconds_before
 
 
 def test_one_frame_first_chunk_sent_with_the_talker_prefill(triton_launcher, tiny_checkpoint, hf_model, processor):
