@@ -59,6 +59,10 @@ class Code2WavModel:
                                  "new streams' first chunks)")
                         .counter("omni_code2wav_main_chunk_seconds_total", "their seconds from execute() to the "
                                  "response sent: a caller's round trip less this is the transport's")
+                        .counter("omni_code2wav_response_send_seconds_total", "seconds the response threads (both "
+                                 "lanes) spent in Triton's send()")
+                        .counter("omni_code2wav_response_delay_seconds_total", "summed seconds from a decoded chunk's "
+                                 "hand-over to its response thread to its response sent (both lanes)")
                         .counter("omni_code2wav_later_chunks_total", "chunks with carried state decoded padded to "
                                  "static shapes (CUDA graphs)")
                         .counter("omni_code2wav_sessions_expired_total", "sessions closed after "
@@ -125,6 +129,8 @@ class Code2WavModel:
                 ("omni_code2wav_first_chunk_seconds_total", {}, first.first_response_seconds),
                 ("omni_code2wav_main_chunks_total", {}, main.first_responses),
                 ("omni_code2wav_main_chunk_seconds_total", {}, main.first_response_seconds),
+                ("omni_code2wav_response_send_seconds_total", {}, sum(r.send_seconds for r in responders)),
+                ("omni_code2wav_response_delay_seconds_total", {}, sum(r.delay_seconds for r in responders)),
                 ("omni_code2wav_later_chunks_total", {}, s["later_chunks"]),
                 ("omni_code2wav_sessions_expired_total", {}, s["sessions_expired"])]  # fmt: skip
 

@@ -94,6 +94,7 @@ def test_first_chunks_take_code2wav_first_lane(triton_server, hf_model, processo
     assert firsts() == first_before + 1
     wait_for(lambda: mains() == mains_before + 2, what="the main lane's chunk count")  # the 25 and the 11
     assert main_seconds() > seconds_before
+    assert gauge(triton_server.metrics(), "omni_code2wav_response_send_seconds_total") > 0
 
 
 def test_one_frame_first_chunk_sent_with_the_talker_prefill(triton_launcher, tiny_checkpoint, hf_model, processor):
