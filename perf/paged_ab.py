@@ -21,7 +21,7 @@ from omnistage.launch.proc_stats import dump_stub_stacks
 from omnistage.launch.process import ProcessFailed
 from perf import loadgen, workloads
 from perf.bench_server import BenchServer
-from perf.gpu_bench import add_model_args, gpu_processes, hardware, served_metrics, pack_stacks, parse_model_args, say
+from perf.gpu_bench import add_model_args, gpu_processes, hardware, pack_stacks, parse_model_args, say, served_metrics
 from perf.metrics import LevelResult
 
 LONG_TOKENS = 30000

@@ -128,7 +128,7 @@ def test_no_outputs_recorded_still_gives_first_response():
     assert s["first_response_ms"]["mean"] == 5 and s["ttfp_ms"] is None and not s["outputs_recorded"]
 
 
-def test_omni_metrics_keeps_labelled_series_by_label(tmp_path):
+def test_served_metrics_keeps_labelled_series_by_label(tmp_path):
     import functools
     import http.server
     import threading
