@@ -2,12 +2,15 @@
 #
 # "lean_grouped_mm": transformers' grouped_mm computation (torch._grouped_mm over all experts' weights with
 # per-expert offsets) without its expert-parallel sentinel handling, which costs three full passes of
-# masked_fill, a clamp and an inverse permutation per layer. Where the fused kernels are installed (CUDA),
-# silu(gate) * up is one kernel, and so is the way back to the tokens (unsort, weighting, sum over k).
-# The same ops on the same values in the same order: the same output bit for bit with transformers' two ops
-# for the gate, within a bf16 rounding of silu's exp with the fused kernel (tests/unit/test_experts.py).
-# On the H200 a thinker chunk prefill of 16 W1 suffixes spent ~13 of its 43 ms of kernels in those
-# elementwise passes (perf/results/h200-chunk-prefill-profiles.json).
+# masked_fill, a clamp and an inverse permutation per layer. The same ops on the same values in the same
+# order: the same output bit for bit. Where the fused kernels are installed (CUDA), three kernels of our own
+# take the rest: the pairs in expert order (the stable sort's order, counted, in place of torch's sort, histc,
+# cumsum and inverse permutation), silu(gate) * up (within a bf16 rounding of silu's exp), and the way back to
+# the tokens (unsort, weighting, sum over k). On the H200 a thinker chunk prefill of 16 W1 suffixes spent ~13
+# of its 43 ms of kernels in those elementwise passes (perf/results/h200-chunk-prefill-profiles.json); on an
+# H100 the expert order took a thinker decode step of 64 rows from 19.7 to 17.7 ms of kernels, a talker frame
+# of 64 rows from 6.3 to 5.5 ms and a thinker prefill of 16 W1 prompts from 59.2 to 56.3 ms
+# (perf/results/h100-expert-order.json).
 #
 # "gather_or_grouped": for decode steps of any size. A step of one or two tokens needs only their top-k
 # experts' weights. For few (token, expert) pairs the weights of exactly those pairs are gathered and
@@ -95,6 +98,12 @@ def lean_grouped_mm_experts_forward(
     if self.has_bias or not self.has_gate:  # not Qwen3-Omni's experts: transformers' own path
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     tokens, top_k = top_k_index.shape
+    if _fused_epilogues(self, hidden_states):  # the pairs in expert order, the gate and the way back: a kernel each
+        offsets, rows, positions = fused_projections.expert_order(top_k_index, self.num_experts)
+        gate_up = _grouped_linear(hidden_states[rows], self.gate_up_proj, offsets, is_transposed=self.is_transposed)
+        down = _grouped_linear(fused_projections.silu_mul(gate_up), self.down_proj, offsets,
+                               is_transposed=self.is_transposed)  # fmt: skip
+        return fused_projections.combine_experts(down, positions, top_k_weights, hidden_states.dtype)
     # (token, expert) pairs sorted by expert; every expert id is a real one (no expert-parallel sentinels)
     expert_ids, perm = torch.sort(top_k_index.reshape(-1))
     # histc, not bincount: a fixed output size, so CUDA graphs can capture it (as in transformers)
@@ -103,14 +112,7 @@ def lean_grouped_mm_experts_forward(
                            dim=0, dtype=torch.int32)  # fmt: skip
     gate_up = _grouped_linear(hidden_states[perm // top_k], self.gate_up_proj, offsets,
                               is_transposed=self.is_transposed)  # fmt: skip
-    fused = _fused_epilogues(self, gate_up)
-    gated = fused_projections.silu_mul(gate_up) if fused else self._apply_gate(gate_up)
-    down = _grouped_linear(gated, self.down_proj, offsets, is_transposed=self.is_transposed)
-    if fused:  # one kernel for the unsort, the weighting and the sum
-        positions = torch.empty_like(perm)
-        positions[perm] = torch.arange(perm.numel(), device=perm.device)
-        return fused_projections.combine_experts(down, positions.view(tokens, top_k), top_k_weights,
-                                                 hidden_states.dtype)  # fmt: skip
+    down = _grouped_linear(self._apply_gate(gate_up), self.down_proj, offsets, is_transposed=self.is_transposed)
     # back to (token, k) order, then weighted and summed over k as transformers does (same promotion)
     unsorted = torch.empty_like(down)
     unsorted[perm] = down

@@ -25,6 +25,9 @@ if fused_ops.available():
 
     from .fused_ops import _cast, _rotated, _rounded, _silu_times
 
+# pairs per pass of an expert_order program: a decode step's (64 rows x 8) in one
+EXPERT_ORDER_BLOCK = 1024
+
 # the thinker's and talker's text attention (one class) and the code predictor's; their dense MLPs
 ATTENTION_CLASSES = ("Qwen3OmniMoeThinkerTextAttention", "Qwen3OmniMoeTalkerCodePredictorAttention")
 MLP_CLASSES = ("Qwen3OmniMoeMLP", "Qwen3OmniMoeTalkerTextMLP", "Qwen3OmniMoeThinkerTextMLP")
@@ -107,6 +110,27 @@ if fused_ops.available():
                 acc += d * w
         tl.store(out_ptr + t * width + j, _cast(acc, out_ptr.dtype.element_ty), mask=keep)
 
+    @triton.jit
+    def _expert_order_kernel(ids_ptr, ends_ptr, rows_ptr, pos_ptr, pairs, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+        # one program per expert e: the (token, expert) pairs ids [pairs] (pair p is token p // TOP_K's) put
+        # in expert order, stably, by counting: e's run starts after the pairs of lower experts, and a pair of
+        # e takes the next row of the run; pos[p] = pair p's row, rows[pos[p]] = its token, ends[e] = where
+        # e's run ends. Every program reads all the pairs (a decode step's are a few KB, in L2).
+        e = tl.program_id(0)
+        i = tl.arange(0, BLOCK)
+        row = 0
+        for start in range(0, pairs, BLOCK):
+            ids = tl.load(ids_ptr + start + i, mask=start + i < pairs, other=-1)
+            row += tl.sum((ids < e) & (ids >= 0), axis=0).to(tl.int32)
+        for start in range(0, pairs, BLOCK):
+            p = start + i
+            hit = (tl.load(ids_ptr + p, mask=p < pairs, other=-1) == e).to(tl.int32)
+            pos = row + tl.cumsum(hit, axis=0) - hit  # earlier pairs of e in this block go first
+            tl.store(pos_ptr + p, pos.to(tl.int64), mask=hit == 1)
+            tl.store(rows_ptr + pos, (p // TOP_K).to(tl.int64), mask=hit == 1)
+            row += tl.sum(hit, axis=0)
+        tl.store(ends_ptr + e, row)
+
 
 def qk_norm_rope(qkv: torch.Tensor, heads_q: int, heads_k: int, q_norm, k_norm, cos, sin):
     """qkv [B, T, (Hq + 2 Hk) * D] -> q [B, Hq, T, D], k and v [B, Hk, T, D], contiguous: per-head RMSNorm,
@@ -174,6 +198,23 @@ def combine_experts(down: torch.Tensor, positions: torch.Tensor, weights: torch.
         down.contiguous(), positions.contiguous(), weights.contiguous(), out, width, TOP_K=top_k,
         ROUND_PRODUCT=round_product, BLOCK=block)  # fmt: skip
     return out
+
+
+def expert_order(top_k_index: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A MoE layer's (token, expert) pairs top_k_index [T, K] in expert order, as a stable sort would put them:
+    (ends [E] int32, the inclusive count of pairs per expert that grouped GEMMs take as offsets; rows [T * K],
+    the token of each pair in that order; positions [T, K], the row of pair (t, k) in it). One kernel for
+    what torch.sort, histc, cumsum, a division and an inverse permutation do in six."""
+    tokens, top_k = top_k_index.shape
+    pairs = tokens * top_k
+    device = top_k_index.device
+    ends = torch.empty(n_experts, dtype=torch.int32, device=device)
+    rows = torch.empty(pairs, dtype=torch.int64, device=device)
+    positions = torch.empty(tokens, top_k, dtype=torch.int64, device=device)
+    block = min(EXPERT_ORDER_BLOCK, triton.next_power_of_2(pairs))
+    _expert_order_kernel[(n_experts,)](top_k_index.contiguous(), ends, rows, positions, pairs, TOP_K=top_k,
+                                       BLOCK=block)  # fmt: skip
+    return ends, rows, positions
 
 
 def fused_tensor(t: torch.Tensor) -> bool:

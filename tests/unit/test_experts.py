@@ -130,3 +130,46 @@ def test_combine_experts_equals_unsort_weight_and_sum(device, weights_dtype):
     positions[perm] = torch.arange(perm.numel(), device=device)
     got = fused_projections.combine_experts(down, positions.view(tokens, top_k), weights, torch.bfloat16)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+@pytest.mark.skipif(not fused_ops.available(), reason="triton is not installed")
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("tokens, top_k, n_experts", [(1, 8, 128), (64, 8, 128), (201, 4, 6), (5, 2, 100),
+                                                       (300, 8, 128)])  # fmt: skip
+def test_expert_order_is_a_stable_sort_by_expert(device, tokens, top_k, n_experts):
+    # 300 x 8 pairs: more than one pass of EXPERT_ORDER_BLOCK, each expert's run across passes
+    g = torch.Generator().manual_seed(tokens)
+    index = torch.stack([torch.randperm(n_experts, generator=g)[:top_k] for _ in range(tokens)]).to(device)
+    got = fused_projections.expert_order(index, n_experts)
+    want = _sorted_order(index, n_experts)
+    assert got[0].dtype == torch.int32 and all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+@pytest.mark.skipif(not fused_ops.available(), reason="triton is not installed")
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("stage", ["thinker", "talker"])
+def test_experts_in_the_kernels_order_equal_those_in_a_sorts(monkeypatch, device, stage):
+    # the fused path's output, bit for bit, with its pairs ordered by expert_order and by torch's stable sort
+    if device == "cpu":
+        monkeypatch.setattr(fused_projections, "fused_tensor", lambda t: True)
+    model = load_stage("dummy:tiny", stage, dtype=torch.bfloat16, seed=4, experts_implementation=experts.LEAN_NAME)
+    module = _experts_modules(model)[0].to(device)
+    fused_projections.install(model)
+    hidden, index, weights = (t.to(device) for t in _routed(module, 24, torch.bfloat16))
+    ordered = []
+    order = fused_projections.expert_order
+    monkeypatch.setattr(fused_projections, "expert_order", lambda *a: ordered.append(1) or order(*a))
+    got = module(hidden, index, weights)
+    monkeypatch.setattr(fused_projections, "expert_order", _sorted_order)
+    want = module(hidden, index, weights)
+    assert ordered == [1] and got.abs().max() > 0 and torch.equal(got, want)
+
+
+def _sorted_order(top_k_index, n_experts):
+    """expert_order's outputs from torch's stable sort."""
+    tokens, top_k = top_k_index.shape
+    ids, perm = torch.sort(top_k_index.reshape(-1), stable=True)
+    ends = torch.cumsum(torch.bincount(ids, minlength=n_experts), 0, dtype=torch.int32)
+    positions = torch.empty_like(perm)
+    positions[perm] = torch.arange(perm.numel(), device=perm.device)
+    return ends, perm // top_k, positions.view(tokens, top_k)
