@@ -22,8 +22,13 @@ import torch
 
 from . import fused_ops
 
-PARTS = 32  # programs per (row, KV head); a row shorter than PARTS * TILE positions uses fewer
+PARTS = 32  # programs per (row, KV head); a row shorter than PARTS * MIN_PART positions uses fewer
 TILE = 64  # positions per inner step (4 blocks of 16)
+# Positions a part walks at least: a short row (a W1 prompt and reply) is one program's walk, not three parts
+# to merge. On an H100 a thinker step's attention over 64 W1 rows took 0.63-0.67 against 0.77 ms, over 32 W2
+# rows 4.02 against 4.44 ms, a talker step's over 32 W2 rows 0.96 against 1.09 ms, with parts of at least a
+# tile (perf/results/h100-paged-decode-parts.json).
+MIN_PART = 256
 
 if fused_ops.available():
     import triton
@@ -65,27 +70,28 @@ if fused_ops.available():
         return tl.where(m == float("-inf"), 0.0, m)
 
     @triton.jit
-    def _part_len(length, PARTS: tl.constexpr, TILE: tl.constexpr):
-        return tl.cdiv(tl.cdiv(length, PARTS), TILE) * TILE
+    def _part_len(length, PARTS: tl.constexpr, TILE: tl.constexpr, MIN_PART: tl.constexpr = TILE):
+        return tl.maximum(tl.cdiv(tl.cdiv(length, PARTS), TILE) * TILE, MIN_PART)
 
     @triton.jit
     def _decode_parts_kernel(q_ptr, k_ptr, v_ptr, table_ptr, len_ptr, m_ptr, l_ptr, acc_ptr, scale, max_blocks,
                              s_p, s_h, heads, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                             BLOCK: tl.constexpr, PARTS: tl.constexpr, TILE: tl.constexpr):  # fmt: skip
+                             BLOCK: tl.constexpr, PARTS: tl.constexpr, TILE: tl.constexpr,
+                             MIN_PART: tl.constexpr):  # fmt: skip
         # q [B, heads, D] contiguous; k, v pools [P, Hk, D] (strides s_p, s_h, 1); table [slots, max_blocks];
         # out: per (row, KV head, part) the running max m, sum l [GP] and unnormalised acc [GP, D] in fp32
         b, h, p = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2)
         heads_k = tl.num_programs(1)
         length = tl.load(len_ptr + b).to(tl.int32)
-        part = _part_len(length, PARTS, TILE)
+        part = _part_len(length, PARTS, TILE, MIN_PART)
         start = p * part
-        end = tl.minimum(start + part, length)
-        g, d = tl.arange(0, GP), tl.arange(0, D)
-        q = tl.load(q_ptr + (b * heads + h * G + g)[:, None] * D + d[None, :], mask=(g < G)[:, None], other=0.0)
-        last = tl.zeros([GP], tl.int32) + length - 1  # no causal limit inside a decode row's length
-        m, l, acc = _attend(q, k_ptr, v_ptr, table_ptr + b * max_blocks, h, s_p, s_h, start, end, last, scale,
-                            R=GP, D=D, BLOCK=BLOCK, TILE=TILE)  # fmt: skip
-        if start < length:  # parts past the row's length are never merged: no writes for them
+        if start < length:  # parts past the row's length read nothing and are never merged
+            end = tl.minimum(start + part, length)
+            g, d = tl.arange(0, GP), tl.arange(0, D)
+            q = tl.load(q_ptr + (b * heads + h * G + g)[:, None] * D + d[None, :], mask=(g < G)[:, None], other=0.0)
+            last = tl.zeros([GP], tl.int32) + length - 1  # no causal limit inside a decode row's length
+            m, l, acc = _attend(q, k_ptr, v_ptr, table_ptr + b * max_blocks, h, s_p, s_h, start, end, last, scale,
+                                R=GP, D=D, BLOCK=BLOCK, TILE=TILE)  # fmt: skip
             _store_state(m_ptr, l_ptr, acc_ptr, (b * heads_k + h) * PARTS + p, m, l, acc, R=GP, D=D)
 
     @triton.jit
@@ -117,12 +123,13 @@ if fused_ops.available():
 
     @triton.jit
     def _merge_parts_kernel(m_ptr, l_ptr, acc_ptr, len_ptr, out_ptr, heads, G: tl.constexpr, GP: tl.constexpr,
-                            D: tl.constexpr, PARTS: tl.constexpr, TILE: tl.constexpr):  # fmt: skip
+                            D: tl.constexpr, PARTS: tl.constexpr, TILE: tl.constexpr,
+                            MIN_PART: tl.constexpr):  # fmt: skip
         # out [B, 1, heads, D] contiguous, in the query's dtype
         b, h = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
         heads_k = tl.num_programs(1)
         length = tl.load(len_ptr + b).to(tl.int32)
-        used = tl.cdiv(length, _part_len(length, PARTS, TILE))
+        used = tl.cdiv(length, _part_len(length, PARTS, TILE, MIN_PART))
         g, d = tl.arange(0, GP), tl.arange(0, D)
         out = _merged(m_ptr, l_ptr, acc_ptr, (b * heads_k + h) * PARTS, used, R=GP, D=D)
         where = out_ptr + (b * heads + h * G + g)[:, None] * D + d[None, :]
@@ -211,10 +218,10 @@ def decode(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tabl
     assert k_pool.stride() == v_pool.stride() and k_pool.stride(-1) == 1
     _decode_parts_kernel[(batch, heads_k, PARTS)](
         q, k_pool, v_pool, table, lengths, m, l, acc, scaling, table.shape[1], k_pool.stride(0), k_pool.stride(1),
-        heads, G=group, GP=gp, D=dim, BLOCK=BLOCK, PARTS=PARTS, TILE=TILE)  # fmt: skip
+        heads, G=group, GP=gp, D=dim, BLOCK=BLOCK, PARTS=PARTS, TILE=TILE, MIN_PART=MIN_PART)  # fmt: skip
     out = torch.empty(batch, 1, heads, dim, dtype=query.dtype, device=query.device)
     _merge_parts_kernel[(batch, heads_k)](m, l, acc, lengths, out, heads, G=group, GP=gp, D=dim, PARTS=PARTS,
-                                          TILE=TILE)  # fmt: skip
+                                          TILE=TILE, MIN_PART=MIN_PART)  # fmt: skip
     return out
 
 

@@ -53,8 +53,10 @@ def test_gathered_blocks_under_the_mask_equal_dense_attention():
 
 
 @pytest.mark.skipif(not fused_ops.available(), reason="needs triton")
-def test_paged_decode_kernel_equals_dense_attention_per_row():
-    # 300 positions over 32 parts: several parts per long row, merged; the short rows use one
+@pytest.mark.parametrize("min_part", [paged_attention.TILE, paged_attention.MIN_PART])
+def test_paged_decode_kernel_equals_dense_attention_per_row(monkeypatch, min_part):
+    # a 300-position row in parts of at least min_part positions: 5 or 2 parts, merged; the short rows in one
+    monkeypatch.setattr(paged_attention, "MIN_PART", min_part)
     cache, ks, vs = scattered_cache(LENGTHS, seed=1)
     query = torch.randn(len(LENGTHS), HEADS, 1, DIM)
     got = paged_attention.decode(query, cache.k[0], cache.v[0], cache.table, torch.tensor(LENGTHS), DIM**-0.5)
