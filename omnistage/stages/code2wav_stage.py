@@ -9,9 +9,9 @@
 # go to the first lane, which runs on a high-priority CUDA stream and replays CUDA graphs per batch bucket
 # (code2wav_first.py): the chunk a time to first audio waits for never queues behind a forward of later
 # chunks (~100 ms at 64 streams on the H200). Every other chunk goes to the main lane, where later chunks
-# are padded to static shapes and replayed as CUDA graphs (code2wav_later.py) and the rest run eager, by
-# shape. A lane decodes one forward's group per step (take_group: the lowest key, oldest first), so what
-# arrives meanwhile is admitted before the next group is taken.
+# are padded to static shapes and replayed as CUDA graphs (code2wav_later.py); a large group of few shapes
+# and the rest run eager, by shape. A lane decodes one forward's group per step (take_group: the lowest key,
+# oldest first), so what arrives meanwhile is admitted before the next group is taken.
 #
 # A session whose caller dies between two chunks gets neither its end nor an abort: a sweeper thread closes
 # sessions left idle (no chunk in flight) for session_idle_s, so their state does not stay resident for good.
@@ -36,12 +36,17 @@ from .step_stream import StepStream
 
 log = logging.getLogger(__name__)
 
-# On CUDA the main lane decodes a group of at most this many later chunks (carried state, up to chunk_frames
-# frames) as one forward padded to static shapes, replayed as a CUDA graph: a lone stream's eager 25-frame
-# chunk takes ~28 ms of launches for a few ms of kernels, and its last chunk is on the way to the end of the
-# reply; larger groups (at 64 streams few are this small) run eager. Measured on the H200:
-# perf/results/h200-router-later-chunks.json
+# On CUDA the main lane decodes up to this many later chunks (carried state, up to chunk_frames frames) as one
+# forward padded to static shapes, replayed as a CUDA graph: a lone stream's eager 25-frame chunk takes ~28 ms
+# of launches for a few ms of kernels, and its last chunk is on the way to the end of the reply. Measured on
+# the H200: perf/results/h200-router-later-chunks.json
 LATER_CHUNK_BATCH = 4
+# A larger group goes through those graphs in slices while they are at most this many per shape that eager
+# would run (Code2WavLane._decode). On an H100 an eager forward cost ~15 ms plus its work and a slice of 4
+# chunks ~7.5 ms: 8 realtime sessions' chunks of 6 shapes took 14 ms in slices against 102 ms eager, 32 of
+# them 58 against 69-108 ms, while 16 text-to-speech streams at one position took 21 ms eager against 32 ms
+# in slices (perf/results/h100-code2wav-groups.json).
+EAGER_FORWARD_SLICES = 2
 # Open sessions per stage instance: one per request speaking through it (omni_ensemble's max_inflight per
 # orchestrator bounds them well below this); a session holds its state on the device until it ends.
 MAX_SESSIONS = 1024
@@ -188,12 +193,18 @@ class Code2WavLane:
 
     def _decode(self, chunks: list[ChunkIn]) -> list[ChunkOut]:
         """One group (one key): through a static-shape decoder that takes it (CUDA graphs with cuda_graphs),
-        else eager. A larger group of later chunks runs eager: there the conv stack's work, not its launches,
-        bounds a forward, and padded rows would be paid in full."""
-        decoders = self.first + ([self.later] if self.later is not None else [])
-        decoder = next((d for d in decoders if len(chunks) <= d.max_batch and d.fits(chunks)), None)
-        if decoder is not None:
-            return decoder.decode(chunks)
+        else eager, one forward per shape. A group of later chunks larger than the later decoder's batch goes
+        through it in slices unless eager takes fewer than 1 / EAGER_FORWARD_SLICES as many forwards: the
+        ramped chunks of realtime sessions come in a few shapes, each eager forward ~550 kernel launches,
+        while streams that started together share one shape, and there a forward's work bounds it."""
+        first = next((d for d in self.first if len(chunks) <= d.max_batch and d.fits(chunks)), None)
+        if first is not None:
+            return first.decode(chunks)
+        later = self.later
+        if later is not None and later.fits(chunks):
+            shapes = len({chunk_key(*chunk) for chunk in chunks})
+            if -(-len(chunks) // later.max_batch) <= EAGER_FORWARD_SLICES * shapes:
+                return later.decode(chunks)
         out: list[ChunkOut | None] = [None] * len(chunks)
         for done in self.runner.decode_groups(chunks, check_ranges=False):  # submit checked the ranges
             for i, result in done:

@@ -17,7 +17,13 @@ from omnistage.core.scheduler import Sequence
 from omnistage.models.checkpoint import load_stage
 from omnistage.stages.code2wav import Code2WavRunner, native_cpu_convs
 from omnistage.stages.code2wav_later import LaterChunkDecoder
-from omnistage.stages.code2wav_stage import Code2WavChunk, Code2WavLane, Code2WavSessions, Code2WavStage
+from omnistage.stages.code2wav_stage import (
+    EAGER_FORWARD_SLICES,
+    Code2WavChunk,
+    Code2WavLane,
+    Code2WavSessions,
+    Code2WavStage,
+)
 from omnistage.stages.step_stream import StepStream
 
 TOL = 1e-5
@@ -95,11 +101,12 @@ def seq(session_id, codes, session, end=False):
     return Sequence(session_id, SamplingParams(), Code2WavChunk(codes, session, end))
 
 
-@pytest.mark.parametrize("later_chunk_batch", [0, 4])
-def test_a_lane_batches_streams_at_different_positions(runner, later_chunk_batch):
+@pytest.mark.parametrize("later_chunk_batch, forwards", [(0, 3), (4, 1), (2, 2)])
+def test_a_lane_batches_streams_at_different_positions(runner, later_chunk_batch, forwards):
     """Streams at positions 4, 29 and 54 (K/V window and conv context still filling, then full) with a
-    chunk each in one decode: with the later decoder (static shapes) one forward for all three, eager one
-    forward per shape; either way each stream's audio and state equal decoding it alone."""
+    chunk each in one decode: with the later decoder (static shapes) one forward for all three, or two
+    slices of at most 2, where eager runs one forward per shape; either way each stream's audio and state
+    equal decoding it alone."""
     sessions = Code2WavSessions()
     later = LaterChunkDecoder(runner, 25, later_chunk_batch, False) if later_chunk_batch else None
     lane = Code2WavLane(runner, sessions, 64, StepStream("cpu", False), False, later=later)
@@ -111,19 +118,40 @@ def test_a_lane_batches_streams_at_different_positions(runner, later_chunk_batch
     chunks = [seq(f"s{i}", codes[4 + 25 * i : 4 + 25 * i + 25], session) for i, (codes, session) in
               enumerate(zip(streams, opened))]  # fmt: skip
     alone = [runner.decode([(c.payload.codes, c.payload.session.state)])[0] for c in chunks]
-    forwards, pending, answered = runner.forwards, list(chunks), {}
+    before, pending, answered = runner.forwards, list(chunks), {}
     while pending:  # the engine's decode steps: each decodes one group, the rest wait
         results = lane.decode(pending)
         done = [r for r in results if r.finish_reason is not None]
         assert done and all(r.finish_reason == "stop" for r in done)
         answered.update({r.seq.request_id: r.output.audio for r in done})
         pending = [r.seq for r in results if r.finish_reason is None]
-    assert runner.forwards - forwards == (1 if later_chunk_batch else 3)
+    assert runner.forwards - before == forwards
     for c, (audio, state) in zip(chunks, alone):
         assert rel_err(answered[c.request_id], audio) < TOL
         new = c.payload.session.state  # resident: the lane wrote it back into the session
         assert new.position == state.position and torch.allclose(new.kv, state.kv, atol=1e-6)
         assert torch.allclose(new.hidden, state.hidden, atol=1e-6)
+
+
+def test_a_group_of_one_shape_beyond_the_later_batch_runs_eager(runner):
+    """Five streams at one position (they started together) with a chunk each, the later decoder taking 2
+    at a time: one eager forward for the five, not three slices; each stream's audio equals decoding it
+    alone."""
+    assert -(-5 // 2) > EAGER_FORWARD_SLICES * 1
+    sessions = Code2WavSessions()
+    lane = Code2WavLane(runner, sessions, 64, StepStream("cpu", False), False,
+                        later=LaterChunkDecoder(runner, 25, 2, False))  # fmt: skip
+    streams = [codes_of(40, seed=s) for s in range(5)]
+    opened = [sessions.take(f"s{i}", start=True) for i in range(5)]
+    for codes, session in zip(streams, opened):
+        [(_, session.state)] = runner.decode([(codes[:4], session.state)])
+    chunks = [seq(f"s{i}", codes[4:29], session) for i, (codes, session) in enumerate(zip(streams, opened))]
+    alone = [runner.decode([(c.payload.codes, c.payload.session.state)])[0][0] for c in chunks]
+    before = runner.forwards
+    results = lane.decode(chunks)
+    assert runner.forwards - before == 1 and lane.later.chunks == 0
+    for result, audio in zip(results, alone):
+        assert result.finish_reason == "stop" and rel_err(result.output.audio, audio) < TOL
 
 
 @pytest.mark.parametrize("later_chunk_batch", [0, 4])
