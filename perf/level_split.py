@@ -79,6 +79,10 @@ def split(before: dict, after: dict) -> dict:
                            "main_chunks": main, "main_in_stage_ms": _per(d("omni_code2wav_main_chunk_seconds_total"), main),
                            "response_wait_ms": _per(d("omni_code2wav_response_delay_seconds_total"), responses),
                            "send_ms": _per(d("omni_code2wav_response_send_seconds_total"), responses),
+                           # later chunks replayed as graphs, and the forwards of both lanes (a replay, or an
+                           # eager forward of one shape, each)
+                           "graphed_chunks": d("omni_code2wav_later_chunks_total"),
+                           "forwards": d("omni_code2wav_forwards_total"),
                            "busy_s": d("omni_code2wav_busy_seconds_total")}  # fmt: skip
     sums = _labelled(before, after, "omni_milestone_seconds_sum", "milestone")
     ns = _labelled(before, after, "omni_milestone_seconds_count", "milestone")

@@ -28,6 +28,7 @@ AFTER = {
     'omni_handoff_latency_seconds_count{hop="code2wav",instance="omni_ensemble_0_1"}': [3.0],
     "omni_code2wav_main_chunks_total": [4.0], "omni_code2wav_main_chunk_seconds_total": [0.2],
     "omni_code2wav_first_chunks_total": [2.0], "omni_code2wav_response_delay_seconds_total": [0.06],
+    "omni_code2wav_later_chunks_total": [3.0], "omni_code2wav_forwards_total": [5.0],
     'omni_milestone_seconds_sum{instance="omni_ensemble_0_0",milestone="preprocessed"}': [0.8],
     'omni_milestone_seconds_count{instance="omni_ensemble_0_0",milestone="preprocessed"}': [8.0],
     'omni_milestone_seconds_sum{instance="omni_ensemble_0_1",milestone="preprocessed"}': [0.2],
@@ -44,6 +45,7 @@ def test_split_takes_each_series_change_over_the_level():
     # 0.6 s over 3 hops on one replica (it had none before) and 0.6 s over 3 on the other
     assert got["code2wav"]["round_trip_ms"] == 200.0
     assert got["code2wav"]["main_in_stage_ms"] == 50.0 and got["code2wav"]["response_wait_ms"] == 10.0
+    assert got["code2wav"]["graphed_chunks"] == 3.0 and got["code2wav"]["forwards"] == 5.0  # none before
     assert got["milestones_ms"] == {"preprocessed": 100.0}  # (0.3 + 0.2) s over 3 + 2 requests
 
 
