@@ -70,7 +70,7 @@ if fused_ops.available():
         return tl.where(m == float("-inf"), 0.0, m)
 
     @triton.jit
-    def _part_len(length, PARTS: tl.constexpr, TILE: tl.constexpr, MIN_PART: tl.constexpr = TILE):
+    def _part_len(length, PARTS: tl.constexpr, TILE: tl.constexpr, MIN_PART: tl.constexpr):
         return tl.maximum(tl.cdiv(tl.cdiv(length, PARTS), TILE) * TILE, MIN_PART)
 
     @triton.jit
@@ -163,7 +163,7 @@ if fused_ops.available():
                                 TILE=TILE)  # fmt: skip
             _store_rows(out_ptr, acc / l[:, None], r, h, tile, tokens, heads, G=G, BQ=BQ, M=M, D=D)
         else:
-            part = _part_len(end, PARTS, TILE)
+            part = _part_len(end, PARTS, TILE, TILE)  # prefill parts: whole tiles of the launch's own size
             lo = p * part
             m, l, acc = _attend(q, k_ptr, v_ptr, table_row, h, s_p, s_h, lo, tl.minimum(lo + part, end), pos, scale,
                                 R=M, D=D, BLOCK=BLOCK, TILE=TILE)  # fmt: skip
