@@ -9,6 +9,10 @@ from transformers.integrations.moe import batched_mm_experts_forward, grouped_mm
 from omnistage.models import experts, fused_ops, fused_projections, gemv
 from omnistage.models.checkpoint import load_stage
 
+needs_triton = pytest.mark.skipif(not fused_ops.available(), reason="triton is not installed")
+# the fused kernels on the CPU through Triton's interpreter (tests/conftest.py), and compiled on a GPU
+on_cpu_and_cuda = pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+
 
 def _experts_modules(model):
     return [m for m in model.modules() if experts.is_experts_module(m)]
@@ -71,8 +75,8 @@ def test_gathered_experts_equal_transformers_batched_mm(stage, dtype, tokens):
     assert torch.equal(got, want)  # the same ops in the same order, without the sentinel clamp
 
 
-@pytest.mark.skipif(not fused_ops.available(), reason="triton is not installed")
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@needs_triton
+@on_cpu_and_cuda
 @pytest.mark.parametrize("path", ["grouped", "gathered"])
 def test_experts_with_the_fused_epilogues(monkeypatch, device, path):
     # silu(gate) * up and the way back to the tokens as Triton kernels (on the CPU through Triton's interpreter, see tests/conftest.py)
@@ -113,8 +117,8 @@ def _routed(module, tokens: int, dtype):
     return hidden, index, weights
 
 
-@pytest.mark.skipif(not fused_ops.available(), reason="triton is not installed")
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@needs_triton
+@on_cpu_and_cuda
 @pytest.mark.parametrize("weights_dtype", [torch.bfloat16, torch.float32])
 def test_combine_experts_equals_unsort_weight_and_sum(device, weights_dtype):
     # transformers' way back to the tokens (unsort, weight, sum over k) as one kernel, bit for bit
@@ -132,8 +136,8 @@ def test_combine_experts_equals_unsort_weight_and_sum(device, weights_dtype):
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
 
 
-@pytest.mark.skipif(not fused_ops.available(), reason="triton is not installed")
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@needs_triton
+@on_cpu_and_cuda
 @pytest.mark.parametrize("tokens, top_k, n_experts", [(1, 8, 128), (64, 8, 128), (201, 4, 6), (5, 2, 100),
                                                        (300, 8, 128)])  # fmt: skip
 def test_expert_order_is_a_stable_sort_by_expert(device, tokens, top_k, n_experts):
@@ -145,8 +149,8 @@ def test_expert_order_is_a_stable_sort_by_expert(device, tokens, top_k, n_expert
     assert got[0].dtype == torch.int32 and all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
-@pytest.mark.skipif(not fused_ops.available(), reason="triton is not installed")
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@needs_triton
+@on_cpu_and_cuda
 @pytest.mark.parametrize("stage", ["thinker", "talker"])
 def test_experts_in_the_kernels_order_equal_those_in_a_sorts(monkeypatch, device, stage):
     # the fused path's output, bit for bit, with its pairs ordered by expert_order and by torch's stable sort
