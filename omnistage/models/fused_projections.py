@@ -25,6 +25,8 @@ if fused_ops.available():
 
     from .fused_ops import _cast, _rotated, _rounded, _silu_times
 
+# head rows of one token per qkv_into_cache program: the thinker's 32 + 4 + 4 in five
+QKV_ROWS = 8
 # pairs per pass of an expert_order program: a decode step's (64 rows x 8) in one
 EXPERT_ORDER_BLOCK = 1024
 
@@ -44,24 +46,37 @@ if fused_ops.available():
 
     @triton.jit
     def _qkv_into_cache_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr, start,
-                               q_rows, kv_rows, heads_q, heads_k, seq, s_b, s_t, cs_b, cs_t, c_b, c_h, c_t, eps_q,
-                               eps_k, HALF: tl.constexpr, HAS_POS: tl.constexpr, PAGED: tl.constexpr):  # fmt: skip
-        # one program per (batch, head, position) row of q, then of k, then of v; qkv [B, T, (Hq + 2 Hk) * D]
-        # with a contiguous last dim. q rows (normed, rotated) go to q [B, Hq, T, D] contiguous, k rows
-        # (normed, rotated) and v rows (as they are) to K/V buffers [B', Hk, L, D] (strides c_b, c_h, c_t,
-        # shared) at position start + t (+ pos[b] per batch row with HAS_POS): a cache, or fresh tensors;
-        # PAGED: a paged pool viewed as [1, Hk, P, D], at its row pos[b, t]
-        row = tl.program_id(0).to(tl.int64)
-        is_q = row < q_rows
-        is_k = (row >= q_rows) & (row < q_rows + kv_rows)
-        r = tl.where(is_q, row, tl.where(is_k, row - q_rows, row - q_rows - kv_rows))
-        heads = tl.where(is_q, heads_q, heads_k)
-        b, h, t = r // (heads * seq), (r // seq) % heads, r % seq
-        column = tl.where(is_q, h, tl.where(is_k, heads_q + h, heads_q + heads_k + h)) * 2 * HALF
+                               heads_q, heads_k, seq, s_b, s_t, cs_b, cs_t, c_b, c_h, c_t, eps_q, eps_k,
+                               HALF: tl.constexpr, ROWS: tl.constexpr, HAS_POS: tl.constexpr,
+                               PAGED: tl.constexpr):  # fmt: skip
+        # one program per (token, ROWS head rows of it): qkv [B, T, (Hq + 2 Hk) * D] with a contiguous last
+        # dim holds each token's q heads, then k heads, then v heads. q rows (normed, rotated) go to q [B, Hq,
+        # T, D] contiguous, k rows (normed, rotated) and v rows (as they are) to K/V buffers [B', Hk, L, D]
+        # (strides c_b, c_h, c_t, shared) at position start + t (+ pos[b] per batch row with HAS_POS): a
+        # cache, or fresh tensors; PAGED: a paged pool viewed as [1, Hk, P, D], at its row pos[b, t]
+        token = tl.program_id(0).to(tl.int64)
+        b, t = token // seq, token % seq
+        j = tl.program_id(1) * ROWS + tl.arange(0, ROWS)  # the token's head rows: q, then k, then v
+        is_q = j < heads_q
+        is_k = (j >= heads_q) & (j < heads_q + heads_k)
+        is_v = (j >= heads_q + heads_k) & (j < heads_q + 2 * heads_k)
+        live = (is_q | is_k | is_v)[:, None]
         dt = q_ptr.dtype.element_ty
         i = tl.arange(0, HALF)
-        src = qkv_ptr + b * s_b + t * s_t + column
-        x1, x2 = tl.load(src + i).to(tl.float32), tl.load(src + HALF + i).to(tl.float32)
+        src = qkv_ptr + b * s_b + t * s_t + j[:, None] * 2 * HALF + i[None, :]
+        x1 = tl.load(src, mask=live, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF, mask=live, other=0.0).to(tl.float32)
+        # transformers' per-head RMSNorm (rounded to dt, then times the weight), then the rotary, on q and k
+        variance = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)
+        scale = (1.0 / tl.sqrt_rn(variance + tl.where(is_q, eps_q, eps_k)))[:, None]
+        pick_q = is_q[:, None]
+        w1 = tl.where(pick_q, tl.load(qw_ptr + i)[None, :], tl.load(kw_ptr + i)[None, :]).to(tl.float32)
+        w2 = tl.where(pick_q, tl.load(qw_ptr + HALF + i)[None, :], tl.load(kw_ptr + HALF + i)[None, :]).to(tl.float32)
+        n1, n2 = _rounded(w1 * _rounded(x1 * scale, dt), dt), _rounded(w2 * _rounded(x2 * scale, dt), dt)
+        lo, hi = _rotated(n1, n2, cos_ptr + b * cs_b + t * cs_t, sin_ptr + b * cs_b + t * cs_t, i[None, :], HALF, dt)
+        pick_v = is_v[:, None]
+        lo, hi = tl.where(pick_v, x1, lo), tl.where(pick_v, x2, hi)
+        h = tl.where(is_q, j, tl.where(is_k, j - heads_q, j - heads_q - heads_k))
         if PAGED:
             cached = h * c_h + tl.load(pos_ptr + b * seq + t) * c_t
         else:
@@ -69,16 +84,11 @@ if fused_ops.available():
             if HAS_POS:
                 position += tl.load(pos_ptr + b)
             cached = b * c_b + h * c_h + position * c_t
-        if is_q | is_k:
-            w_ptr = tl.where(is_q, qw_ptr, kw_ptr)
-            n1, n2 = _norm_half(x1, x2, w_ptr, tl.where(is_q, eps_q, eps_k), i, HALF, dt)
-            lo, hi = _rotated(n1, n2, cos_ptr + b * cs_b + t * cs_t, sin_ptr + b * cs_b + t * cs_t, i, HALF, dt)
-            dst = tl.where(is_q, q_ptr + r * 2 * HALF, kc_ptr + cached)
-            tl.store(dst + i, _cast(lo, dt))
-            tl.store(dst + HALF + i, _cast(hi, dt))
-        else:
-            tl.store(vc_ptr + cached + i, _cast(x1, dt))
-            tl.store(vc_ptr + cached + HALF + i, _cast(x2, dt))
+        q_row = ((b * heads_q + h) * seq + t) * 2 * HALF
+        dst = tl.where(pick_q, q_ptr + q_row[:, None], tl.where(is_k[:, None], kc_ptr + cached[:, None],
+                                                                vc_ptr + cached[:, None])) + i[None, :]  # fmt: skip
+        tl.store(dst, _cast(lo, dt), mask=live)
+        tl.store(dst + HALF, _cast(hi, dt), mask=live)
 
     @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, width, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
@@ -154,15 +164,14 @@ def qkv_into_cache(qkv: torch.Tensor, heads_q: int, heads_k: int, q_norm, k_norm
         cos, sin = cos.contiguous(), sin.contiguous()
     cs_b = cos.stride(0) if cos.shape[0] == batch else 0  # [1, T, D]: every row reads the same angles
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
-    q_rows, kv_rows = batch * heads_q * seq, batch * heads_k * seq
-    # one warp per 128-wide head row: with Triton's default four, a prefill's ~37k rows (1024 tokens x 36
-    # heads, thinker) kept three idle warps each and took ~53 us per layer on the H200
-    _qkv_into_cache_kernel[(q_rows + 2 * kv_rows,)](
+    # a token's head rows in groups of QKV_ROWS, each group one program: with one program per head row, a
+    # prefill's ~96k rows (16 W1 prompts, thinker) were latency-bound at ~76 us a layer on the H100
+    _qkv_into_cache_kernel[(batch * seq, triton.cdiv(heads_q + 2 * heads_k, QKV_ROWS))](
         qkv, q_norm.weight, k_norm.weight, cos, sin, q, k_cache, v_cache,
-        phys if phys is not None else positions if positions is not None else q, start, q_rows, kv_rows, heads_q,
-        heads_k, seq, qkv.stride(0), qkv.stride(1), cs_b, cos.stride(1), *k_cache.stride()[:3],
-        q_norm.variance_epsilon, k_norm.variance_epsilon, HALF=dim // 2, HAS_POS=positions is not None,
-        PAGED=phys is not None, num_warps=1)  # fmt: skip
+        phys if phys is not None else positions if positions is not None else q, start, heads_q, heads_k, seq,
+        qkv.stride(0), qkv.stride(1), cs_b, cos.stride(1), *k_cache.stride()[:3], q_norm.variance_epsilon,
+        k_norm.variance_epsilon, HALF=dim // 2, ROWS=QKV_ROWS, HAS_POS=positions is not None,
+        PAGED=phys is not None)  # fmt: skip
     return q
 
 
