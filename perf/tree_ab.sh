@@ -26,6 +26,10 @@ for side in base head; do
   (cd "$dir" && bash perf/gpu_bench.sh "$run" "$@") > "$run/console.txt" 2>&1
   levels=$(grep -E " c=[0-9]+: done|realtime [0-9]+:" "$run/console.txt")
   echo "${levels:-$(tail -n 5 "$run/console.txt")}" | tee -a "$OUT/tree_ab.log"
+  # what each side's server start spent on CUDA graphs (gpu_bench leaves the stages' logs in its temp dir)
+  logs=$(ls -dt /tmp/omnistage_gpu_bench_* 2>/dev/null | head -n 1)
+  [ -n "$logs" ] && grep -rhoE "\[[a-z0-9_]+\] captured [0-9]+ CUDA graphs in [0-9.]+ s" "$logs" \
+    | sed "s/^/[tree_ab] $side /" | tee -a "$OUT/tree_ab.log"
   gzip -9 -n -c "$run/bench.json" > "$OUT/$side.bench.json.gz"
   rm -rf "$run"
 done
