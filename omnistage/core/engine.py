@@ -45,7 +45,8 @@ class StageRunner(Protocol):
     # prompt one prefill piece holds (a longer prompt is prefilled over several steps: prefill() then gets
     # seqs whose piece, Sequence.piece(), is part of the prompt, and answers a piece that does not end the
     # prompt with a StepResult without output); prefix_blocks(seq) -> list[int], the pool blocks of a kept
-    # prefix such a prompt's slot starts with (its pieces then start after it)
+    # prefix such a prompt's slot starts with (its pieces then start after it); riders(prefills) -> the
+    # prefills of a step with decodes that decode(seqs, riders) runs instead of prefill() (in its forward)
 
 
 # emit(request_id, output, finish_reason, error): finish_reason or error set means the stream ends
@@ -220,9 +221,9 @@ class StageEngine:
         first = [s for s in prefills if s.first_piece]  # their prompt's first piece (or all of it)
         self.prefilled_rows += len(first)
         self.queue_seconds += sum(t0 - s.added_at for s in first)
-        # pieces of long prompts that go through the decode step's forward (the runner's rides_decode)
-        rides = getattr(self.runner, "rides_decode", None)
-        riders = [s for s in prefills if rides(s)] if decodes and rides else []
+        # prefills that go through the decode step's forward (the runner's riders)
+        riders_of = getattr(self.runner, "riders", None)
+        riders = riders_of(prefills) if decodes and riders_of else []
         prefills = [s for s in prefills if s not in riders] if riders else prefills
         if prefills:
             self._run_phase("prefill", prefills)
@@ -242,7 +243,7 @@ class StageEngine:
                      len(decodes), self.last_step_seconds * 1e3)  # fmt: skip
 
     def _run_phase(self, phase: str, seqs: list[Sequence], riders: list[Sequence] = ()) -> None:
-        """Runs a phase and hands its results on; riders: pieces of long prompts in the decode's forward."""
+        """Runs a phase and hands its results on; riders: prefills run in the decode's forward."""
         t_phase = time.perf_counter()
         failed: list[tuple[Sequence, Exception]] = []  # a failed step fails its sequences, not the engine
         retry = phase == "prefill" and len(seqs) > 1

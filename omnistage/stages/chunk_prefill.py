@@ -44,7 +44,7 @@ class ChunkPrefill:
         self.max_kv = min(kv_buckets[-1], cache.max_len)
         self.bank = GraphBank(f"{name}_chunk_prefill", device, cuda_graphs)
         self.joint = GraphBank(f"{name}_chunk_prefill_beside_decode", device, cuda_graphs)  # run_beside()'s
-        self.joint_shapes: set[tuple[int, int, int]] = set()
+        self.joint_keys: set[tuple[tuple[int, int], tuple[int, int, int]]] = set()  # (decode shape, rows shape)
         # without graphs, exact sizes (no padding to pay for); the CPU tests drive this same code
         self.row_buckets = batch_buckets(max_rows) if self.bank.enabled else None
         self.kv_buckets = [b for b in kv_buckets if b < self.max_kv] + [self.max_kv]
@@ -88,31 +88,37 @@ class ChunkPrefill:
         return self.hidden_out[:n]
 
     def run_beside(self, decoder, step: tuple, embeds: list[torch.Tensor], slots: list[int], starts: list[int],
-                   positions: list[torch.Tensor | None] | None = None, deepstack: list | None = None
-                   ) -> torch.Tensor:  # fmt: skip
+                   rope_offsets: list[int] | None = None, positions: list[torch.Tensor | None] | None = None,
+                   deepstack: list | None = None) -> torch.Tensor:  # fmt: skip
         """run() with a decode step of `decoder` (a StaticDecoder; step: its step()'s arguments) in the same
         forward (LayerSpans.run_beside): one read of each layer's experts for both. Returns run()'s result;
         the step's results are in the decoder's buffers as its step() leaves them. On CUDA a graph per
         (decode shape, rows shape) replays, for the shapes capture_beside() took."""
-        n, shape = self._load(embeds, slots, starts, None, positions, deepstack)
+        n, shape = self._load(embeds, slots, starts, rope_offsets, positions, deepstack)
         decode_shape = decoder.load(*step)
         self.joint.run((decode_shape, shape), lambda: self._run_beside(shape, decoder, decode_shape))
         return self.hidden_out[:n]
 
-    def joins(self, rows: int, tokens: int, furthest_start: int) -> bool:
-        """Whether run_beside() replays a captured graph for these rows (as fits() counts them)."""
-        return self.shape_for(rows, tokens, furthest_start) in self.joint_shapes
+    def joins(self, decode_shape: tuple[int, int], rows: int, tokens: int, furthest_start: int) -> bool:
+        """Whether run_beside() can take these rows (as fits() counts them) beside a decode step of that
+        (rows, kv_len) shape: any that fit where graphs are off; on CUDA the shapes capture_beside() took."""
+        if not self.joint.enabled:
+            return self.fits(rows, tokens, furthest_start)
+        return (decode_shape, self.shape_for(rows, tokens, furthest_start)) in self.joint_keys
 
-    def capture_beside(self, decoder, tokens: tuple[int, ...]) -> None:
-        """Captures run_beside()'s graphs for one row of each of `tokens` (token buckets) beside each of the
-        decoder's shapes, while no slot is in use."""
+    def capture_beside(self, decoder, tokens: tuple[int, ...], rows: tuple[int, ...] = (1,),
+                       decode_kv: int | None = None) -> None:  # fmt: skip
+        """Captures run_beside()'s graphs for each of `rows` (row buckets) x `tokens` (token buckets) beside
+        each of the decoder's shapes that attend at most decode_kv positions (None: all), while no slot is in
+        use."""
         if not self.joint.enabled:
             return
-        self.joint_shapes = {(1, t, self.kv_buckets[-1]) for t in tokens}
+        shapes = [(r, t, self.kv_buckets[-1]) for r in rows for t in tokens]
+        self.joint_keys = {(d, shape) for d in decoder.shapes() if decode_kv is None or d[1] <= decode_kv
+                           for shape in shapes}  # fmt: skip
         self.cache.sync()
         self.index.zero_()
-        keys = [(d, shape) for d in decoder.shapes() for shape in self.joint_shapes]
-        self.joint.capture_all(keys, lambda key: lambda: self._run_beside(key[1], decoder, key[0]))
+        self.joint.capture_all(self.joint_keys, lambda key: lambda: self._run_beside(key[1], decoder, key[0]))
 
     def _run_beside(self, shape: tuple[int, int, int], decoder, decode_shape: tuple[int, int]) -> None:
         decoder.finish(self._run(*shape, beside=decoder.inputs(*decode_shape)))

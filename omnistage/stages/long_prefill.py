@@ -79,15 +79,16 @@ class LongPrefill:
                     accepted[i].append(self.rows.spans.accept_out[j].index_select(0, where))
         return last, [torch.cat(a) if a else None for a in accepted]
 
-    def joins(self, pieces: list[tuple[InputRows, int, int]]) -> bool:
-        """Whether run() can take a decode step beside these pieces: any where graphs are off; on CUDA a lone
-        piece of one row in a shape whose graphs are captured beside the decoder's (a unit's or a chunk's
-        bucket: a piece deep in a long prompt, where a step's attention budget leaves a unit or a few)."""
+    def joins(self, pieces: list[tuple[InputRows, int, int]], decode_shape: tuple[int, int]) -> bool:
+        """Whether run() can take a decode step of that (rows, kv_len) shape beside these pieces: any where
+        graphs are off; on CUDA a lone piece of one row in a shape whose graphs are captured beside the
+        decoder's (a unit's or a chunk's bucket: a piece deep in a long prompt, where a step's attention
+        budget leaves a unit or a few)."""
         if not self.rows.joint.enabled:
             return True
         piece, _, start = pieces[0]
         tokens = piece.embeds.shape[0]
-        return len(pieces) == 1 and tokens <= CHUNK_TOKENS and self.rows.joins(1, tokens, start)
+        return len(pieces) == 1 and tokens <= CHUNK_TOKENS and self.rows.joins(decode_shape, 1, tokens, start)
 
     def _groups(self, rows: list[tuple]) -> list[list[tuple]]:
         """Consecutive rows cut into forwards of one token bucket that fit the ChunkPrefill (rows, attended

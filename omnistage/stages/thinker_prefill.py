@@ -26,6 +26,13 @@ from .host_copy import outputs_to_host, to_device
 from .media_rows import InputRows
 
 
+# A step's prompts that take a kept prefix go through its decode forward when at most JOINT_ROWS[-1] of them
+# come (riders()); on CUDA graphs are captured for those row buckets of each chunk-prefill token bucket
+# beside the decode steps that attend at most JOINT_DECODE_KV positions (64 W1 streams attend ~170).
+JOINT_ROWS = (1, 2, 4)
+JOINT_DECODE_KV = 512
+
+
 @dataclass
 class LongMedia:
     """A media prompt in pieces, from its first piece to its last."""
@@ -85,12 +92,32 @@ class ThinkerPrefill:
         outputs_to_host([r.output for r in results if r.output is not None], self.device)
         return results
 
-    def rides_decode(self, seq: Sequence) -> bool:
-        """Whether this step's piece of seq can go through the step's decode forward (decode()'s riders): a
-        long prompt's piece whose rows need no encoder this step (a text prompt's, or a media prompt's after
-        its first piece). One forward then reads the experts' weights for both (layer_stack.run_joint)."""
-        encoded = seq.payload.is_text_only or (seq.slot in self.long_media and not seq.first_piece)
-        return encoded and self._in_chunks(seq)
+    def riders(self, seqs: list[Sequence]) -> list[Sequence]:
+        """The prompts of a step whose prefill goes through the step's decode forward (decode()'s riders),
+        where one forward then reads the experts' weights for both (layer_stack.run_joint). A step beside
+        many streams takes a new prompt or two, and a forward of its own read the experts a second time
+        (~10 ms of the H200 a step). In turn, the first kind the step has:
+          - long prompts' pieces whose rows need no encoder this step (a text prompt's, or a media prompt's
+            after its first piece);
+          - text prompts whose kept prefix leaves a suffix for the chunk prefill (W1's ~38 tokens after its
+            shared system prompt), all of them if at most JOINT_ROWS[-1];
+          - a lone media prompt whose media are not all kept: its rows (encoded in decode()) as one row of
+            the long prefill's."""
+        long = [s for s in seqs if self._in_chunks(s) and (s.payload.is_text_only or (
+            s.slot in self.long_media and not s.first_piece))]  # fmt: skip
+        if long:
+            return long
+        fresh = [s for s in seqs if not s.num_generated and not self._in_chunks(s)]
+        text = [s for s in fresh if s.payload.is_text_only]
+        found = self._suffix_hits(text) if self.prefix else {}
+        hits = [s for s in text if id(s) in found]
+        if hits:
+            return hits if len(hits) <= JOINT_ROWS[-1] and self._suffixes_fit(hits, found) else []
+        media = [s for s in fresh if not s.payload.is_text_only]
+        if len(media) != 1 or self.prefix and self.media_prefix.covers_media(
+                media[0].payload, self.media_prefix.match(media[0].payload, peek=True)):  # fmt: skip
+            return []  # several go in one MediaPrefill forward; one whose media are kept, in the chunk prefill
+        return media
 
     def prefix_blocks(self, seq: Sequence) -> list[int]:
         """The kept prefix a waiting prompt in chunks starts with (core/scheduler.py): its pool blocks, cut
@@ -146,6 +173,23 @@ class ThinkerPrefill:
                 suffix, start = longer, further
         return hits
 
+    def _suffix_hits(self, seqs: list[Sequence], take: bool = False) -> dict:
+        """The kept prefixes of text prompts short enough for the chunk prefill, by id(seq), those that have
+        one; take: as the prefill takes them (PrefixCache.match), else a look that counts nothing."""
+        look = self.prefix.match if take else self.prefix.peek
+        found = {id(s): look(s.payload.input_ids.tolist()) for s in seqs
+                 if s.payload.input_ids.numel() <= self.chunk_prefill.max_kv}  # fmt: skip
+        return {k: m for k, m in found.items() if m.entries}
+
+    def _suffixes_fit(self, seqs: list[Sequence], found: dict, decode_shape: tuple[int, int] | None = None) -> bool:
+        """Whether the prompts' suffixes after their kept prefixes go in one chunk prefill forward (beside a
+        decode step of decode_shape, where given: ChunkPrefill.joins)."""
+        suffix = max(self.prompt_tokens(s) - found[id(s)].tokens for s in seqs)
+        start = max(found[id(s)].tokens for s in seqs)
+        if decode_shape is None:
+            return self.chunk_prefill.fits(len(seqs), suffix, start)
+        return self.chunk_prefill.joins(decode_shape, len(seqs), suffix, start)
+
     def _prefill_static(self, seqs: list[Sequence]) -> list[StepResult]:
         """Text-only prompts through the static prefill (stages/static_prefill.py). The talker's conditioning
         of a text-only prompt needs only its input embeddings (no media rows take hidden states)."""
@@ -157,17 +201,20 @@ class ThinkerPrefill:
         return [self._prefilled_text(seq, e.shape[0], token, e, e, rows, i)
                 for i, (seq, e, token) in enumerate(zip(seqs, embeds, tokens.tolist()))]  # fmt: skip
 
-    def _prefill_after_prefix(self, seqs: list[Sequence], found: dict) -> list[StepResult]:
+    def _prefill_after_prefix(self, seqs: list[Sequence], found: dict, beside: tuple | None = None
+                              ) -> list[StepResult]:  # fmt: skip
         """Prompts whose kept prefix (`found`) leaves only text: that text through the chunk prefill
         (stages/chunk_prefill.py), at the prompt's rope delta (text after media sits at its index plus the
         delta on every MRoPE section). The talker's conditioning of a prompt with media takes its media rows'
-        accept-layer hidden states kept with the prefix (the layer-0 embeddings on text rows)."""
+        accept-layer hidden states kept with the prefix (the layer-0 embeddings on text rows). beside: (the
+        decoder, its step()'s arguments), a decode step run in the same forward (ChunkPrefill.run_beside)."""
         embeds = [self._embed(s.payload.input_ids) for s in seqs]
         deltas = [self.media.rope_index(s.payload)[1] for s in seqs]
         for s in seqs:
             self.prefix.load(s.slot, found[id(s)])
         starts = [found[id(s)].tokens for s in seqs]  # as loaded
-        last = self.chunk_prefill.run([e[p:] for e, p in zip(embeds, starts)], [s.slot for s in seqs], starts, deltas)
+        args = ([e[p:] for e, p in zip(embeds, starts)], [s.slot for s in seqs], starts, deltas)
+        last = self.chunk_prefill.run(*args) if beside is None else self.chunk_prefill.run_beside(*beside, *args)
         tokens = self._sample(self.model.lm_head(last), seqs)
         rows = self._text_rows(tokens, seqs)
         results = []

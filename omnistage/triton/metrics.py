@@ -144,6 +144,8 @@ _THINKER_COUNTERS = {  # the thinker's runner stats (ThinkerRunner.stats)
     "prefix_cache_hit_tokens_total": "prompt tokens whose K/V came from the prefix cache instead of a prefill",
     "pieces_in_decode_total": "long prompts' pieces run in a decode step's forward (one read of the experts for "
                               "both) rather than in their own",
+    "prompts_in_decode_total": "prompts prefilled in a decode step's forward (text after a kept prefix, a lone "
+                               "media prompt) rather than in their own",
 }
 
 
@@ -197,6 +199,7 @@ class StageMetrics(MetricsPublisher):
             values["prefix_cache_prompt_tokens_total"] = s["prefix_prompt_tokens"]
             values["prefix_cache_hit_tokens_total"] = s["prefix_hit_tokens"]
             values["pieces_in_decode_total"] = s["pieces_in_decode"]
+            values["prompts_in_decode_total"] = s["prompts_in_decode"]
         return [(f"omni_{self.stage}_{name}", {}, value) for name, value in values.items()]
 
     def _peak_gpu_bytes(self) -> int:

@@ -78,6 +78,24 @@ class Outputs:
         assert all(self.ended[i] == "length" for i in ids), self.ended
 
 
+def decode_forwards(runner) -> list[tuple[list[str], list[int]]]:
+    """Wraps the runner's decode; returns the log of its calls: per call, its riders' request ids and the
+    tokens of each call of the first layer's MLP in it (one call: the decode rows and the riders went
+    through one forward, which reads the experts once)."""
+    mlp, calls, steps = runner.model.model.layers[0].mlp, [], []
+    forward, decode = mlp.forward, runner.decode
+    mlp.forward = lambda x: calls.append(x.numel() // x.shape[-1]) or forward(x)
+
+    def logged(seqs, *riders):
+        calls.clear()
+        out = decode(seqs, *riders)
+        steps.append(([s.request_id for r in riders for s in r], list(calls)))
+        return out
+
+    runner.decode = logged
+    return steps
+
+
 def serve(runner, budget, requests, later=(), **scheduler):
     """Runs (request id, params, payload) through a StageEngine over `runner` with a per-step prefill budget
     of `budget` tokens (and the Scheduler's other arguments); every request added before the loop starts,
@@ -171,7 +189,7 @@ def test_beside_a_running_stream_a_long_prompt_goes_in_units_and_matches_generat
     forward or, where no graph of their shape is captured beside it (LongPrefill.joins), in their own."""
     short_inputs = prepare_inputs(processor, oracle.messages("text"))
     thinker = ThinkerRunner(hf_model.thinker, hf_model.config, **RUNNER)
-    thinker.long_prefill.joins = lambda pieces: joined
+    thinker.long_prefill.joins = lambda pieces, decode_shape: joined
     n = long_inputs["input_ids"].shape[1]
     short = ("short", SamplingParams(max_tokens=64, ignore_eos=True), ThinkerPrompt(short_inputs["input_ids"][0]))
     long = ("long", SamplingParams(max_tokens=REPLY, ignore_eos=True), ThinkerPrompt(long_inputs["input_ids"][0]))
@@ -194,17 +212,7 @@ def test_pieces_beside_decodes_go_through_the_decode_step_s_forward(hf_model, pr
     step reads the experts' weights once (layer_stack.run_joint), not once for the piece and once for the
     decode."""
     thinker = ThinkerRunner(hf_model.thinker, hf_model.config, **RUNNER)
-    mlp, calls, steps = thinker.model.model.layers[0].mlp, [], []
-    forward, decode = mlp.forward, thinker.decode
-    mlp.forward = lambda x: calls.append(x.numel() // x.shape[-1]) or forward(x)
-
-    def logged(seqs, *riders):
-        calls.clear()
-        out = decode(seqs, *riders)
-        steps.append((sum(len(r) for r in riders), list(calls)))
-        return out
-
-    thinker.decode = logged
+    steps = decode_forwards(thinker)
     short = prepare_inputs(processor, oracle.messages("text"))["input_ids"][0]
     serve(thinker, 4 * CHUNK_TOKENS, [("short", SamplingParams(max_tokens=64, ignore_eos=True), ThinkerPrompt(short))],
           later=[("long", SamplingParams(max_tokens=2, ignore_eos=True), ThinkerPrompt(long_inputs["input_ids"][0]))],

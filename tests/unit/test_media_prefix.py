@@ -170,3 +170,43 @@ def test_a_step_of_prompts_with_seen_media_prefills_their_text_together(hf_model
         torch.testing.assert_close(got[f"b{i}"].talker.special_rows, ref.talker.special_rows, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(got[f"b{i}"].text_rows, ref.text_rows, rtol=1e-4, atol=1e-5)
         plain.release(running(f"p{i}", params, _prompt(x), slot=0))
+
+
+@pytest.mark.parametrize("joined", [True, False], ids=["in_the_decode_forward", "forward_of_its_own"])
+@pytest.mark.parametrize("kind", ["audio", "image"])
+def test_a_lone_media_prompt_beside_a_running_stream_rides_its_decode_and_matches_generate(kind, joined, hf_model,
+                                                                                          processor):  # fmt: skip
+    """A prompt with a clip or a picture arrives alone while a stream decodes, its system prompt kept, and
+    takes a slot below the stream's that a finished request freed: its media go through the encoders and
+    its rows after the kept prefix through the decode step's forward (one call of each layer's MLP), or,
+    where no shape is captured beside the decode (LongPrefill.joins), through a forward of their own first.
+    Either way its reply is generate()'s, and its K/V and talker conditioning are a full prefill's."""
+    from .test_chunked_prefill import decode_forwards, serve
+
+    cached, plain = _runner(hf_model, 8 << 20), _runner(hf_model, 0)
+    for v in (1, 2):  # two sightings: the system prompt's blocks are kept
+        seq = running(f"w{v}", SamplingParams(max_tokens=1), _prompt(prepare_inputs(processor, [SYSTEM, {
+            "role": "user", "content": [_item(kind, v), {"type": "text", "text": "Hi"}]}])), slot=v - 1)  # fmt: skip
+        run_thinker(cached, seq)
+        cached.release(seq)
+    if not joined:
+        cached.long_prefill.joins = lambda *shape: False
+    steps = decode_forwards(cached)
+    inputs = {k: prepare_inputs(processor, [SYSTEM, {"role": "user", "content": c}]) for k, c in {
+        "x": [{"type": "text", "text": "One more."}], "stream": [{"type": "text", "text": "Read this out."}],
+        "media": [_item(kind, 3 if kind == "image" else 1), {"type": "text", "text": QUESTION}]}.items()}  # fmt: skip
+    lengths = {"x": 1, "stream": 12, "media": REPLY}  # x (slot 0) ends at its prefill
+    requests = {k: (k, SamplingParams(max_tokens=lengths[k], ignore_eos=True), _prompt(v)) for k, v in inputs.items()}
+    got, log = serve(cached, 1024, [requests["x"], requests["stream"]], later=[requests["media"]])
+    ridden = [(ids, mlp_calls) for ids, mlp_calls in steps if ids]
+    assert [ids for ids, _ in ridden] == [["media"]] and got["media"].cached_tokens > 0
+    assert cached.stats()["prompts_in_decode"] == (1 if joined else 0)
+    assert len(ridden[0][1]) == (1 if joined else 2)
+    for k, (_, params, _) in requests.items():
+        assert got[k].token_ids == oracle.generate(hf_model, inputs[k], params.max_tokens, 2)[0], k
+    prompt = requests["media"][2]
+    ref = plain.prefill([running("ref", SamplingParams(max_tokens=REPLY), prompt, slot=3)])[0].output
+    keys, values = log.kv["media"]
+    torch.testing.assert_close(torch.cat(keys + values), slot_kv(plain.cache, 3, prompt.input_ids.numel()), rtol=1e-4,
+                               atol=1e-5)  # fmt: skip
+    torch.testing.assert_close(got["media"].talker.media_rows, ref.talker.media_rows, rtol=1e-4, atol=1e-5)

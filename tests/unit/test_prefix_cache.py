@@ -73,6 +73,49 @@ def test_a_step_of_several_prompts_with_kept_prefixes_pads_like_a_graph_bucket(h
                                    rtol=1e-4, atol=1e-5)  # fmt: skip
 
 
+@pytest.mark.parametrize("joined", [True, False], ids=["in_the_decode_forward", "forward_of_their_own"])
+def test_prompts_with_a_kept_prefix_beside_a_running_stream_ride_its_decode_and_match_generate(hf_model, processor,
+                                                                                               joined):  # fmt: skip
+    """Two prompts whose system prompt is kept arrive while a stream decodes, and take the two slots below
+    its that two finished requests freed: their suffixes go through the decode step's forward (one call of
+    each layer's MLP for the decode rows and their tokens), or, where no shape is captured beside the decode
+    (ChunkPrefill.joins), through a chunk prefill of their own first. Either way every reply is generate()'s
+    and their slots hold the K/V of a full prefill."""
+    from .test_chunked_prefill import decode_forwards, serve
+
+    cached, plain = _runner(hf_model, 8 << 20), _runner(hf_model, 0)
+    for i, text in enumerate(("One.", "Two.")):  # two sightings: the system prompt's blocks are kept
+        seq = running(f"w{i}", SamplingParams(max_tokens=1), _prompt(processor, text)[1], slot=i)
+        run_thinker(cached, seq)
+        cached.release(seq)
+    if not joined:
+        cached.chunk_prefill.joins = lambda *shape: False
+    steps = decode_forwards(cached)
+    texts = {"x": "One more.", "y": "And another.", "stream": "Read this out.",
+             "a": "Please say hello to everyone here.", "b": "Hi."}  # fmt: skip
+    lengths = {"x": 1, "y": 1, "stream": 12}  # x and y (slots 0 and 1) end at their prefill
+    inputs = {k: _prompt(processor, t)[0] for k, t in texts.items()}
+    requests = {k: (k, SamplingParams(max_tokens=lengths.get(k, REPLY), ignore_eos=True),
+                    ThinkerPrompt(inputs[k]["input_ids"][0])) for k in texts}  # fmt: skip
+    hits_before = cached.prefix.hit_tokens
+    got, log = serve(cached, 1024, [requests[k] for k in ("x", "y", "stream")], later=[requests["a"], requests["b"]])
+    assert cached.prefix.hit_tokens > hits_before
+    ridden = [(ids, mlp_calls) for ids, mlp_calls in steps if ids]
+    assert sorted(i for ids, _ in ridden for i in ids) == ["a", "b"]
+    assert cached.stats()["prompts_in_decode"] == (2 if joined else 0)
+    assert all(len(mlp_calls) == (1 if joined else 2) for _, mlp_calls in ridden)
+    for k, (_, params, prompt) in requests.items():
+        assert got[k].token_ids == oracle.generate(hf_model, inputs[k], params.max_tokens, 2)[0], k
+    for k in ("a", "b"):
+        prompt = requests[k][2]
+        ref = running(f"r{k}", SamplingParams(max_tokens=REPLY), prompt, slot=3)
+        plain.prefill([ref])
+        keys, values = log.kv[k]
+        torch.testing.assert_close(torch.cat(keys + values), slot_kv(plain.cache, 3, prompt.input_ids.numel()),
+                                   rtol=1e-4, atol=1e-5)  # fmt: skip
+        plain.release(ref)
+
+
 def test_a_zero_budget_keeps_nothing(hf_model):
     runner = _runner(hf_model, 0)
     assert runner.prefix is None and runner.stats()["prefix_hit_tokens"] == runner.stats()["prefix_prompt_tokens"] == 0
@@ -113,3 +156,44 @@ def test_chunk_prefill_buckets_keep_every_padded_position_below_its_kv_length(hf
     assert chunk.shape_for(1, 50, 200) == (1, 64, 512)  # 200 + 64 padded tokens need the 512 bucket
     assert chunk.fits(4, 64, 448) and not chunk.fits(4, 64, 449)  # 449 + 64 > 512
     assert not chunk.fits(4, 65, 0) and not chunk.fits(5, 10, 0)  # too long a suffix, too many rows
+
+
+@pytest.mark.gpu
+@torch.inference_mode()
+def test_prompts_riding_a_decode_on_cuda_equal_their_eager_prefill(tiny_checkpoint, processor):
+    """As served on CUDA (bf16, the fused kernels, graphs captured): two prompts with a kept system prompt
+    that ride a stream's decode step replay a graph captured beside it, and leave the K/V of an eager
+    prefill of each, within bf16 rounding; the stream's decode row is the one it takes alone."""
+    from omnistage.models.checkpoint import load_config, load_stage
+
+    from .test_chunked_prefill import assert_close_in_bf16
+
+    config = load_config(str(tiny_checkpoint))
+    model = load_stage(str(tiny_checkpoint), "thinker", dtype=torch.bfloat16, device="cuda",
+                       experts_implementation="gather_or_grouped")  # fmt: skip
+    kw = dict(max_slots=4, max_seq_len=512, device="cuda", dtype=torch.bfloat16)
+    graphs = ThinkerRunner(model, config, cuda_graphs=True, prefix_cache_bytes=8 << 20, **kw)
+    eager = ThinkerRunner(model, config, **kw)
+    graphs.capture_graphs()
+    for i, text in enumerate(("One.", "Two.")):  # two sightings: the system prompt's blocks are kept
+        seq = running(f"w{i}", SamplingParams(max_tokens=1), _prompt(processor, text)[1], slot=i)
+        graphs.prefill([seq])
+        graphs.release(seq)
+    stream = running("s", SamplingParams(max_tokens=64, ignore_eos=True), _prompt(processor, "Read this out.")[1], 2)
+    alone = running("s", SamplingParams(max_tokens=64, ignore_eos=True), stream.payload, 2)
+    graphs.prefill([stream])
+    eager.prefill([alone])
+    prompts = [running(k, SamplingParams(max_tokens=REPLY), _prompt(processor, t)[1], slot=i)
+               for i, (k, t) in enumerate({"a": "Please say hello to everyone here.", "b": "Hi."}.items())]  # fmt: skip
+    assert graphs.riders(prompts) == prompts
+    decoded, *ridden = graphs.decode([stream], prompts)
+    [want] = eager.decode([alone])  # the stream's row: the same logits in the joint forward as alone
+    assert graphs.stats()["prompts_in_decode"] == 2 and decoded.seq is stream and want.output is not None
+    assert_close_in_bf16(graphs.decoder.logits_out[2].float(), eager.decoder.logits_out[2].float())
+    for seq, result in zip(prompts, ridden):
+        assert result.seq is seq and result.output.cached_tokens > 0
+        ref = running(f"e{seq.request_id}", SamplingParams(max_tokens=REPLY), seq.payload, slot=3)
+        eager.prefill([ref])
+        n = seq.payload.input_ids.numel()
+        assert_close_in_bf16(slot_kv(graphs.cache, seq.slot, n), slot_kv(eager.cache, 3, n))
+        eager.release(ref)
