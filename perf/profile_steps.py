@@ -14,7 +14,7 @@
 # thinker's decode step at 64 short rows, alone and beside --long-rows rows of --long-tokens positions.
 #
 #   python -m perf.profile_steps out.json [--experts NAME] [--also-experts NAME ...] [--trace-dir DIR]
-#                                         [--stages thinker thinker_prefix thinker_b1 talker talker_parts
+#                                         [--stages thinker thinker_prefix thinker_riders thinker_b1 talker talker_parts
 #                                          thinker_long code2wav] [--long-tokens 30000 --long-rows 4]
 from __future__ import annotations
 
@@ -202,6 +202,55 @@ def profile_prefix_prefill(model, config, kw, params, sizes=(1, 16, 32)) -> dict
     return out
 
 
+def profile_riders(model, config, kw, params, decodes: int = 60, riders=(1, 2, 4)) -> dict:
+    """A decode step of `decodes` W1-like rows with 1, 2 or 4 new W1 prompts whose system prompt is kept (as
+    profile_prefix_prefill makes them) in the slots above: their chunk prefill and then the decode step, in
+    turn, against their suffixes in the decode step's forward (ThinkerRunner.decode's riders), as served
+    (graphs captured). What a step with new prompts saves when the experts are read once."""
+    slots = decodes + max(riders)
+    runner = ThinkerRunner(model, config, **dict(kw, max_slots=slots, cuda_graphs=True, max_prefills=max(riders),
+                                                 prefix_cache_bytes=2 << 30))  # fmt: skip
+    runner.capture_graphs()
+    base = thinker_prompts(config, 150, 1, True)[0]
+
+    def w1(i: int) -> ThinkerPrompt:
+        ids = base.input_ids.clone()
+        ids[112] = (int(ids[112]) + 1 + i) % 150000  # the suffix differs, the first 7 blocks are shared
+        return ThinkerPrompt(ids, export_talker=True)
+
+    streams = [running(i, params, w1(i)) for i in range(decodes)]
+    runner.prefill(streams[:2])  # the shared blocks are kept from their second sighting on
+    for first in range(2, decodes, 16):
+        runner.prefill(streams[first : first + 16])
+    out = {"thinker_riders_decode_alone": with_wall(lambda: runner.decode(streams))}
+    fresh = iter(range(decodes, 1 << 30))  # each call's prompts new: their own blocks never kept
+
+    def prompts(n: int) -> list:
+        return [running(decodes + i, params, w1(next(fresh))) for i in range(n)]
+
+    for n in riders:
+        assert runner.riders(prompts(n)), "the prompts would not ride"
+
+        def apart(n=n):
+            new = prompts(n)
+            runner.prefill(new)
+            runner.decode(streams)
+            release(runner, new)
+
+        def joint(n=n):
+            new = prompts(n)
+            runner.decode(streams, new)
+            release(runner, new)
+
+        out[f"thinker_riders_{n}_prefill_then_decode"] = with_wall(apart)
+        joined = runner.prompts_in_decode
+        out[f"thinker_riders_{n}_in_decode"] = with_wall(joint)
+        assert runner.prompts_in_decode > joined, "no graph took them beside the decode"
+    release(runner, streams)
+    del runner
+    return out
+
+
 def profile_beside_long(model, config, kw, params, long_tokens: int, long_rows: int, short_rows: int = 64,
                         measure=None) -> dict:
     """The thinker's decode step as perf/paged_ab.py's mixed level runs it (graphs captured on CUDA):
@@ -339,6 +388,10 @@ def main() -> None:
         save()
     if "thinker_prefix" in args.stages:
         report.update(profile_prefix_prefill(load("thinker"), config, kw, params))
+        free()
+        save()
+    if "thinker_riders" in args.stages:
+        report.update(profile_riders(load("thinker"), config, kw, params))
         free()
         save()
     if "talker" in args.stages:
