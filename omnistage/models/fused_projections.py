@@ -84,11 +84,16 @@ if fused_ops.available():
             if HAS_POS:
                 position += tl.load(pos_ptr + b)
             cached = b * c_b + h * c_h + position * c_t
-        q_row = ((b * heads_q + h) * seq + t) * 2 * HALF
-        dst = tl.where(pick_q, q_ptr + q_row[:, None], tl.where(is_k[:, None], kc_ptr + cached[:, None],
-                                                                vc_ptr + cached[:, None])) + i[None, :]  # fmt: skip
-        tl.store(dst, _cast(lo, dt), mask=live)
-        tl.store(dst + HALF, _cast(hi, dt), mask=live)
+        # each kind of row to its own tensor: masked stores, no select between pointers of two tensors
+        lo, hi = _cast(lo, dt), _cast(hi, dt)
+        q_dst = q_ptr + (((b * heads_q + h) * seq + t) * 2 * HALF)[:, None] + i[None, :]
+        tl.store(q_dst, lo, mask=pick_q)
+        tl.store(q_dst + HALF, hi, mask=pick_q)
+        kv_dst = cached[:, None] + i[None, :]
+        tl.store(kc_ptr + kv_dst, lo, mask=is_k[:, None])
+        tl.store(kc_ptr + kv_dst + HALF, hi, mask=is_k[:, None])
+        tl.store(vc_ptr + kv_dst, lo, mask=pick_v)
+        tl.store(vc_ptr + kv_dst + HALF, hi, mask=pick_v)
 
     @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, width, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
