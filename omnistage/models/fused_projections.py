@@ -37,14 +37,6 @@ MLP_CLASSES = ("Qwen3OmniMoeMLP", "Qwen3OmniMoeTalkerTextMLP", "Qwen3OmniMoeThin
 if fused_ops.available():
 
     @triton.jit
-    def _norm_half(x1, x2, w_ptr, eps, i, HALF: tl.constexpr, dt: tl.constexpr):
-        # transformers' RMSNorm of one head row given as its two halves: rounded to dt, then times weight
-        variance = (tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * HALF)
-        scale = 1.0 / tl.sqrt_rn(variance + eps)
-        w1, w2 = tl.load(w_ptr + i).to(tl.float32), tl.load(w_ptr + HALF + i).to(tl.float32)
-        return _rounded(w1 * _rounded(x1 * scale, dt), dt), _rounded(w2 * _rounded(x2 * scale, dt), dt)
-
-    @triton.jit
     def _qkv_into_cache_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr, start,
                                heads_q, heads_k, seq, s_b, s_t, cs_b, cs_t, c_b, c_h, c_t, eps_q, eps_k,
                                HALF: tl.constexpr, ROWS: tl.constexpr, HAS_POS: tl.constexpr,
