@@ -19,7 +19,7 @@ from .media_prefix_cache import MediaPrefixCache
 from .media_rows import MediaInputs
 from .prefix_cache import PrefixCache
 from .runner import WARM_UP_STEPS, DecoderRunner
-from .thinker_prefill import JOINT_DECODE_KV, JOINT_ROWS, LongMedia, ThinkerPrefill
+from .thinker_prefill import JOINT_DECODE_KV, JOINT_ROWS, ThinkerPrefill
 from .warm_up import warm_up_turns
 
 
@@ -94,7 +94,7 @@ class ThinkerRunner(ThinkerPrefill, DecoderRunner):
                                           accept_layer=accept_layer, cuda_graphs=cuda_graphs)  # fmt: skip
         self.long_media: dict = {}  # slot -> its media prompt's rows, while prefilled in pieces (LongMedia)
         self.pieces_in_decode = 0  # long prompts' pieces run in a decode step's forward (decode()'s riders)
-        self.prompts_in_decode = 0  # prompts with a kept prefix prefilled in a decode step's forward (the same)
+        self.prompts_in_decode = 0  # whole prompts prefilled in a decode step's forward (the same)
         # text-only prompts that start like earlier ones take the kept prefix's K/V and prefill only the rest
         self.prefix = PrefixCache(self.cache, prefix_cache_bytes) if prefix_cache_bytes else None
         self.chunk_prefill = (ChunkPrefill("thinker", model.model, self.cache, max_rows=min(max_prefills, max_slots),
@@ -177,26 +177,28 @@ class ThinkerRunner(ThinkerPrefill, DecoderRunner):
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence], riders: list[Sequence] = ()) -> list[StepResult]:
-        """One decode step of seqs; riders (riders()): this step's long prompts' pieces, or its prompts that
-        take a kept prefix, run in the same forward where the captured shapes allow, answered as prefill()
-        answers them."""
+        """One decode step of seqs; riders (riders()): this step's long prompts' pieces, its text prompts that
+        take a kept prefix, or its lone media prompt, run in the same forward where the captured shapes
+        allow, answered as prefill() answers them."""
         # every occupied slot up to the highest takes part (a just-prefilled one too), see StaticDecoder.step
         for seq in seqs:
             self.cache.grow(seq.slot, self.slots[seq.slot].length + 1)
-        if riders and not self._in_chunks(riders[0]):
-            if riders[0].payload.is_text_only:
-                return self._decode_beside_prompts(seqs, riders)
-            return self._decode_beside_media(seqs, riders[0])
+        if riders and not self._in_chunks(riders[0]) and riders[0].payload.is_text_only:
+            return self._decode_beside_prompts(seqs, riders)
+        media = bool(riders) and not self._in_chunks(riders[0])  # a lone media prompt, as one long piece
         if riders:
             self._start(riders)
-            pieces, spans = self._long_pieces(riders)
+            pieces, spans = self._media_piece(riders[0]) if media else self._long_pieces(riders)
         rows = self._decode_rows()
         if not riders:
             self.decoder.step(*rows)
             return self._decoded(seqs)
         if self.long_prefill.joins(pieces, self._decode_shape(rows)):
             last, accepted = self.long_prefill.run(pieces, beside=(self.decoder, rows))
-            self.pieces_in_decode += len(pieces)
+            if media:
+                self.prompts_in_decode += 1
+            else:
+                self.pieces_in_decode += len(pieces)
         else:  # no graph for this shape beside a decode step: one forward each
             last, accepted = self.long_prefill.run(pieces)
             self.decoder.step(*rows)
@@ -225,34 +227,6 @@ class ThinkerRunner(ThinkerPrefill, DecoderRunner):
         ridden = self.prefill(prompts)
         self.decoder.step(*self._decode_rows())
         return self._decoded(seqs) + ridden
-
-    def _decode_beside_media(self, seqs: list[Sequence], seq: Sequence) -> list[StepResult]:
-        """A decode step with the step's lone media prompt: its media through the encoders, then its rows after
-        its kept prefix as one row of the long prefill in the decode's forward where a captured shape takes
-        it, else in a forward of their own first; answered as a long media prompt's last piece."""
-        self._start([seq])
-        p, n = seq.payload, self.prompt_tokens(seq)
-        found = self.media_prefix.match(p) if self.prefix else None
-        start = 0
-        if found is not None and found.entries:
-            found = self.media_prefix.still_kept(p, found)
-            self.prefix.load(seq.slot, found)
-            start = found.tokens
-        rows = self.media.rows([p], [start])[0]
-        self.long_media[seq.slot] = LongMedia(rows, start, found)
-        pieces, spans = [(rows, seq.slot, start)], [(start, n, n)]
-        self._pending(seq, n)
-        step = self._decode_rows()
-        if self.long_prefill.joins(pieces, self._decode_shape(step)):
-            last, accepted = self.long_prefill.run(pieces, beside=(self.decoder, step))
-            self.prompts_in_decode += 1
-        else:
-            last, accepted = self.long_prefill.run(pieces)
-            self.decoder.step(*step)
-        results = self._decoded(seqs)
-        ridden = self._long_results([seq], spans, last, accepted)
-        outputs_to_host([r.output for r in ridden if r.output is not None], self.device)
-        return results + ridden
 
     def _decode_rows(self) -> tuple[list[int], list[int], list[int]]:
         """A decode step's (positions, rope deltas, last tokens) over every slot up to the highest occupied."""

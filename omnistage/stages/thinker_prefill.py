@@ -300,6 +300,22 @@ class ThinkerPrefill:
             self._pending(s, b)
         return pieces, spans
 
+    def _media_piece(self, seq: Sequence) -> tuple[list[tuple[InputRows, int, int]], list[tuple[int, int, int]]]:
+        """A lone media prompt as decode()'s one long piece: its slot takes its kept prefix, its media go
+        through the encoders, and its rows from there on are the piece, answered as a long media prompt's
+        last piece (the pieces and spans of _long_pieces)."""
+        p, n = seq.payload, self.prompt_tokens(seq)
+        found = self.media_prefix.match(p) if self.prefix else None
+        start = 0
+        if found is not None and found.entries:
+            found = self.media_prefix.still_kept(p, found)
+            self.prefix.load(seq.slot, found)
+            start = found.tokens
+        rows = self.media.rows([p], [start])[0]
+        self.long_media[seq.slot] = LongMedia(rows, start, found)
+        self._pending(seq, n)
+        return [(rows, seq.slot, start)], [(start, n, n)]
+
     def _long_results(self, seqs: list[Sequence], spans: list[tuple[int, int, int]], last: torch.Tensor,
                       accepted: list[torch.Tensor | None]) -> list[StepResult]:  # fmt: skip
         """After the LongPrefill ran the pieces: a piece that ends its prompt picks the first token (and keeps
