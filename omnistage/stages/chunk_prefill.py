@@ -106,16 +106,14 @@ class ChunkPrefill:
             return self.fits(rows, tokens, furthest_start)
         return (decode_shape, self.shape_for(rows, tokens, furthest_start)) in self.joint_keys
 
-    def capture_beside(self, decoder, tokens: tuple[int, ...], rows: tuple[int, ...] = (1,),
-                       decode_kv: int | None = None) -> None:  # fmt: skip
+    def capture_beside(self, decoder, tokens: tuple[int, ...], rows: tuple[int, ...] = (1,)) -> None:
         """Captures run_beside()'s graphs for each of `rows` (row buckets) x `tokens` (token buckets) beside
-        each of the decoder's shapes that attend at most decode_kv positions (None: all), while no slot is in
-        use."""
+        each of the decoder's shapes (on CUDA one per rows bucket: the paged decode kernel reads each row to
+        its own length), while no slot is in use."""
         if not self.joint.enabled:
             return
         shapes = [(r, t, self.kv_buckets[-1]) for r in rows for t in tokens]
-        self.joint_keys = {(d, shape) for d in decoder.shapes() if decode_kv is None or d[1] <= decode_kv
-                           for shape in shapes}  # fmt: skip
+        self.joint_keys = {(d, shape) for d in decoder.shapes() for shape in shapes}
         self.cache.sync()
         self.index.zero_()
         self.joint.capture_all(self.joint_keys, lambda key: lambda: self._run_beside(key[1], decoder, key[0]))

@@ -19,7 +19,7 @@ from .media_prefix_cache import MediaPrefixCache
 from .media_rows import MediaInputs
 from .prefix_cache import PrefixCache
 from .runner import WARM_UP_STEPS, DecoderRunner
-from .thinker_prefill import JOINT_DECODE_KV, JOINT_ROWS, ThinkerPrefill
+from .thinker_prefill import JOINT_ROWS, ThinkerPrefill
 from .warm_up import warm_up_turns
 
 
@@ -167,8 +167,7 @@ class ThinkerRunner(ThinkerPrefill, DecoderRunner):
         if self.chunk_prefill is not None:
             self.chunk_prefill.capture_all()
             self.chunk_prefill.joint.pool = self.static_prefill.bank.pool  # the prompts that ride them
-            self.chunk_prefill.capture_beside(self.decoder, tuple(self.chunk_prefill.token_buckets), JOINT_ROWS,
-                                              JOINT_DECODE_KV)  # fmt: skip
+            self.chunk_prefill.capture_beside(self.decoder, tuple(self.chunk_prefill.token_buckets), JOINT_ROWS)
 
     def stats(self) -> dict:
         p = self.prefix

@@ -28,9 +28,8 @@ from .media_rows import InputRows
 
 # A step's prompts that take a kept prefix go through its decode forward when at most JOINT_ROWS[-1] of them
 # come (riders()); on CUDA graphs are captured for those row buckets of each chunk-prefill token bucket
-# beside the decode steps that attend at most JOINT_DECODE_KV positions (64 W1 streams attend ~170).
+# beside every decode step's rows bucket.
 JOINT_ROWS = (1, 2, 4)
-JOINT_DECODE_KV = 512
 
 
 @dataclass
