@@ -17,12 +17,16 @@ from ..core.scheduler import Sequence
 from .code_predictor import CodePredictor, StaticCodePredictor
 from .host_copy import sync_current_stream, to_device, to_host
 from .conditioning import ASSISTANT_ROWS, TalkerConditioning
+from .long_prefill import CHUNK_TOKENS, PIECE_TOKENS
 from .media_rows import InputRows
 from .positioned_prefill import PositionedPrefill
 from .runner import WARM_UP_STEPS, DecoderRunner
 from .talker_prompt import PromptBuilder, PromptRows, TalkerPrompt
 from .warm_up import warm_up_turns
 
+# A step's new prompts prefill in its decode forward when at most RIDER_ROWS[-1] of them come (riders()); on
+# CUDA graphs are captured for those rows of the long prefill's token buckets beside every decode bucket.
+RIDER_ROWS = (1, 2)
 
 @dataclass
 class TalkerOutput:
@@ -74,6 +78,7 @@ class TalkerRunner(DecoderRunner):
         self.text_embeddings = text_embeddings.to(device=self.device, dtype=dtype)
         self.prompts = PromptBuilder(model, config, self.text_embeddings, self.device, dtype, self.context)
         self.long_prompts: dict[int, PromptRows] = {}  # slot -> its prompt's rows, while prefilled in pieces
+        self.prompts_in_decode = 0  # prompts prefilled in a decode step's forward (decode()'s riders)
         # steps with prompts from media turns (their rows take MRoPE positions of their own) prefill batched too
         self.media_prefill = PositionedPrefill(f"{self.STAGE}_media", model.model, self.cache,
                                                max_rows=self.static_prefill.max_rows,
@@ -103,6 +108,18 @@ class TalkerRunner(DecoderRunner):
     def release(self, seq: Sequence) -> None:
         super().release(seq)
         self.long_prompts.pop(seq.slot, None)
+
+    def riders(self, seqs: list[Sequence]) -> list[Sequence]:
+        """The prompts of a step that prefill in its decode forward (decode()'s riders): all of its new ones,
+        when at most RIDER_ROWS[-1] come and none goes in chunks. One forward then reads each layer's experts
+        for the prompts and the decode rows, and one code-predictor call completes the decode's frames and the
+        prompts' frame 0, where a prefill of their own took a forward and a predictor call more."""
+        if len(seqs) > RIDER_ROWS[-1] or any(self._in_chunks(s) for s in seqs):
+            return []
+        return seqs
+
+    def stats(self) -> dict:
+        return {"prompts_in_decode": self.prompts_in_decode}
 
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> list[StepResult]:
@@ -156,23 +173,31 @@ class TalkerRunner(DecoderRunner):
         # outside the pool, so they share one pool of intermediates (as the thinker's do)
         self.media_prefill.bank.pool = self.static_prefill.bank.pool
         self.media_prefill.capture_all()
+        self.long_prefill.rows.capture_beside(self.decoder, (PIECE_TOKENS, CHUNK_TOKENS), RIDER_ROWS)  # riders()
         if self.static_predictor is not None:
             self.static_predictor.capture_all()
 
     @torch.inference_mode()
-    def decode(self, seqs: list[Sequence]) -> list[StepResult]:
-        # read back the frames sent by earlier steps (their rows are in: is_ready), then complete the next frame
-        # of every sequence; one sync at the end, for the picked tokens and the frames' host copy
+    def decode(self, seqs: list[Sequence], riders: list[Sequence] = ()) -> list[StepResult]:
+        """One frame of each of seqs: read back the frames sent by earlier steps (their rows are in: is_ready),
+        then complete the next frame of every sequence, with one sync at the end for the picked tokens and the
+        frames' host copy. riders (riders()): prompts prefilled in the read-back's forward where a captured
+        shape takes them, their frame 0 completed with the others; else prefilled first, as prefill() does."""
         unfed = [s for s in seqs if self.slots[s.slot].unfed]
-        picked = self._advance(unfed) if unfed else None
-        codes = self._complete_frames(seqs)
+        prompts = self._ride(riders) if riders and unfed else None
+        if riders and prompts is None:
+            return self.prefill(list(riders)) + self.decode(seqs)
+        riders = list(riders)
+        picked = self._advance(unfed, riders, prompts or []) if unfed else None
+        codes = self._complete_frames(seqs + riders)
         # a frame completed from an EOS pick is dropped below; until the sync only views of the copy are taken
         sent = to_host(codes)
-        tokens = dict(zip(map(id, unfed), picked.tolist())) if unfed else {}
-        if not unfed:
+        picks = unfed + riders
+        tokens = dict(zip(map(id, picks), picked.tolist())) if picks else {}
+        if not picks:
             sync_current_stream(self.device)
         results = []
-        for i, seq in enumerate(seqs):
+        for i, seq in enumerate(seqs + riders):
             if id(seq) in tokens:
                 stop = self._accept(seq, tokens[id(seq)])
                 if stop.finish_reason is not None:
@@ -180,6 +205,24 @@ class TalkerRunner(DecoderRunner):
                     continue
             results.append(self._frame_sent(seq, sent[i : i + 1]))
         return results
+
+    def _ride(self, riders: list[Sequence]) -> list[PromptRows] | None:
+        """The riders' prompts, their slots started with stand-in states (a decode step's row of such a slot
+        writes past its prompt, where its first read-back writes), when the long prefill's rows take them
+        beside this step's decode (ChunkPrefill.joins); None, and nothing changed, when they do not."""
+        lengths = [self.prompt_tokens(s) for s in riders]
+        highest = max(i for i, st in enumerate(self.slots) if st is not None)
+        rows = 1 + max(highest, *(s.slot for s in riders))
+        kv_len = max(st.length for st in self.slots if st is not None) + 1
+        shape = self.decoder.shape_for(rows, max(kv_len, *(n + 1 for n in lengths)))
+        if not self.long_prefill.rows.joins(shape, len(riders), max(lengths), 0):
+            return None
+        for seq in riders:  # a prefill starts its slot afresh
+            self.cache.release(seq.slot)
+        prompts = self.prompts.build(riders)
+        for seq, p in zip(riders, prompts):
+            self.slots[seq.slot] = _SlotState(p.embeds.shape[0], 0, p.tts_eos, p.tts_pad)
+        return prompts
 
     def _frame_sent(self, seq: Sequence, codes: torch.Tensor) -> StepResult:
         """The sequence's next frame (codes [1, 16]) is complete: it goes out, to be read back later."""
@@ -256,23 +299,40 @@ class TalkerRunner(DecoderRunner):
         self.codec_sums[slots] = codec_sum
         return codes
 
-    def _advance(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Reads each sequence's last frame back with its text row and picks the next frame's codebook 0
-        (returned on the device, and kept in self.c0)."""
+    def _advance(self, seqs: list[Sequence], riders: list[Sequence] = (), prompts: list[PromptRows] = ()
+                 ) -> torch.Tensor:  # fmt: skip
+        """Reads each sequence's last frame back with its text row and picks the next frame's codebook 0;
+        riders' prompts (_ride()) prefill in the same forward and pick their frame 0's. Returns the picks of
+        seqs then riders, on the device, and keeps them in self.c0."""
         slots = to_device([s.slot for s in seqs], self.device)
         # rows of occupied slots that are not stepping (waiting for text) write at their next free position
         self.decoder.embeds[slots, 0] = self.codec_sums[slots] + self._text_inputs(seqs)
         for seq in seqs:
             self.cache.grow(seq.slot, self.slots[seq.slot].length + 1)
         states = self._step_states()
-        self.decoder.step([st.length if st else 0 for st in states], [st.rope_delta if st else 0 for st in states])
+        step = ([st.length if st else 0 for st in states], [st.rope_delta if st else 0 for st in states])
+        if riders:
+            hidden = self.long_prefill.rows.run_beside(
+                self.decoder, step, [p.embeds for p in prompts], [s.slot for s in riders], [0] * len(riders),
+                positions=[None if p.text_only else p.positions for p in prompts])  # fmt: skip
+            self.prompts_in_decode += len(riders)
+        else:
+            self.decoder.step(*step)
         self.hidden[slots] = self.decoder.hidden_out[slots]
-        picked = self._pick_c0(self.decoder.logits_out[slots], seqs)
+        logits = self.decoder.logits_out[slots]
+        if riders:
+            ridden = to_device([s.slot for s in riders], self.device)
+            self.hidden[ridden] = hidden
+            logits = torch.cat([logits, self.model.codec_head(hidden)])
+            slots = torch.cat([slots, ridden])
+        picked = self._pick_c0(logits, seqs + riders)
         self.c0[slots] = picked
         for seq in seqs:
             state = self.slots[seq.slot]
             state.length += 1
             state.unfed = False
+        for seq, p in zip(riders, prompts):
+            self.slots[seq.slot] = _SlotState(p.embeds.shape[0], p.rope_delta, p.tts_eos, p.tts_pad)
         return picked
 
     def _accept(self, seq: Sequence, token: int) -> StepResult:

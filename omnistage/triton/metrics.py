@@ -144,8 +144,10 @@ _THINKER_COUNTERS = {  # the thinker's runner stats (ThinkerRunner.stats)
     "prefix_cache_hit_tokens_total": "prompt tokens whose K/V came from the prefix cache instead of a prefill",
     "pieces_in_decode_total": "long prompts' pieces run in a decode step's forward (one read of the experts for "
                               "both) rather than in their own",
-    "prompts_in_decode_total": "prompts prefilled in a decode step's forward (text after a kept prefix, a lone "
-                               "media prompt) rather than in their own",
+}
+_RIDER_COUNTERS = {  # both runners' stats
+    "prompts_in_decode_total": "prompts prefilled in a decode step's forward (one read of the experts for both) "
+                               "rather than in their own",
 }
 
 
@@ -157,7 +159,7 @@ class StageMetrics(MetricsPublisher):
         self.stage, self.engine, self.responder, self.kv, self.device = stage, engine, responder, kv, device
         for name, text in _STAGE_GAUGES.items():
             self.gauge(f"omni_{stage}_{name}", text)
-        self.counters = {**_STAGE_COUNTERS, **(_THINKER_COUNTERS if stage == "thinker" else {})}
+        self.counters = {**_STAGE_COUNTERS, **_RIDER_COUNTERS, **(_THINKER_COUNTERS if stage == "thinker" else {})}
         for name, text in self.counters.items():
             self.counter(f"omni_{stage}_{name}", text)
 
@@ -194,12 +196,12 @@ class StageMetrics(MetricsPublisher):
             "requests_waiting_for_blocks": s["waiting_for_blocks"],
             "preemptions_total": s["preemptions"],
             "gpu_memory_peak_bytes": self._peak_gpu_bytes(),
+            "prompts_in_decode_total": s["prompts_in_decode"],
         }
         if "prefix_cache_hit_tokens_total" in self.counters:
             values["prefix_cache_prompt_tokens_total"] = s["prefix_prompt_tokens"]
             values["prefix_cache_hit_tokens_total"] = s["prefix_hit_tokens"]
             values["pieces_in_decode_total"] = s["pieces_in_decode"]
-            values["prompts_in_decode_total"] = s["prompts_in_decode"]
         return [(f"omni_{self.stage}_{name}", {}, value) for name, value in values.items()]
 
     def _peak_gpu_bytes(self) -> int:

@@ -240,3 +240,89 @@ def test_thinker_prefills_text_audio_and_image_prompts_in_one_batched_forward(hf
         tp = TalkerPrompt(out.talker, 2302, list(out.text_rows.unbind(0)), True, x.get("image_grid_thw"), lengths)
         codes, _ = run_talker(talker, running(f"a{i}", SamplingParams(max_tokens=FRAMES, repetition_penalty=1.05), tp, 0))
         assert torch.equal(codes, want_codes), i
+
+
+@pytest.mark.parametrize("joined", [True, False], ids=["in_the_decode_forward", "forward_of_its_own"])
+def test_talker_prompts_beside_a_running_stream_ride_its_decode_and_match_generate(joined, hf_model, processor):
+    """A text and an image turn's talker prompts arrive while a stream speaks, one in a slot below the
+    stream's that a finished request freed: they prefill in the decode step's forward (one call of each
+    layer's MLP), their frame 0 completed with the stream's frame; or, where no shape is captured beside the
+    decode (ChunkPrefill.joins), in a forward of their own first. Either way each one's codes are generate()'s."""
+    from .test_chunked_prefill import decode_forwards, serve
+
+    kw = dict(max_slots=4, max_seq_len=512, device="cpu", dtype=torch.float32)
+    thinker = ThinkerRunner(hf_model.thinker, hf_model.config, **kw)
+    talker = TalkerRunner(hf_model.talker, hf_model.config, hf_model.thinker.get_input_embeddings().weight, **kw)
+    if not joined:
+        talker.long_prefill.rows.joins = lambda *shape: False
+    frames = {"x": 1, "stream": 14, "text": FRAMES, "image": FRAMES}  # x (slot 0) ends at its prefill
+    requests, want = {}, {}
+    turns = [("x", "text", "Hi."), ("stream", "text", "Read this out."), ("text", "text", "Say hello!"),
+             ("image", "image", "What is it?")]  # fmt: skip
+    for i, (key, kind, text) in enumerate(turns):
+        inputs = prepare_inputs(processor, oracle.messages(kind, text))
+        prompt = ThinkerPrompt(inputs["input_ids"][0], inputs.get("pixel_values"), inputs.get("image_grid_thw"),
+                               export_talker=True)  # fmt: skip
+        out, _ = run_thinker(thinker, running(f"t{i}", SamplingParams(max_tokens=REPLY), prompt, slot=0))
+        tp = TalkerPrompt(out.talker, 2302, list(out.text_rows.unbind(0)), True, inputs.get("image_grid_thw"))
+        params = SamplingParams(max_tokens=frames[key], repetition_penalty=1.05)
+        requests[key] = (key, params, tp)
+        want[key] = oracle.generate(hf_model, inputs, REPLY, frames[key])[1]
+    steps, prefilled, prefill_batch = decode_forwards(talker), [], talker._prefill_batch
+    talker._prefill_batch = lambda seqs: prefilled.extend(s.request_id for s in seqs) or prefill_batch(seqs)
+    got, _ = serve(talker, 1024, [requests["x"], requests["stream"]], later=[requests["text"], requests["image"]])
+    ridden = [(ids, mlp_calls) for ids, mlp_calls in steps if ids]
+    assert sorted(i for ids, _ in ridden for i in ids) == ["image", "text"]
+    # joined: the decode rows (3 slots) and the prompts' rows in one call; else the prompts' own prefill first
+    assert all((len(calls) == 1 and calls[0] > 3) == joined for _, calls in ridden), ridden
+    assert sorted(prefilled) == sorted(["stream", "x"] + (["image", "text"] if not joined else []))
+    assert talker.stats()["prompts_in_decode"] == (2 if joined else 0)
+    for key, codes in want.items():
+        assert torch.equal(got[key].codes, codes), key
+
+
+@pytest.mark.gpu
+@torch.inference_mode()
+def test_talker_prompts_riding_a_decode_on_cuda_equal_their_eager_prefill(tiny_checkpoint, hf_model, processor):
+    """As served on CUDA (bf16, the fused kernels, graphs captured): a text and an image turn's talker prompts
+    that ride a stream's decode step replay a graph captured beside it, and leave the K/V of an eager prefill
+    of each, within bf16 rounding; the stream's decode row is the one it takes alone."""
+    from omnistage.models.checkpoint import load_config, load_stage, load_text_embeddings
+
+    from .test_chunked_prefill import assert_close_in_bf16
+
+    thinker = ThinkerRunner(hf_model.thinker, hf_model.config, max_slots=1, max_seq_len=512, device="cpu",
+                            dtype=torch.float32)  # fmt: skip
+    prompts = []
+    for i, (kind, text) in enumerate([("text", "Read this out."), ("text", "Say hello!"), ("image", "What is it?")]):
+        inputs = prepare_inputs(processor, oracle.messages(kind, text))
+        prompt = ThinkerPrompt(inputs["input_ids"][0], inputs.get("pixel_values"), inputs.get("image_grid_thw"),
+                               export_talker=True)  # fmt: skip
+        out, _ = run_thinker(thinker, running(f"t{i}", SamplingParams(max_tokens=REPLY), prompt, slot=0))
+        rows = list(out.text_rows.unbind(0))
+        prompts.append(TalkerPrompt(out.talker, 2302, rows, True, inputs.get("image_grid_thw")))
+        thinker.release(running(f"t{i}", SamplingParams(), prompt, slot=0))
+    config = load_config(str(tiny_checkpoint))
+    model = load_stage(str(tiny_checkpoint), "talker", dtype=torch.bfloat16, device="cuda",
+                       experts_implementation="gather_or_grouped")  # fmt: skip
+    table = load_text_embeddings(str(tiny_checkpoint), device="cuda")
+    kw = dict(max_slots=4, max_seq_len=512, device="cuda", dtype=torch.bfloat16)
+    graphs, eager = TalkerRunner(model, config, table, cuda_graphs=True, **kw), TalkerRunner(model, config, table, **kw)
+    graphs.capture_graphs()
+    params = SamplingParams(max_tokens=FRAMES, ignore_eos=True)
+    stream, alone = (running("s", params, prompts[0], slot=1) for _ in range(2))
+    graphs.prefill([stream])
+    eager.prefill([alone])
+    riders = [running(f"r{i}", params, p, slot=slot) for i, (p, slot) in enumerate(zip(prompts[1:], (0, 2)))]
+    assert graphs.riders(riders) == riders
+    decoded, *ridden = graphs.decode([stream], riders)
+    eager.decode([alone])
+    assert graphs.stats()["prompts_in_decode"] == 2 and decoded.seq is stream
+    assert_close_in_bf16(graphs.decoder.logits_out[1].float(), eager.decoder.logits_out[1].float())
+    for seq, result in zip(riders, ridden):
+        assert result.seq is seq and result.output.codes.shape == (1, 16)
+        ref = running(f"e{seq.request_id}", params, seq.payload, slot=3)
+        eager.prefill([ref])
+        n = graphs.prompt_tokens(seq)
+        assert_close_in_bf16(slot_kv(graphs.cache, seq.slot, n), slot_kv(eager.cache, 3, n))
+        eager.release(ref)
