@@ -15,6 +15,7 @@
 #
 #   python -m perf.profile_steps out.json [--experts NAME] [--also-experts NAME ...] [--trace-dir DIR]
 #                                         [--stages thinker thinker_prefix thinker_riders thinker_b1 talker talker_parts
+#                                          talker_riders
 #                                          thinker_long code2wav] [--long-tokens 30000 --long-rows 4]
 from __future__ import annotations
 
@@ -251,6 +252,47 @@ def profile_riders(model, config, kw, params, decodes: int = 60, riders=(1, 2, 4
     return out
 
 
+def profile_talker_riders(model, text_embeddings, config, kw, params, decodes: int = 62, riders=(1, 2)) -> dict:
+    """A talker frame of `decodes` W1-like streams with 1 or 2 new W1 talker prompts in the slots above: their
+    prefill (a forward and a code-predictor call for their frame 0) and then the frame, in turn, against their
+    rows in the frame's forward and their frame 0 in its predictor call (TalkerRunner.decode's riders), as
+    served (graphs captured)."""
+    runner = TalkerRunner(model, config, text_embeddings, **dict(kw, max_slots=decodes + max(riders),
+                                                                 cuda_graphs=True, max_prefills=16))  # fmt: skip
+    runner.capture_graphs()
+    prompts = talker_prompts(config, 150, decodes + max(riders))
+    streams = [running(i, params, p) for i, p in enumerate(prompts[:decodes])]
+    for first in range(0, decodes, 16):
+        runner.prefill(streams[first : first + 16])
+    runner.decode(streams)  # each stream's frame 0 read back from here on, as at W1 mid-reply
+    out = {"talker_riders_frame_alone": with_wall(lambda: runner.decode(streams))}
+
+    def new(n: int) -> list:
+        return [running(decodes + i, params, prompts[decodes + i]) for i in range(n)]
+
+    for n in riders:
+        assert runner.riders(new(n)), "the prompts would not ride"
+
+        def apart(n=n):
+            seqs = new(n)
+            runner.prefill(seqs)
+            runner.decode(streams)
+            release(runner, seqs)
+
+        def joint(n=n):
+            seqs = new(n)
+            runner.decode(streams, seqs)
+            release(runner, seqs)
+
+        out[f"talker_riders_{n}_prefill_then_frame"] = with_wall(apart)
+        joined = runner.prompts_in_decode
+        out[f"talker_riders_{n}_in_frame"] = with_wall(joint)
+        assert runner.prompts_in_decode > joined, "no graph took them beside the frame"
+    release(runner, streams)
+    del runner
+    return out
+
+
 def profile_beside_long(model, config, kw, params, long_tokens: int, long_rows: int, short_rows: int = 64,
                         measure=None) -> dict:
     """The thinker's decode step as perf/paged_ab.py's mixed level runs it (graphs captured on CUDA):
@@ -392,6 +434,11 @@ def main() -> None:
         save()
     if "thinker_riders" in args.stages:
         report.update(profile_riders(load("thinker"), config, kw, params))
+        free()
+        save()
+    if "talker_riders" in args.stages:
+        table = load_text_embeddings(source, dtype, dev)
+        report.update(profile_talker_riders(load("talker"), table, config, kw, params))
         free()
         save()
     if "talker" in args.stages:
