@@ -252,8 +252,8 @@ def profile_riders(model, config, kw, params, decodes: int = 60, riders=(1, 2, 4
     return out
 
 
-def profile_talker_riders(model, text_embeddings, config, kw, params, decodes: int = 62, riders=(1, 2)) -> dict:
-    """A talker frame of `decodes` W1-like streams with 1 or 2 new W1 talker prompts in the slots above: their
+def profile_talker_riders(model, text_embeddings, config, kw, params, decodes: int = 60, riders=(1, 2, 4)) -> dict:
+    """A talker frame of `decodes` W1-like streams with 1, 2 or 4 new W1 talker prompts in the slots above: their
     prefill (a forward and a code-predictor call for their frame 0) and then the frame, in turn, against their
     rows in the frame's forward and their frame 0 in its predictor call (TalkerRunner.decode's riders), as
     served (graphs captured)."""

@@ -35,6 +35,9 @@ PIECE_TOKENS = 128
 # attended positions.
 MAX_ROWS = 16
 MAX_ATTENDED = 16 * 4096
+# Rows that ride a decode step's forward (run()'s beside) on CUDA: a long prompt's piece, or up to 4 new media
+# prompts of the thinker's (a row each).
+ROWS_BESIDE = (1, 2, 4)
 
 
 class LongPrefill:
@@ -64,7 +67,7 @@ class LongPrefill:
                            device=self.rows.hidden_out.device)  # fmt: skip
         accepted: list[list[torch.Tensor]] = [[] for _ in pieces]
         keep = self.rows.spans.accept_layer is not None
-        for group in self._groups(rows):  # a prompt's rows stay in order
+        for group in self._groups(rows, mixed=beside is not None):  # a prompt's rows stay in order
             args = ([r[1].embeds for r in group], [r[2] for r in group], [r[3] for r in group])
             kwargs = dict(positions=[r[1].positions for r in group], deepstack=[r[1].deepstack for r in group])
             if beside is not None:
@@ -81,24 +84,26 @@ class LongPrefill:
 
     def joins(self, pieces: list[tuple[InputRows, int, int]], decode_shape: tuple[int, int]) -> bool:
         """Whether run() can take a decode step of that (rows, kv_len) shape beside these pieces: any where
-        graphs are off; on CUDA a lone piece of one row in a shape whose graphs are captured beside the
-        decoder's (a unit's or a chunk's bucket: a piece deep in a long prompt, where a step's attention
-        budget leaves a unit or a few)."""
+        graphs are off; on CUDA pieces of one row each in a shape whose graphs are captured beside the
+        decoder's (ROWS_BESIDE rows of a unit's or a chunk's bucket: a piece deep in a long prompt, where a
+        step's attention budget leaves a unit or a few, or a step's new media prompts)."""
         if not self.rows.joint.enabled:
             return True
-        piece, _, start = pieces[0]
-        tokens = piece.embeds.shape[0]
-        return len(pieces) == 1 and tokens <= CHUNK_TOKENS and self.rows.joins(decode_shape, 1, tokens, start)
+        tokens = max(piece.embeds.shape[0] for piece, _, _ in pieces)
+        start = max(start for _, _, start in pieces)
+        return tokens <= CHUNK_TOKENS and self.rows.joins(decode_shape, len(pieces), tokens, start)
 
-    def _groups(self, rows: list[tuple]) -> list[list[tuple]]:
+    def _groups(self, rows: list[tuple], mixed: bool = False) -> list[list[tuple]]:
         """Consecutive rows cut into forwards of one token bucket that fit the ChunkPrefill (rows, attended
-        positions): a short row in a forward of whole chunks would be padded to a chunk."""
+        positions): a short row in a forward of whole chunks would be padded to a chunk. mixed: the first
+        forward, which rides a decode step, takes short rows beside chunks too, since a forward of their own
+        would cost more than their padding."""
         groups = [[rows[0]]]
         for row in rows[1:]:
             group = groups[-1]
             tokens = max(_length(r) for r in [row, *group])
-            if (_length(row) > PIECE_TOKENS) == (_length(group[0]) > PIECE_TOKENS) and \
-                    self.rows.fits(len(group) + 1, tokens, max(row[3], *(r[3] for r in group))):  # fmt: skip
+            same = (_length(row) > PIECE_TOKENS) == (_length(group[0]) > PIECE_TOKENS) or mixed and len(groups) == 1
+            if same and self.rows.fits(len(group) + 1, tokens, max(row[3], *(r[3] for r in group))):
                 group.append(row)
             else:
                 groups.append([row])
@@ -110,9 +115,9 @@ class LongPrefill:
         self.rows.capture_all()
 
     def capture_beside(self, decoder) -> None:
-        """Captures one row of a unit's and of a chunk's bucket beside each of the decoder's steps (run()'s
-        beside), into the same pool."""
-        self.rows.capture_beside(decoder, (PIECE_TOKENS, CHUNK_TOKENS))
+        """Captures ROWS_BESIDE rows of a unit's and of a chunk's bucket beside each of the decoder's steps
+        (run()'s beside), into the same pool."""
+        self.rows.capture_beside(decoder, (PIECE_TOKENS, CHUNK_TOKENS), ROWS_BESIDE)
 
 
 def _length(row: tuple) -> int:

@@ -17,16 +17,13 @@ from ..core.scheduler import Sequence
 from .code_predictor import CodePredictor, StaticCodePredictor
 from .host_copy import sync_current_stream, to_device, to_host
 from .conditioning import ASSISTANT_ROWS, TalkerConditioning
-from .long_prefill import CHUNK_TOKENS, PIECE_TOKENS
+from .long_prefill import ROWS_BESIDE
 from .media_rows import InputRows
 from .positioned_prefill import PositionedPrefill
 from .runner import WARM_UP_STEPS, DecoderRunner
 from .talker_prompt import PromptBuilder, PromptRows, TalkerPrompt
 from .warm_up import warm_up_turns
 
-# A step's new prompts prefill in its decode forward when at most RIDER_ROWS[-1] of them come (riders()); on
-# CUDA graphs are captured for those rows of the long prefill's token buckets beside every decode bucket.
-RIDER_ROWS = (1, 2)
 
 @dataclass
 class TalkerOutput:
@@ -111,10 +108,10 @@ class TalkerRunner(DecoderRunner):
 
     def riders(self, seqs: list[Sequence]) -> list[Sequence]:
         """The prompts of a step that prefill in its decode forward (decode()'s riders): all of its new ones,
-        when at most RIDER_ROWS[-1] come and none goes in chunks. One forward then reads each layer's experts
+        when at most ROWS_BESIDE[-1] come and none goes in chunks (a long prefill row each). One forward then reads each layer's experts
         for the prompts and the decode rows, and one code-predictor call completes the decode's frames and the
         prompts' frame 0, where a prefill of their own took a forward and a predictor call more."""
-        if len(seqs) > RIDER_ROWS[-1] or any(self._in_chunks(s) for s in seqs):
+        if len(seqs) > ROWS_BESIDE[-1] or any(self._in_chunks(s) for s in seqs):
             return []
         return seqs
 
@@ -173,7 +170,7 @@ class TalkerRunner(DecoderRunner):
         # outside the pool, so they share one pool of intermediates (as the thinker's do)
         self.media_prefill.bank.pool = self.static_prefill.bank.pool
         self.media_prefill.capture_all()
-        self.long_prefill.rows.capture_beside(self.decoder, (PIECE_TOKENS, CHUNK_TOKENS), RIDER_ROWS)  # riders()
+        self.long_prefill.capture_beside(self.decoder)  # the prompts that ride decode steps (riders())
         if self.static_predictor is not None:
             self.static_predictor.capture_all()
 
@@ -208,19 +205,16 @@ class TalkerRunner(DecoderRunner):
 
     def _ride(self, riders: list[Sequence]) -> list[PromptRows] | None:
         """The riders' prompts, their slots started with stand-in states (a decode step's row of such a slot
-        writes past its prompt, where its first read-back writes), when the long prefill's rows take them
-        beside this step's decode (ChunkPrefill.joins); None, and nothing changed, when they do not."""
-        lengths = [self.prompt_tokens(s) for s in riders]
-        highest = max(i for i, st in enumerate(self.slots) if st is not None)
-        rows = 1 + max(highest, *(s.slot for s in riders))
-        kv_len = max(st.length for st in self.slots if st is not None) + 1
-        shape = self.decoder.shape_for(rows, max(kv_len, *(n + 1 for n in lengths)))
-        if not self.long_prefill.rows.joins(shape, len(riders), max(lengths), 0):
-            return None
-        for seq in riders:  # a prefill starts its slot afresh
-            self.cache.release(seq.slot)
+        writes past its prompt, where its first read-back writes), when the long prefill takes them beside
+        this step's decode (LongPrefill.joins); None, and their slots as they were, when it does not."""
         prompts = self.prompts.build(riders)
-        for seq, p in zip(riders, prompts):
+        occupied = [i for i, st in enumerate(self.slots) if st is not None] + [s.slot for s in riders]
+        lengths = [st.length for st in self.slots if st is not None] + [p.embeds.shape[0] for p in prompts]
+        decode_shape = self.decoder.shape_for(1 + max(occupied), 1 + max(lengths))
+        if not self.long_prefill.joins(_pieces(prompts, riders), decode_shape):
+            return None
+        for seq, p in zip(riders, prompts):  # a prefill starts its slot afresh
+            self.cache.release(seq.slot)
             self.slots[seq.slot] = _SlotState(p.embeds.shape[0], 0, p.tts_eos, p.tts_pad)
         return prompts
 
@@ -312,9 +306,7 @@ class TalkerRunner(DecoderRunner):
         states = self._step_states()
         step = ([st.length if st else 0 for st in states], [st.rope_delta if st else 0 for st in states])
         if riders:
-            hidden = self.long_prefill.rows.run_beside(
-                self.decoder, step, [p.embeds for p in prompts], [s.slot for s in riders], [0] * len(riders),
-                positions=[None if p.text_only else p.positions for p in prompts])  # fmt: skip
+            hidden, _ = self.long_prefill.run(_pieces(prompts, riders), beside=(self.decoder, step))
             self.prompts_in_decode += len(riders)
         else:
             self.decoder.step(*step)
@@ -375,3 +367,9 @@ class TalkerRunner(DecoderRunner):
             if not s.params.greedy:
                 rows[i] = self.sampler.draw(logits[i], 1.0, 50, 0.8, self.sampler.generator(s.request_id, s.params))
         return rows
+
+
+def _pieces(prompts: list[PromptRows], seqs: list[Sequence]) -> list[tuple[InputRows, int, int]]:
+    """Whole prompts as the long prefill's pieces: their rows (with their MRoPE positions where they have
+    media), their slots, starting at 0."""
+    return [(InputRows(p.embeds, None if p.text_only else p.positions), s.slot, 0) for p, s in zip(prompts, seqs)]

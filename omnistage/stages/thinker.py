@@ -177,17 +177,17 @@ class ThinkerRunner(ThinkerPrefill, DecoderRunner):
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence], riders: list[Sequence] = ()) -> list[StepResult]:
         """One decode step of seqs; riders (riders()): this step's long prompts' pieces, its text prompts that
-        take a kept prefix, or its lone media prompt, run in the same forward where the captured shapes
+        take a kept prefix, or its media prompts, run in the same forward where the captured shapes
         allow, answered as prefill() answers them."""
         # every occupied slot up to the highest takes part (a just-prefilled one too), see StaticDecoder.step
         for seq in seqs:
             self.cache.grow(seq.slot, self.slots[seq.slot].length + 1)
         if riders and not self._in_chunks(riders[0]) and riders[0].payload.is_text_only:
             return self._decode_beside_prompts(seqs, riders)
-        media = bool(riders) and not self._in_chunks(riders[0])  # a lone media prompt, as one long piece
+        media = bool(riders) and not self._in_chunks(riders[0])  # media prompts, a long piece each
         if riders:
             self._start(riders)
-            pieces, spans = self._media_piece(riders[0]) if media else self._long_pieces(riders)
+            pieces, spans = self._media_pieces(riders) if media else self._long_pieces(riders)
         rows = self._decode_rows()
         if not riders:
             self.decoder.step(*rows)
@@ -195,7 +195,7 @@ class ThinkerRunner(ThinkerPrefill, DecoderRunner):
         if self.long_prefill.joins(pieces, self._decode_shape(rows)):
             last, accepted = self.long_prefill.run(pieces, beside=(self.decoder, rows))
             if media:
-                self.prompts_in_decode += 1
+                self.prompts_in_decode += len(riders)
             else:
                 self.pieces_in_decode += len(pieces)
         else:  # no graph for this shape beside a decode step: one forward each

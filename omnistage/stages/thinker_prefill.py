@@ -100,8 +100,8 @@ class ThinkerPrefill:
             after its first piece);
           - text prompts whose kept prefix leaves a suffix for the chunk prefill (W1's ~38 tokens after its
             shared system prompt), all of them if at most JOINT_ROWS[-1];
-          - a lone media prompt whose media are not all kept: its rows (encoded in decode()) as one row of
-            the long prefill's."""
+          - up to JOINT_ROWS[-1] media prompts whose media are not all kept: their rows (encoded together in
+            decode()) as one row of the long prefill's each."""
         long = [s for s in seqs if self._in_chunks(s) and (s.payload.is_text_only or (
             s.slot in self.long_media and not s.first_piece))]  # fmt: skip
         if long:
@@ -113,9 +113,9 @@ class ThinkerPrefill:
         if hits:
             return hits if len(hits) <= JOINT_ROWS[-1] and self._suffixes_fit(hits, found) else []
         media = [s for s in fresh if not s.payload.is_text_only]
-        if len(media) != 1 or self.prefix and self.media_prefix.covers_media(
-                media[0].payload, self.media_prefix.match(media[0].payload, peek=True)):  # fmt: skip
-            return []  # several go in one MediaPrefill forward; one whose media are kept, in the chunk prefill
+        if len(media) > JOINT_ROWS[-1] or self.prefix and any(self.media_prefix.covers_media(
+                s.payload, self.media_prefix.match(s.payload, peek=True)) for s in media):  # fmt: skip
+            return []  # more go in one MediaPrefill forward; one whose media are kept, in the chunk prefill
         return media
 
     def prefix_blocks(self, seq: Sequence) -> list[int]:
@@ -299,21 +299,27 @@ class ThinkerPrefill:
             self._pending(s, b)
         return pieces, spans
 
-    def _media_piece(self, seq: Sequence) -> tuple[list[tuple[InputRows, int, int]], list[tuple[int, int, int]]]:
-        """A lone media prompt as decode()'s one long piece: its slot takes its kept prefix, its media go
-        through the encoders, and its rows from there on are the piece, answered as a long media prompt's
-        last piece (the pieces and spans of _long_pieces)."""
-        p, n = seq.payload, self.prompt_tokens(seq)
-        found = self.media_prefix.match(p) if self.prefix else None
-        start = 0
-        if found is not None and found.entries:
-            found = self.media_prefix.still_kept(p, found)
-            self.prefix.load(seq.slot, found)
-            start = found.tokens
-        rows = self.media.rows([p], [start])[0]
-        self.long_media[seq.slot] = LongMedia(rows, start, found)
-        self._pending(seq, n)
-        return [(rows, seq.slot, start)], [(start, n, n)]
+    def _media_pieces(self, seqs: list[Sequence]) -> tuple[list[tuple[InputRows, int, int]], list[tuple[int, int, int]]]:
+        """A step's media prompts as decode()'s long pieces, one each: each slot takes its kept prefix, their
+        media go through the encoders together, and each one's rows from there on are its piece, answered as
+        a long media prompt's last piece (the pieces and spans of _long_pieces)."""
+        starts, kept = [], []
+        for seq in seqs:
+            p = seq.payload
+            found = self.media_prefix.match(p) if self.prefix else None
+            if found is not None and found.entries:
+                found = self.media_prefix.still_kept(p, found)
+                self.prefix.load(seq.slot, found)
+            starts.append(found.tokens if found is not None and found.entries else 0)
+            kept.append(found)
+        pieces, spans = [], []
+        for seq, rows, start, found in zip(seqs, self.media.rows([s.payload for s in seqs], starts), starts, kept):
+            n = self.prompt_tokens(seq)
+            self.long_media[seq.slot] = LongMedia(rows, start, found)
+            self._pending(seq, n)
+            pieces.append((rows, seq.slot, start))
+            spans.append((start, n, n))
+        return pieces, spans
 
     def _long_results(self, seqs: list[Sequence], spans: list[tuple[int, int, int]], last: torch.Tensor,
                       accepted: list[torch.Tensor | None]) -> list[StepResult]:  # fmt: skip

@@ -210,3 +210,33 @@ def test_a_lone_media_prompt_beside_a_running_stream_rides_its_decode_and_matche
     torch.testing.assert_close(torch.cat(keys + values), slot_kv(plain.cache, 3, prompt.input_ids.numel()), rtol=1e-4,
                                atol=1e-5)  # fmt: skip
     torch.testing.assert_close(got["media"].talker.media_rows, ref.talker.media_rows, rtol=1e-4, atol=1e-5)
+
+
+def test_media_prompts_arriving_together_beside_a_running_stream_ride_its_decode_and_match_generate(hf_model,
+                                                                                                     processor):  # fmt: skip
+    """A clip's and a picture's prompts arrive together while a stream decodes, one in a slot below the
+    stream's that a finished request freed: their media go through the encoders together and their rows
+    after the kept prefix through the decode step's forward, a long-prefill row each (one call of each
+    layer's MLP for the step), and each reply is generate()'s."""
+    from .test_chunked_prefill import decode_forwards, serve
+
+    cached = _runner(hf_model, 8 << 20)
+    for v in (1, 2):  # two sightings: the system prompt's blocks are kept
+        seq = running(f"w{v}", SamplingParams(max_tokens=1), _prompt(prepare_inputs(processor, [SYSTEM, {
+            "role": "user", "content": [_item("audio", v), {"type": "text", "text": "Hi"}]}])), slot=v - 1)  # fmt: skip
+        run_thinker(cached, seq)
+        cached.release(seq)
+    steps = decode_forwards(cached)
+    inputs = {k: prepare_inputs(processor, [SYSTEM, {"role": "user", "content": c}]) for k, c in {
+        "x": [{"type": "text", "text": "One more."}], "stream": [{"type": "text", "text": "Read this out."}],
+        "audio": [_item("audio", 1), {"type": "text", "text": QUESTION}],
+        "image": [_item("image", 3), {"type": "text", "text": QUESTION}]}.items()}  # fmt: skip
+    lengths = {"x": 1, "stream": 12, "audio": REPLY, "image": REPLY}  # x (slot 0) ends at its prefill
+    requests = {k: (k, SamplingParams(max_tokens=lengths[k], ignore_eos=True), _prompt(v)) for k, v in inputs.items()}
+    got, _ = serve(cached, 1024, [requests["x"], requests["stream"]], later=[requests["audio"], requests["image"]])
+    ridden = [(ids, mlp_calls) for ids, mlp_calls in steps if ids]
+    assert sorted(i for ids, _ in ridden for i in ids) == ["audio", "image"]
+    assert all(len(mlp_calls) == 1 for _, mlp_calls in ridden), ridden
+    assert cached.stats()["prompts_in_decode"] == 2
+    for k, (_, params, _) in requests.items():
+        assert got[k].token_ids == oracle.generate(hf_model, inputs[k], params.max_tokens, 2)[0], k

@@ -247,14 +247,14 @@ def test_talker_prompts_beside_a_running_stream_ride_its_decode_and_match_genera
     """A text and an image turn's talker prompts arrive while a stream speaks, one in a slot below the
     stream's that a finished request freed: they prefill in the decode step's forward (one call of each
     layer's MLP), their frame 0 completed with the stream's frame; or, where no shape is captured beside the
-    decode (ChunkPrefill.joins), in a forward of their own first. Either way each one's codes are generate()'s."""
+    decode (LongPrefill.joins), in a forward of their own first. Either way each one's codes are generate()'s."""
     from .test_chunked_prefill import decode_forwards, serve
 
     kw = dict(max_slots=4, max_seq_len=512, device="cpu", dtype=torch.float32)
     thinker = ThinkerRunner(hf_model.thinker, hf_model.config, **kw)
     talker = TalkerRunner(hf_model.talker, hf_model.config, hf_model.thinker.get_input_embeddings().weight, **kw)
     if not joined:
-        talker.long_prefill.rows.joins = lambda *shape: False
+        talker.long_prefill.joins = lambda *shape: False
     frames = {"x": 1, "stream": 14, "text": FRAMES, "image": FRAMES}  # x (slot 0) ends at its prefill
     requests, want = {}, {}
     turns = [("x", "text", "Hi."), ("stream", "text", "Read this out."), ("text", "text", "Say hello!"),
