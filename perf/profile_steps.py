@@ -229,24 +229,7 @@ def profile_riders(model, config, kw, params, decodes: int = 60, riders=(1, 2, 4
     def prompts(n: int) -> list:
         return [running(decodes + i, params, w1(next(fresh))) for i in range(n)]
 
-    for n in riders:
-        assert runner.riders(prompts(n)), "the prompts would not ride"
-
-        def apart(n=n):
-            new = prompts(n)
-            runner.prefill(new)
-            runner.decode(streams)
-            release(runner, new)
-
-        def joint(n=n):
-            new = prompts(n)
-            runner.decode(streams, new)
-            release(runner, new)
-
-        out[f"thinker_riders_{n}_prefill_then_decode"] = with_wall(apart)
-        joined = runner.prompts_in_decode
-        out[f"thinker_riders_{n}_in_decode"] = with_wall(joint)
-        assert runner.prompts_in_decode > joined, "no graph took them beside the decode"
+    out.update(riders_apart_and_in_step(runner, streams, prompts, riders, "thinker_riders", "decode"))
     release(runner, streams)
     del runner
     return out
@@ -270,7 +253,17 @@ def profile_talker_riders(model, text_embeddings, config, kw, params, decodes: i
     def new(n: int) -> list:
         return [running(decodes + i, params, prompts[decodes + i]) for i in range(n)]
 
-    for n in riders:
+    out.update(riders_apart_and_in_step(runner, streams, new, riders, "talker_riders", "frame"))
+    release(runner, streams)
+    del runner
+    return out
+
+
+def riders_apart_and_in_step(runner, streams, new, sizes, name: str, step: str) -> dict:
+    """For each n of sizes, n new prompts (new(n), released after each call) prefilled and then the streams'
+    step, against the prompts in the step's forward (the runner's decode riders); asserts that they rode."""
+    out = {}
+    for n in sizes:
         assert runner.riders(new(n)), "the prompts would not ride"
 
         def apart(n=n):
@@ -284,12 +277,10 @@ def profile_talker_riders(model, text_embeddings, config, kw, params, decodes: i
             runner.decode(streams, seqs)
             release(runner, seqs)
 
-        out[f"talker_riders_{n}_prefill_then_frame"] = with_wall(apart)
+        out[f"{name}_{n}_prefill_then_{step}"] = with_wall(apart)
         joined = runner.prompts_in_decode
-        out[f"talker_riders_{n}_in_frame"] = with_wall(joint)
-        assert runner.prompts_in_decode > joined, "no graph took them beside the frame"
-    release(runner, streams)
-    del runner
+        out[f"{name}_{n}_in_{step}"] = with_wall(joint)
+        assert runner.prompts_in_decode > joined, f"no graph took them beside the {step}"
     return out
 
 
