@@ -108,9 +108,10 @@ class TalkerRunner(DecoderRunner):
 
     def riders(self, seqs: list[Sequence]) -> list[Sequence]:
         """The prompts of a step that prefill in its decode forward (decode()'s riders): all of its new ones,
-        when at most ROWS_BESIDE[-1] come and none goes in chunks (a long prefill row each). One forward then reads each layer's experts
-        for the prompts and the decode rows, and one code-predictor call completes the decode's frames and the
-        prompts' frame 0, where a prefill of their own took a forward and a predictor call more."""
+        when at most ROWS_BESIDE[-1] come and none goes in chunks (a long prefill row each). One forward
+        then reads each layer's experts for the prompts and the decode rows, and one code-predictor call
+        completes the decode's frames and the prompts' frame 0, where a prefill of their own took a forward
+        and a predictor call more."""
         if len(seqs) > ROWS_BESIDE[-1] or any(self._in_chunks(s) for s in seqs):
             return []
         return seqs

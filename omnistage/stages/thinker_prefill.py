@@ -299,7 +299,8 @@ class ThinkerPrefill:
             self._pending(s, b)
         return pieces, spans
 
-    def _media_pieces(self, seqs: list[Sequence]) -> tuple[list[tuple[InputRows, int, int]], list[tuple[int, int, int]]]:
+    def _media_pieces(self, seqs: list[Sequence]
+                      ) -> tuple[list[tuple[InputRows, int, int]], list[tuple[int, int, int]]]:  # fmt: skip
         """A step's media prompts as decode()'s long pieces, one each: each slot takes its kept prefix, their
         media go through the encoders together, and each one's rows from there on are its piece, answered as
         a long media prompt's last piece (the pieces and spans of _long_pieces)."""

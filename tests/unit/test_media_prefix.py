@@ -212,8 +212,7 @@ def test_a_lone_media_prompt_beside_a_running_stream_rides_its_decode_and_matche
     torch.testing.assert_close(got["media"].talker.media_rows, ref.talker.media_rows, rtol=1e-4, atol=1e-5)
 
 
-def test_media_prompts_arriving_together_beside_a_running_stream_ride_its_decode_and_match_generate(hf_model,
-                                                                                                     processor):  # fmt: skip
+def test_media_prompts_arriving_together_beside_a_stream_ride_its_decode_and_match_generate(hf_model, processor):
     """A clip's and a picture's prompts arrive together while a stream decodes, one in a slot below the
     stream's that a finished request freed: their media go through the encoders together and their rows
     after the kept prefix through the decode step's forward, a long-prefill row each (one call of each
