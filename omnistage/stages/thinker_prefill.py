@@ -307,11 +307,12 @@ class ThinkerPrefill:
         starts, kept = [], []
         for seq in seqs:
             p = seq.payload
-            found = self.media_prefix.match(p) if self.prefix else None
+            found, start = self.media_prefix.match(p) if self.prefix else None, 0
             if found is not None and found.entries:
                 found = self.media_prefix.still_kept(p, found)
                 self.prefix.load(seq.slot, found)
-            starts.append(found.tokens if found is not None and found.entries else 0)
+                start = found.tokens
+            starts.append(start)
             kept.append(found)
         pieces, spans = [], []
         for seq, rows, start, found in zip(seqs, self.media.rows([s.payload for s in seqs], starts), starts, kept):

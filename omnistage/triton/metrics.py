@@ -138,16 +138,14 @@ _STAGE_COUNTERS = {
     "first_responses_total": "requests answered with data (their first output sent)",
     "first_response_seconds_total": "their seconds from arrival to that first response sent: the stage's part of "
                                     "a request's first output (queue, first step, response thread)",
+    "prompts_in_decode_total": "prompts prefilled in a decode step's forward (one read of the experts for both) "
+                               "rather than in their own",
 }
 _THINKER_COUNTERS = {  # the thinker's runner stats (ThinkerRunner.stats)
     "prefix_cache_prompt_tokens_total": "prompt tokens of text-only prompts looked up in the prefix cache",
     "prefix_cache_hit_tokens_total": "prompt tokens whose K/V came from the prefix cache instead of a prefill",
     "pieces_in_decode_total": "long prompts' pieces run in a decode step's forward (one read of the experts for "
                               "both) rather than in their own",
-}
-_RIDER_COUNTERS = {  # both runners' stats
-    "prompts_in_decode_total": "prompts prefilled in a decode step's forward (one read of the experts for both) "
-                               "rather than in their own",
 }
 
 
@@ -159,7 +157,7 @@ class StageMetrics(MetricsPublisher):
         self.stage, self.engine, self.responder, self.kv, self.device = stage, engine, responder, kv, device
         for name, text in _STAGE_GAUGES.items():
             self.gauge(f"omni_{stage}_{name}", text)
-        self.counters = {**_STAGE_COUNTERS, **_RIDER_COUNTERS, **(_THINKER_COUNTERS if stage == "thinker" else {})}
+        self.counters = {**_STAGE_COUNTERS, **(_THINKER_COUNTERS if stage == "thinker" else {})}
         for name, text in self.counters.items():
             self.counter(f"omni_{stage}_{name}", text)
 
