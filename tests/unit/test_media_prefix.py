@@ -239,3 +239,46 @@ def test_media_prompts_arriving_together_beside_a_stream_ride_its_decode_and_mat
     assert cached.stats()["prompts_in_decode"] == 2
     for k, (_, params, _) in requests.items():
         assert got[k].token_ids == oracle.generate(hf_model, inputs[k], params.max_tokens, 2)[0], k
+
+
+@pytest.mark.gpu
+@torch.inference_mode()
+def test_media_prompts_riding_a_decode_on_cuda_equal_their_eager_prefill(tiny_checkpoint, processor):
+    """As served on CUDA (bf16, the fused kernels, graphs captured): a clip's and a picture's prompts that ride
+    a stream's decode step, a long-prefill row each, replay a graph captured beside it, and leave the K/V and
+    the talker conditioning of an eager prefill of each, within bf16 rounding; the stream's decode row is the
+    one it takes alone."""
+    from .test_chunked_prefill import assert_close_in_bf16
+    from .test_prefix_cache import cuda_runners
+
+    graphs, eager = cuda_runners(tiny_checkpoint)
+
+    def prompt(content):
+        return _prompt(prepare_inputs(processor, [SYSTEM, {"role": "user", "content": content}]))
+
+    for v in (1, 2):  # two sightings: the system prompt's blocks are kept
+        warm = prompt([_item("audio", v), {"type": "text", "text": "Hi"}])
+        seq = running(f"w{v}", SamplingParams(max_tokens=1), warm, slot=v - 1)
+        graphs.prefill([seq])
+        graphs.release(seq)
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    stream = running("s", params, prompt([{"type": "text", "text": "Read this out."}]), 2)
+    alone = running("s", params, stream.payload, 2)
+    graphs.prefill([stream])
+    eager.prefill([alone])
+    items = {"audio": _item("audio", 1), "image": _item("image", 3)}
+    riders = [running(k, SamplingParams(max_tokens=REPLY), prompt([item, {"type": "text", "text": QUESTION}]), slot=i)
+              for i, (k, item) in enumerate(items.items())]  # fmt: skip
+    assert graphs.riders(riders) == riders
+    decoded, *ridden = graphs.decode([stream], riders)
+    eager.decode([alone])  # the stream's row: the same logits in the joint forward as alone
+    assert graphs.stats()["prompts_in_decode"] == 2 and decoded.seq is stream  # not a forward of their own
+    assert_close_in_bf16(graphs.decoder.logits_out[2].float(), eager.decoder.logits_out[2].float())
+    for seq, result in zip(riders, ridden):
+        assert result.seq is seq and result.output.cached_tokens > 0
+        ref = running(f"e{seq.request_id}", SamplingParams(max_tokens=REPLY), seq.payload, slot=3)
+        [want] = eager.prefill([ref])
+        n = seq.payload.input_ids.numel()
+        assert_close_in_bf16(slot_kv(graphs.cache, seq.slot, n), slot_kv(eager.cache, 3, n))
+        assert_close_in_bf16(result.output.talker.media_rows, want.output.talker.media_rows)
+        eager.release(ref)

@@ -158,23 +158,29 @@ def test_chunk_prefill_buckets_keep_every_padded_position_below_its_kv_length(hf
     assert not chunk.fits(4, 65, 0) and not chunk.fits(5, 10, 0)  # too long a suffix, too many rows
 
 
-@pytest.mark.gpu
-@torch.inference_mode()
-def test_prompts_riding_a_decode_on_cuda_equal_their_eager_prefill(tiny_checkpoint, processor):
-    """As served on CUDA (bf16, the fused kernels, graphs captured): two prompts with a kept system prompt
-    that ride a stream's decode step replay a graph captured beside it, and leave the K/V of an eager
-    prefill of each, within bf16 rounding; the stream's decode row is the one it takes alone."""
+def cuda_runners(tiny_checkpoint) -> tuple[ThinkerRunner, ThinkerRunner]:
+    """As served on CUDA (bf16, the fused kernels): a thinker with its graphs captured and a prefix cache, and
+    an eager one without, over one model."""
     from omnistage.models.checkpoint import load_config, load_stage
-
-    from .test_chunked_prefill import assert_close_in_bf16
 
     config = load_config(str(tiny_checkpoint))
     model = load_stage(str(tiny_checkpoint), "thinker", dtype=torch.bfloat16, device="cuda",
                        experts_implementation="gather_or_grouped")  # fmt: skip
     kw = dict(max_slots=4, max_seq_len=512, device="cuda", dtype=torch.bfloat16)
     graphs = ThinkerRunner(model, config, cuda_graphs=True, prefix_cache_bytes=8 << 20, **kw)
-    eager = ThinkerRunner(model, config, **kw)
     graphs.capture_graphs()
+    return graphs, ThinkerRunner(model, config, **kw)
+
+
+@pytest.mark.gpu
+@torch.inference_mode()
+def test_prompts_riding_a_decode_on_cuda_equal_their_eager_prefill(tiny_checkpoint, processor):
+    """As served on CUDA (bf16, the fused kernels, graphs captured): two prompts with a kept system prompt
+    that ride a stream's decode step replay a graph captured beside it, and leave the K/V of an eager
+    prefill of each, within bf16 rounding; the stream's decode row is the one it takes alone."""
+    from .test_chunked_prefill import assert_close_in_bf16
+
+    graphs, eager = cuda_runners(tiny_checkpoint)
     for i, text in enumerate(("One.", "Two.")):  # two sightings: the system prompt's blocks are kept
         seq = running(f"w{i}", SamplingParams(max_tokens=1), _prompt(processor, text)[1], slot=i)
         graphs.prefill([seq])
